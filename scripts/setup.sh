@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs everything ropekv needs on a fresh Debian 12 machine and builds it:
+# Debian packages for the C++ side, a virtual environment (.venv) for Python.
+# Idempotent: a second run only rebuilds what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+apt_pkgs=(build-essential cmake ninja-build pkg-config python3-venv
+          libhwy-dev libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev
+          nlohmann-json3-dev libdlpack-dev)
+missing=()
+for p in "${apt_pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  $PY -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -r requirements-dev.txt
+
+# The C++ library, tests, tools and benchmarks (build/), then the Python package.
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      -DPython_EXECUTABLE="$PWD/.venv/bin/python" \
+      -Dnanobind_DIR="$(.venv/bin/python -m nanobind --cmake_dir)"
+cmake --build build -j"$(nproc)"
+.venv/bin/python -m pip install -q --no-build-isolation -e . 2>/dev/null || \
+  .venv/bin/python -m pip install -q --no-build-isolation .

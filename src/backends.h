@@ -1,0 +1,25 @@
+// The backends' entry points. Each takes a validated Problem and trusts it.
+#pragma once
+
+#include <string>
+
+#include "problem.h"
+
+namespace ropekv {
+namespace cpu {
+/// Runs the op on the CPU (Highway SIMD, OpenMP threads).
+void run(const Problem& p, const ExecOptions& options);
+/// Name of the Highway target the dispatcher picks on this machine.
+std::string target_name();
+}  // namespace cpu
+
+namespace cuda {
+/// True when the CUDA backend is compiled in (src/cuda/), false for the stub.
+bool available();
+/// Throws Error if any array of a CUDA call is not device memory the kernel
+/// can address on the device the arrays name.
+void check_addressable(const RopePoolTensors& t);
+/// Launches the op on options.stream; no synchronisation, no allocation.
+void run(const Problem& p, const ExecOptions& options);
+}  // namespace cuda
+}  // namespace ropekv

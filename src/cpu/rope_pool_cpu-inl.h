@@ -1,0 +1,135 @@
+// Per-target SIMD helpers of the CPU backend (Highway): loads and stores of
+// f32 / f16 / bf16 rows as fp32 vectors with round-to-nearest-even stores,
+// and a vector sincos accurate for every fp32 angle.
+//
+// Included once per target by rope_pool_cpu.cc through foreach_target.h.
+#if defined(ROPEKV_CPU_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef ROPEKV_CPU_INL_H_
+#undef ROPEKV_CPU_INL_H_
+#else
+#define ROPEKV_CPU_INL_H_
+#endif
+
+#include <hwy/highway.h>
+
+#include "common/sincos.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace ropekv {
+namespace cpu {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// Storage types: the fp32 vector of N lanes and N 16-bit elements.
+using DF = hn::ScalableTag<float>;
+using DU16 = hn::Rebind<uint16_t, DF>;
+using DF16 = hn::Rebind<hwy::float16_t, DF>;
+using DU32 = hn::RebindToUnsigned<DF>;
+using DI32 = hn::RebindToSigned<DF>;
+using VF = hn::Vec<DF>;
+
+struct F32 {
+  using T = float;
+  static HWY_INLINE VF Load(const T* p) { return hn::LoadU(DF(), p); }
+  static HWY_INLINE void Store(VF v, T* p) { hn::StoreU(v, DF(), p); }
+};
+
+struct BF16 {
+  using T = uint16_t;  // bf16 bits
+  static HWY_INLINE VF Load(const T* p) {
+    const auto bits = hn::PromoteTo(DU32(), hn::LoadU(DU16(), p));
+    return hn::BitCast(DF(), hn::ShiftLeft<16>(bits));
+  }
+  // Round to nearest even, explicitly: Highway's DemoteTo to bf16 truncates
+  // on some targets. NaN stays a (quiet) NaN.
+  static HWY_INLINE void Store(VF v, T* p) {
+    const DU32 du32;
+    const auto u = hn::BitCast(du32, v);
+    const auto lsb = hn::And(hn::ShiftRight<16>(u), hn::Set(du32, 1u));
+    const auto rounded = hn::ShiftRight<16>(hn::Add(u, hn::Add(lsb, hn::Set(du32, 0x7FFFu))));
+    const auto nan = hn::Or(hn::ShiftRight<16>(u), hn::Set(du32, 0x40u));
+    const auto is_nan = hn::RebindMask(du32, hn::Ne(v, v));
+    const auto r = hn::IfThenElse(is_nan, nan, rounded);
+    hn::StoreU(hn::DemoteTo(DU16(), hn::BitCast(DI32(), r)), DU16(), p);
+  }
+};
+
+struct F16 {
+  using T = uint16_t;  // IEEE binary16 bits
+  static HWY_INLINE VF Load(const T* p) {
+    return hn::PromoteTo(DF(), hn::LoadU(DF16(), reinterpret_cast<const hwy::float16_t*>(p)));
+  }
+  // Round to nearest even on every target, subnormals and overflow to Inf
+  // included (the rounding trick of F. Giesen's float_to_half_fast3_rtne:
+  // integer rounding for normals, an fp32 add for subnormals).
+  static HWY_INLINE void Store(VF v, T* p) {
+    const DI32 di;
+    const DF df;
+    const auto u = hn::BitCast(di, v);
+    const auto sign = hn::And(u, hn::Set(di, static_cast<int32_t>(0x80000000u)));
+    const auto a = hn::Xor(u, sign);  // |v| bits, a non-negative int32
+    const auto inf_or_nan = hn::IfThenElse(hn::Gt(a, hn::Set(di, 0x7F800000)),
+                                           hn::Set(di, 0x7E00), hn::Set(di, 0x7C00));
+    const auto magic = hn::Set(di, 126 << 23);  // 0.5f: aligns subnormal f16 ulp
+    const auto sub = hn::Sub(hn::BitCast(di, hn::Add(hn::BitCast(df, a), hn::BitCast(df, magic))),
+                             magic);
+    const auto odd = hn::And(hn::ShiftRight<13>(a), hn::Set(di, 1));
+    const auto norm = hn::ShiftRight<13>(
+        hn::Add(hn::Add(a, hn::Set(di, static_cast<int32_t>(0xC8000FFFu))), odd));
+    auto r = hn::IfThenElse(hn::Lt(a, hn::Set(di, 113 << 23)), sub, norm);
+    r = hn::IfThenElse(hn::Lt(a, hn::Set(di, 143 << 23)), r, inf_or_nan);
+    r = hn::Or(r, hn::BitCast(di, hn::ShiftRight<16>(hn::BitCast(DU32(), sign))));
+    hn::StoreU(hn::DemoteTo(DU16(), hn::And(r, hn::Set(di, 0xFFFF))), DU16(), p);
+  }
+};
+
+// sin/cos of `count` fp32 angles (count a multiple of Lanes(DF)), the vector
+// form of common/sincos.h: reduction by pi/2 in f64 lanes, polynomials in f64
+// (more than fp32 needs), rounded once to fp32.
+HWY_INLINE void SinCos(const float* theta, float* sin_out, float* cos_out, size_t count) {
+#if HWY_HAVE_FLOAT64
+  using namespace sincos_consts;
+  const hn::ScalableTag<double> dd;
+  const hn::Rebind<float, decltype(dd)> dfh;  // half-width fp32, one per f64 lane
+  const size_t n = hn::Lanes(dd);
+  for (size_t i = 0; i < count; i += n) {
+    const auto x = hn::PromoteTo(dd, hn::LoadU(dfh, theta + i));
+    const auto k = hn::Round(hn::Mul(x, hn::Set(dd, kTwoOverPi)));
+    if (!hn::AllTrue(dd, hn::Lt(hn::Abs(k), hn::Set(dd, kMaxQuadrant)))) {
+      for (size_t j = i; j < i + n; ++j) sincos_fp32(theta[j], &sin_out[j], &cos_out[j]);
+      continue;
+    }
+    auto r = hn::NegMulAdd(k, hn::Set(dd, kPio2Hi), x);
+    r = hn::NegMulAdd(k, hn::Set(dd, kPio2Mid), r);
+    r = hn::NegMulAdd(k, hn::Set(dd, kPio2Lo), r);
+    const auto z = hn::Mul(r, r);
+    const auto sp = hn::MulAdd(hn::Mul(r, z),
+                               hn::MulAdd(z, hn::MulAdd(z, hn::Set(dd, kS3), hn::Set(dd, kS2)),
+                                          hn::Set(dd, kS1)),
+                               r);
+    const auto cpoly =
+        hn::MulAdd(z, hn::MulAdd(z, hn::Set(dd, kC3), hn::Set(dd, kC2)), hn::Set(dd, kC1));
+    const auto cp = hn::MulAdd(hn::Mul(z, z), cpoly,
+                               hn::NegMulAdd(hn::Set(dd, 0.5), z, hn::Set(dd, 1.0)));
+    // Quadrant q = k mod 4 in {0, 1, 2, 3}, computed in f64 (k is an integer).
+    const auto q = hn::Sub(k, hn::Mul(hn::Set(dd, 4.0), hn::Floor(hn::Mul(k, hn::Set(dd, 0.25)))));
+    const auto one = hn::Set(dd, 1.0), two = hn::Set(dd, 2.0), three = hn::Set(dd, 3.0);
+    const auto odd = hn::Or(hn::Eq(q, one), hn::Eq(q, three));
+    const auto s = hn::IfThenElse(odd, cp, sp);
+    const auto c = hn::IfThenElse(odd, sp, cp);
+    const auto neg_s = hn::Ge(q, two);
+    const auto neg_c = hn::Or(hn::Eq(q, one), hn::Eq(q, two));
+    hn::StoreU(hn::DemoteTo(dfh, hn::IfThenElse(neg_s, hn::Neg(s), s)), dfh, sin_out + i);
+    hn::StoreU(hn::DemoteTo(dfh, hn::IfThenElse(neg_c, hn::Neg(c), c)), dfh, cos_out + i);
+  }
+#else
+  for (size_t j = 0; j < count; ++j) sincos_fp32(theta[j], &sin_out[j], &cos_out[j]);
+#endif
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace cpu
+}  // namespace ropekv
+HWY_AFTER_NAMESPACE();
+
+#endif  // ROPEKV_CPU_INL_H_

@@ -1,0 +1,26 @@
+// Front end: validate, then hand the Problem to the backend of its device.
+#include "backends.h"
+#include "problem.h"
+
+namespace ropekv {
+
+void rope_pool_fused(const RopePoolTensors& tensors, const RopeConfig& config,
+                     const ExecOptions& options) {
+  const bool on_cpu = tensors.q.device.device_type == kDLCPU;
+  // On the CPU the slots are read here, so an out-of-range slot raises before
+  // any write; on a GPU that read would cost a sync, so the kernel guards.
+  const Problem p = make_problem(tensors, config, /*check_index_values=*/on_cpu);
+  if (p.num_tokens == 0) return;
+  if (on_cpu)
+    cpu::run(p, options);
+  else
+    cuda::run(p, options);
+}
+
+bool has_cuda() { return cuda::available(); }
+
+std::string cpu_target() { return cpu::target_name(); }
+
+const char* version() { return ROPEKV_VERSION; }
+
+}  // namespace ropekv

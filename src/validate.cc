@@ -1,0 +1,282 @@
+// The contract, once: every rule a call must meet, checked in the order the
+// contract gives, before any backend runs. Backends trust the Problem.
+#include <cmath>
+#include <sstream>
+#include <string>
+
+#include "backends.h"
+#include "problem.h"
+
+namespace ropekv {
+namespace {
+
+[[noreturn]] void fail(const std::string& message) { throw Error(message); }
+
+// Shapes print as Python tuples: (4, 8, 128), (4,), ().
+std::string shape_str(const DLTensor& t) {
+  std::ostringstream s;
+  s << "(";
+  for (int i = 0; i < t.ndim; ++i) {
+    if (i) s << ", ";
+    s << t.shape[i];
+  }
+  if (t.ndim == 1) s << ",";
+  s << ")";
+  return s.str();
+}
+
+std::string dtype_str(DLDataType d) {
+  if (d.lanes != 1) return "vector dtype";
+  const char* base = nullptr;
+  switch (d.code) {
+    case kDLFloat: base = "float"; break;
+    case kDLBfloat: base = "bfloat"; break;
+    case kDLInt: base = "int"; break;
+    case kDLUInt: base = "uint"; break;
+    case kDLComplex: base = "complex"; break;
+    default: return "dtype code " + std::to_string(d.code);
+  }
+  return std::string(base) + std::to_string(d.bits);
+}
+
+std::string device_str(DLDevice d) {
+  switch (d.device_type) {
+    case kDLCPU: return "cpu";
+    case kDLCUDA: return "cuda:" + std::to_string(d.device_id);
+    case kDLCUDAHost: return "cuda_host";
+    case kDLCUDAManaged: return "cuda_managed:" + std::to_string(d.device_id);
+    default: return "device type " + std::to_string(d.device_type) + ":" +
+                    std::to_string(d.device_id);
+  }
+}
+
+bool same_dtype(DLDataType a, DLDataType b) {
+  return a.code == b.code && a.bits == b.bits && a.lanes == b.lanes;
+}
+
+bool shape_is(const DLTensor& t, int64_t a, int64_t b, int64_t c) {
+  return t.ndim == 3 && t.shape[0] == a && t.shape[1] == b && t.shape[2] == c;
+}
+
+bool same_shape(const DLTensor& a, const DLTensor& b) {
+  if (a.ndim != b.ndim) return false;
+  for (int i = 0; i < a.ndim; ++i)
+    if (a.shape[i] != b.shape[i]) return false;
+  return true;
+}
+
+int64_t numel(const DLTensor& t) {
+  int64_t n = 1;
+  for (int i = 0; i < t.ndim; ++i) n *= t.shape[i];
+  return n;
+}
+
+// Element strides; DLPack's NULL strides mean compact row-major.
+void strides_of(const DLTensor& t, int64_t* out) {
+  int64_t running = 1;
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    out[i] = t.strides ? t.strides[i] : running;
+    running *= t.shape[i];
+  }
+}
+
+void* base_pointer(const DLTensor& t) {
+  return static_cast<char*>(t.data) + t.byte_offset;
+}
+
+View3 view3(const DLTensor& t) {
+  View3 v;
+  v.data = base_pointer(t);
+  strides_of(t, v.stride);
+  return v;
+}
+
+View1 view1(const DLTensor& t) {
+  View1 v;
+  v.data = base_pointer(t);
+  int64_t s[1];
+  strides_of(t, s);
+  v.stride = s[0];
+  return v;
+}
+
+bool float_dtype(DLDataType d, FloatType* out) {
+  if (d.lanes != 1) return false;
+  if (d.code == kDLFloat && d.bits == 32) { *out = FloatType::kF32; return true; }
+  if (d.code == kDLFloat && d.bits == 16) { *out = FloatType::kF16; return true; }
+  if (d.code == kDLBfloat && d.bits == 16) { *out = FloatType::kBF16; return true; }
+  return false;
+}
+
+void check_index_dtype(const DLTensor& t, const char* name, IndexType* out) {
+  const DLDataType d = t.dtype;
+  if (d.lanes == 1 && d.code == kDLInt && d.bits == 32) { *out = IndexType::kI32; return; }
+  if (d.lanes == 1 && d.code == kDLInt && d.bits == 64) { *out = IndexType::kI64; return; }
+  fail(std::string(name) + " must be an int32 or int64 array, got " + dtype_str(d) +
+       " (convert with .astype(int32) / .to(torch.int32))");
+}
+
+// An array we will write must not have two elements at one address, else two
+// tokens' writes race and the result depends on the schedule.
+void check_no_self_overlap(const DLTensor& t, const char* name) {
+  int64_t s[3];
+  strides_of(t, s);
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] > 1 && s[i] == 0)
+      fail(std::string(name) + " has stride 0 along axis " + std::to_string(i) +
+           ": its elements overlap, so writes to it would collide; pass an array "
+           "that owns its memory (e.g. a contiguous copy)");
+  }
+}
+
+}  // namespace
+
+Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
+                     bool check_index_values) {
+  // --- The original call's checks, in its order (messages exact). ---
+  if (t.q.ndim != 3 || t.k.ndim != 3 || t.v.ndim != 3)
+    fail("rope_pool_fused expects q/k/v to be 3-D, got q " + shape_str(t.q) + ", k " +
+         shape_str(t.k) + ", v " + shape_str(t.v));
+  if (t.positions.ndim != 1 || t.slots.ndim != 1)
+    fail("rope_pool_fused expects positions/slots to be 1-D, got positions " +
+         shape_str(t.positions) + ", slots " + shape_str(t.slots));
+  if (t.k_pool.ndim != 3 || t.v_pool.ndim != 3) {
+    const DLTensor& bad = t.k_pool.ndim != 3 ? t.k_pool : t.v_pool;
+    const char* name = t.k_pool.ndim != 3 ? "k_pool" : "v_pool";
+    std::string hint;
+    if (bad.ndim == 4)
+      hint = "; a 4-D pool is usually a layer-stacked cache: pass " + std::string(name) +
+             "[layer]";
+    else if (bad.ndim == 2)
+      hint = "; a 2-D pool is usually a flattened one: reshape to "
+             "[pool_size, num_kv_heads, head_dim]";
+    fail("rope_pool_fused expects pool tensors to be 3-D, got " + std::string(name) + " " +
+         shape_str(bad) + hint);
+  }
+  const int64_t T = t.q.shape[0];
+  const int64_t Hq = cfg.num_qo_heads, Hk = cfg.num_kv_heads, D = cfg.head_dim;
+  if (t.q.shape[1] != Hq || t.q.shape[2] != D)
+    fail("q shape must be [num_tokens, num_qo_heads, head_dim], got " + shape_str(t.q) +
+         " with num_qo_heads=" + std::to_string(Hq) + ", head_dim=" + std::to_string(D));
+  if (!shape_is(t.k, T, Hk, D))
+    fail("k shape must be [num_tokens, num_kv_heads, head_dim], got " + shape_str(t.k) +
+         " with num_tokens=" + std::to_string(T) + ", num_kv_heads=" + std::to_string(Hk) +
+         ", head_dim=" + std::to_string(D));
+  if (!same_shape(t.v, t.k))
+    fail("v shape must match k shape, got " + shape_str(t.v) + " vs " + shape_str(t.k));
+  if (t.positions.shape[0] != T || t.slots.shape[0] != T)
+    fail("positions/slots must have one entry per token, got positions " +
+         shape_str(t.positions) + ", slots " + shape_str(t.slots) + " for " +
+         std::to_string(T) + " tokens");
+  if (t.k_pool.shape[1] != Hk || t.k_pool.shape[2] != D)
+    fail("k_pool has incompatible shape " + shape_str(t.k_pool) +
+         ", expected [pool_size, " + std::to_string(Hk) + ", " + std::to_string(D) + "]");
+  if (!same_shape(t.v_pool, t.k_pool))
+    fail("v_pool shape must match k_pool shape, got " + shape_str(t.v_pool) + " vs " +
+         shape_str(t.k_pool));
+  if (!same_dtype(t.k.dtype, t.q.dtype) || !same_dtype(t.v.dtype, t.q.dtype))
+    fail("q/k/v dtypes must match, got q " + dtype_str(t.q.dtype) + ", k " +
+         dtype_str(t.k.dtype) + ", v " + dtype_str(t.v.dtype));
+  if (!same_dtype(t.k_pool.dtype, t.q.dtype) || !same_dtype(t.v_pool.dtype, t.q.dtype)) {
+    const DLDataType pd =
+        same_dtype(t.k_pool.dtype, t.q.dtype) ? t.v_pool.dtype : t.k_pool.dtype;
+    std::string hint;
+    if (pd.code == kDLFloat && pd.bits == 32)
+      hint = "; a float32 pool for " + dtype_str(t.q.dtype) +
+             " inputs: convert it once with k_pool.to(q.dtype) (or "
+             "k_pool.astype(q.dtype))";
+    fail("pool dtypes must match q/k/v dtype, got k_pool " + dtype_str(t.k_pool.dtype) +
+         ", v_pool " + dtype_str(t.v_pool.dtype) + " for q/k/v " + dtype_str(t.q.dtype) +
+         hint);
+  }
+
+  // --- The outputs (allocated by the caller or by the Python layer). ---
+  if (!same_shape(t.q_rot, t.q))
+    fail("q_rot shape must match q shape, got " + shape_str(t.q_rot) + " vs " +
+         shape_str(t.q));
+  if (!same_shape(t.k_rot, t.k))
+    fail("k_rot shape must match k shape, got " + shape_str(t.k_rot) + " vs " +
+         shape_str(t.k));
+  if (!same_dtype(t.q_rot.dtype, t.q.dtype) || !same_dtype(t.k_rot.dtype, t.q.dtype))
+    fail("q_rot/k_rot dtype must match q/k/v dtype, got q_rot " + dtype_str(t.q_rot.dtype) +
+         ", k_rot " + dtype_str(t.k_rot.dtype) + " for " + dtype_str(t.q.dtype));
+
+  // --- What the original leaves to luck. ---
+  Problem p;
+  check_index_dtype(t.positions, "positions", &p.pos_type);
+  check_index_dtype(t.slots, "slots", &p.slot_type);
+  if (!float_dtype(t.q.dtype, &p.dtype))
+    fail("q/k/v dtype must be float16, bfloat16 or float32, got " + dtype_str(t.q.dtype));
+  if (D < 2 || D % 2 != 0)
+    fail("head_dim must be even and >= 2, got " + std::to_string(D));
+  if (Hq < 1) fail("num_qo_heads must be >= 1, got " + std::to_string(Hq));
+  if (Hk < 1) fail("num_kv_heads must be >= 1, got " + std::to_string(Hk));
+  if (!std::isfinite(cfg.rope_base) || cfg.rope_base <= 0.0) {
+    std::ostringstream s;
+    s << "rope_base must be finite and > 0, got " << cfg.rope_base;
+    fail(s.str());
+  }
+
+  const std::pair<const char*, const DLTensor*> all[] = {
+      {"q", &t.q},         {"k", &t.k},         {"v", &t.v},
+      {"positions", &t.positions}, {"slots", &t.slots}, {"k_pool", &t.k_pool},
+      {"v_pool", &t.v_pool}, {"q_rot", &t.q_rot}, {"k_rot", &t.k_rot}};
+  const DLDevice dev = t.q.device;
+  for (const auto& [name, a] : all) {
+    if (a->device.device_type != dev.device_type || a->device.device_id != dev.device_id)
+      fail("all arrays must be on one device, got q on " + device_str(dev) + " and " +
+           std::string(name) + " on " + device_str(a->device) +
+           " (move them with .to(q.device))");
+  }
+  if (dev.device_type != kDLCPU && dev.device_type != kDLCUDA)
+    fail("q is on " + device_str(dev) +
+         ", memory ropekv cannot address: pass CPU or CUDA arrays");
+  if (dev.device_type == kDLCUDA && !has_cuda())
+    fail("q is on " + device_str(dev) +
+         " but this build of ropekv has no CUDA backend (rebuild with nvcc on PATH)");
+  for (const auto& [name, a] : all) {
+    if (a->data == nullptr && numel(*a) > 0)
+      fail(std::string(name) + " has no data pointer (a null array with " +
+           std::to_string(numel(*a)) + " elements)");
+  }
+  check_no_self_overlap(t.k_pool, "k_pool");
+  check_no_self_overlap(t.v_pool, "v_pool");
+  check_no_self_overlap(t.q_rot, "q_rot");
+  check_no_self_overlap(t.k_rot, "k_rot");
+  if (dev.device_type == kDLCUDA) cuda::check_addressable(t);
+
+  p.num_tokens = T;
+  p.num_qo_heads = Hq;
+  p.num_kv_heads = Hk;
+  p.head_dim = D;
+  p.rotary_dim = D;
+  p.pool_size = t.k_pool.shape[0];
+  p.rope_base = cfg.rope_base;
+  p.device = dev;
+  p.q = view3(t.q);
+  p.k = view3(t.k);
+  p.v = view3(t.v);
+  p.q_rot = view3(t.q_rot);
+  p.k_rot = view3(t.k_rot);
+  p.k_pool = view3(t.k_pool);
+  p.v_pool = view3(t.v_pool);
+  p.positions = view1(t.positions);
+  p.slots = view1(t.slots);
+
+  if (check_index_values) {
+    for (int64_t i = 0; i < T; ++i) {
+      const int64_t s = load_index(p.slots, p.slot_type, i);
+      if (s >= p.pool_size)
+        fail("slots[" + std::to_string(i) + "] = " + std::to_string(s) +
+             " is out of range for a pool of " + std::to_string(p.pool_size) +
+             " rows (k_pool.shape[0]); nothing was written");
+    }
+  }
+  return p;
+}
+
+void validate(const RopePoolTensors& tensors, const RopeConfig& config) {
+  make_problem(tensors, config, tensors.q.device.device_type == kDLCPU);
+}
+
+}  // namespace ropekv
