@@ -21,5 +21,7 @@ bool available();
 void check_addressable(const RopePoolTensors& t);
 /// Launches the op on options.stream; no synchronisation, no allocation.
 void run(const Problem& p, const ExecOptions& options);
+/// See ropekv::check_device_errors.
+void check_errors(int device_id, void* stream);
 }  // namespace cuda
 }  // namespace ropekv

@@ -17,6 +17,10 @@ void rope_pool_fused(const RopePoolTensors& tensors, const RopeConfig& config,
     cuda::run(p, options);
 }
 
+void check_device_errors(int device_id, void* stream) {
+  cuda::check_errors(device_id, stream);
+}
+
 bool has_cuda() { return cuda::available(); }
 
 std::string cpu_target() { return cpu::target_name(); }

@@ -99,6 +99,14 @@ void rope_pool_fused(const RopePoolTensors& tensors, const RopeConfig& config,
 /// ropekv::Error; returns normally for a call that would succeed.
 void validate(const RopePoolTensors& tensors, const RopeConfig& config);
 
+/// Checked mode of the CUDA backend. A kernel never writes outside the pool:
+/// it skips a token whose slot is >= pool_size and records it in a
+/// device-side error flag of its device. This synchronises `stream` (a
+/// cudaStream_t; nullptr = legacy default), reads and clears the flag of
+/// CUDA device `device_id`, and throws the same Error the CPU raises if a
+/// call since the last check skipped a token. A no-op without CUDA.
+void check_device_errors(int device_id, void* stream);
+
 /// True when this build of ropekv has the CUDA backend.
 bool has_cuda();
 

@@ -8,6 +8,7 @@ bool available() { return false; }
 void check_addressable(const RopePoolTensors&) {
   throw Error("this build of ropekv has no CUDA backend (rebuild with nvcc on PATH)");
 }
+void check_errors(int, void*) {}
 void run(const Problem&, const ExecOptions&) {
   throw Error("this build of ropekv has no CUDA backend (rebuild with nvcc on PATH)");
 }
