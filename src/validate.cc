@@ -119,6 +119,7 @@ void check_index_dtype(const DLTensor& t, const char* name, IndexType* out) {
 // An array we will write must not have two elements at one address, else two
 // tokens' writes race and the result depends on the schedule.
 void check_no_self_overlap(const DLTensor& t, const char* name) {
+  if (numel(t) == 0) return;
   int64_t s[3];
   strides_of(t, s);
   for (int i = 0; i < t.ndim; ++i) {

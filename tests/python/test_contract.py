@@ -1,0 +1,252 @@
+"""The error contract of SPEC section 3 through Python: exact messages, their
+order, the hints, and that a failed call leaves every array as it was."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import ropekv
+from reference import BF16, bits
+
+T, HQ, HK, D, P = 5, 4, 2, 16, 12
+
+
+def make_call(rng, dtype=np.float32, idx=np.int32):
+    a = lambda *s: rng.standard_normal(s).astype(np.float32).astype(dtype)  # noqa: E731
+    return dict(
+        q=a(T, HQ, D),
+        k=a(T, HK, D),
+        v=a(T, HK, D),
+        positions=rng.integers(0, 1 << 20, T).astype(idx),
+        slots=rng.permutation(P)[:T].astype(idx),
+        k_pool=a(P, HK, D),
+        v_pool=a(P, HK, D),
+    ), dict(head_dim=D, num_qo_heads=HQ, num_kv_heads=HK, rope_base=10000.0)
+
+
+def call(arrays, kw):
+    return ropekv.rope_pool_fused(
+        arrays["q"], arrays["k"], arrays["v"], arrays["positions"], arrays["slots"],
+        arrays["k_pool"], arrays["v_pool"], **kw)
+
+
+def expect_error(arrays, kw, prefix):
+    """Calls, expects ValueError starting with `prefix`, and checks that no
+    array changed by a single bit."""
+    before = {n: bits(a) for n, a in arrays.items() if isinstance(a, np.ndarray)}
+    with pytest.raises(ValueError) as info:
+        call(arrays, kw)
+    msg = str(info.value)
+    assert msg.startswith(prefix), f"message {msg!r} does not start with {prefix!r}"
+    for n, b in before.items():
+        assert bits(arrays[n]) == b, f"{n} changed by a failed call"
+    return msg
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng()
+
+
+# (name, mutation, exact message prefix) in the contract's order.
+def m_qk_rank(a, kw):
+    a["q"] = a["q"][0]
+    return "rope_pool_fused expects q/k/v to be 3-D"
+
+
+def m_v_rank(a, kw):
+    a["v"] = a["v"][None]
+    return "rope_pool_fused expects q/k/v to be 3-D"
+
+
+def m_index_rank(a, kw):
+    a["slots"] = a["slots"][:, None]
+    return "rope_pool_fused expects positions/slots to be 1-D"
+
+
+def m_pool_rank(a, kw):
+    a["v_pool"] = a["v_pool"][None]
+    return "rope_pool_fused expects pool tensors to be 3-D"
+
+
+def m_q_shape(a, kw):
+    kw["num_qo_heads"] = HQ + 1
+    return f"q shape must be [num_tokens, num_qo_heads, head_dim], got ({T}, {HQ}, {D})"
+
+
+def m_k_shape(a, kw):
+    a["k"] = a["k"][:, :1]
+    return f"k shape must be [num_tokens, num_kv_heads, head_dim], got ({T}, 1, {D})"
+
+
+def m_v_shape(a, kw):
+    a["v"] = a["v"][:-1]
+    return f"v shape must match k shape, got ({T - 1}, {HK}, {D}) vs ({T}, {HK}, {D})"
+
+
+def m_index_len(a, kw):
+    a["positions"] = a["positions"][:-1]
+    return "positions/slots must have one entry per token"
+
+
+def m_k_pool_shape(a, kw):
+    a["k_pool"] = np.ascontiguousarray(a["k_pool"][:, :1])
+    return f"k_pool has incompatible shape ({P}, 1, {D})"
+
+
+def m_v_pool_shape(a, kw):
+    a["v_pool"] = a["v_pool"][:-1]
+    return f"v_pool shape must match k_pool shape, got ({P - 1}, {HK}, {D}) vs ({P}, {HK}, {D})"
+
+
+def m_qkv_dtype(a, kw):
+    a["v"] = a["v"].astype(np.float16)
+    return "q/k/v dtypes must match"
+
+
+def m_pool_dtype(a, kw):
+    a["k_pool"] = a["k_pool"].astype(np.float16)
+    return "pool dtypes must match q/k/v dtype"
+
+
+CONTRACT = [m_qk_rank, m_v_rank, m_index_rank, m_pool_rank, m_q_shape, m_k_shape, m_v_shape,
+            m_index_len, m_k_pool_shape, m_v_pool_shape, m_qkv_dtype, m_pool_dtype]
+
+
+@pytest.mark.parametrize("mutate", CONTRACT, ids=lambda f: f.__name__)
+def test_each_contract_message(rng, mutate):
+    arrays, kw = make_call(rng)
+    prefix = mutate(arrays, kw)
+    expect_error(arrays, kw, prefix)
+
+
+@pytest.mark.parametrize("i", range(len(CONTRACT) - 1))
+def test_first_broken_rule_wins(rng, i):
+    """A call wrong in two ways gets the earlier message, for every pair of
+    consecutive rules (and the first against every later one)."""
+    for j in range(i + 1, len(CONTRACT)):
+        arrays, kw = make_call(rng)
+        first = CONTRACT[i](arrays, kw)
+        CONTRACT[j](arrays, kw)
+        expect_error(arrays, kw, first)
+
+
+def test_shapes_print_as_python_tuples(rng):
+    arrays, kw = make_call(rng)
+    arrays["positions"] = arrays["positions"][:-1]
+    msg = expect_error(arrays, kw, "positions/slots must have one entry per token")
+    assert f"({T - 1},)" in msg
+
+
+def test_hint_layer_stacked_pool(rng):
+    arrays, kw = make_call(rng)
+    arrays["k_pool"] = np.stack([arrays["k_pool"]] * 3)
+    msg = expect_error(arrays, kw, "rope_pool_fused expects pool tensors to be 3-D")
+    assert "pass k_pool[layer]" in msg
+
+
+def test_hint_flattened_pool(rng):
+    arrays, kw = make_call(rng)
+    arrays["v_pool"] = arrays["v_pool"].reshape(P, HK * D)
+    msg = expect_error(arrays, kw, "rope_pool_fused expects pool tensors to be 3-D")
+    assert "reshape to [pool_size, num_kv_heads, head_dim]" in msg
+
+
+def test_hint_float32_pool_for_bf16(rng):
+    arrays, kw = make_call(rng, dtype=BF16)
+    arrays["k_pool"] = arrays["k_pool"].astype(np.float32)
+    arrays["v_pool"] = arrays["v_pool"].astype(np.float32)
+    msg = expect_error(arrays, kw, "pool dtypes must match q/k/v dtype")
+    assert "k_pool.to(q.dtype)" in msg
+
+
+# --- the checks the original leaves to luck ---------------------------------
+
+def test_float_positions(rng):
+    arrays, kw = make_call(rng)
+    arrays["positions"] = arrays["positions"].astype(np.float32)
+    msg = expect_error(arrays, kw, "positions must be an int32 or int64 array")
+    assert "float32" in msg
+
+
+def test_unsigned_slots(rng):
+    arrays, kw = make_call(rng)
+    arrays["slots"] = arrays["slots"].astype(np.uint32)
+    expect_error(arrays, kw, "slots must be an int32 or int64 array, got uint32")
+
+
+def test_float64_inputs(rng):
+    arrays, kw = make_call(rng, dtype=np.float64)
+    expect_error(arrays, kw, "q/k/v dtype must be float16, bfloat16 or float32, got float64")
+
+
+@pytest.mark.parametrize("head_dim", [7, 0])
+def test_bad_head_dim(rng, head_dim):
+    arrays, kw = make_call(rng)
+    for n in ("q", "k", "v", "k_pool", "v_pool"):
+        arrays[n] = np.ascontiguousarray(arrays[n][..., :head_dim])
+    kw["head_dim"] = head_dim
+    expect_error(arrays, kw, f"head_dim must be even and >= 2, got {head_dim}")
+
+
+@pytest.mark.parametrize("base", [0.0, -1.0, float("nan"), float("inf")])
+def test_bad_rope_base(rng, base):
+    arrays, kw = make_call(rng)
+    kw["rope_base"] = base
+    expect_error(arrays, kw, "rope_base must be finite and > 0")
+
+
+@pytest.mark.parametrize("slot", [P, P + 1000, 2**40])
+def test_slot_out_of_range(rng, slot):
+    arrays, kw = make_call(rng, idx=np.int64)
+    arrays["slots"][T - 1] = slot
+    msg = expect_error(arrays, kw, f"slots[{T - 1}] = {slot} is out of range for a pool of {P} rows")
+    assert "nothing was written" in msg
+
+
+def test_read_only_pool(rng):
+    arrays, kw = make_call(rng)
+    arrays["k_pool"].flags.writeable = False
+    expect_error(arrays, kw, "k_pool is read-only")
+
+
+def test_read_only_inputs_are_fine(rng):
+    arrays, kw = make_call(rng)
+    for n in ("q", "k", "v", "positions", "slots"):
+        arrays[n].flags.writeable = False
+    call(arrays, kw)
+
+
+def test_not_an_array(rng):
+    arrays, kw = make_call(rng)
+    arrays["q"] = arrays["q"].tolist()
+    expect_error(arrays, kw, "q must be an array")
+
+
+def test_head_dim_not_int(rng):
+    arrays, kw = make_call(rng)
+    kw["head_dim"] = 16.0
+    expect_error(arrays, kw, "head_dim must be an int")
+
+
+def test_overlapping_pool(rng):
+    """A pool whose rows share memory (stride 0) would make writes collide."""
+    arrays, kw = make_call(rng)
+    kp = arrays["k_pool"]
+    arrays["k_pool"] = np.lib.stride_tricks.as_strided(
+        kp, shape=kp.shape, strides=(0,) + kp.strides[1:], writeable=True)
+    expect_error(arrays, kw, "k_pool has stride 0 along axis 0")
+
+
+def test_messages_through_mlx():
+    """The contract holds for MLX arrays too (DLPack path, not numpy)."""
+    import mlx.core as mx
+    rng = np.random.default_rng()
+    arrays, kw = make_call(rng)
+    m = {n: mx.array(a) for n, a in arrays.items()}
+    m["q"] = m["q"][0]
+    with pytest.raises(ValueError, match=re.escape("rope_pool_fused expects q/k/v to be 3-D")):
+        call(m, kw)
