@@ -25,10 +25,8 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -r requirements-dev.txt
 
-# The C++ library, tests, tools and benchmarks (build/), then the Python package.
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release \
-      -DPython_EXECUTABLE="$PWD/.venv/bin/python" \
-      -Dnanobind_DIR="$(.venv/bin/python -m nanobind --cmake_dir)"
+# The C++ library, tests, tools and benchmarks (build/), then the Python
+# package (its own CMake tree under build/python-*), both incremental.
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build build -j"$(nproc)"
-.venv/bin/python -m pip install -q --no-build-isolation -e . 2>/dev/null || \
-  .venv/bin/python -m pip install -q --no-build-isolation .
+.venv/bin/python -m pip install -q --no-build-isolation .

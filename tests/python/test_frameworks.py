@@ -1,0 +1,127 @@
+"""Arrays of every framework that installs here: PyTorch CPU tensors and MLX
+arrays in and out (the caller's array type back, pools written in place,
+never through a conversion copy), and calls from several threads at once."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+
+import ropekv
+from reference import BF16, assert_close, bits, rope
+
+RNG = np.random.default_rng()
+TORCH_DTYPES = {"float32": (torch.float32, np.float32), "float16": (torch.float16, np.float16),
+                "bfloat16": (torch.bfloat16, BF16)}
+
+
+def as_numpy(t):
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(BF16)
+    return t.numpy()
+
+
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+def test_torch_cpu_tensors(dtype):
+    tdt, _ = TORCH_DTYPES[dtype]
+    T, Hq, Hk, D, P = 13, 8, 2, 64, 40
+    qkv = torch.randn(T, (Hq + 2 * Hk) * D).to(tdt)  # fused projection output
+    q = qkv[:, : Hq * D].view(T, Hq, D)
+    k = qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
+    v = qkv[:, (Hq + Hk) * D :].view(T, Hk, D)
+    pos = torch.randint(0, 1 << 24, (T,))  # int64, PyTorch's default
+    slots = torch.randperm(P)[:T]
+    k_pool, v_pool = torch.randn(P, Hk, D).to(tdt), torch.randn(P, Hk, D).to(tdt)
+    k0, v0 = k_pool.clone(), v_pool.clone()
+    q_rot, k_rot, kp, vp = ropekv.rope_pool_fused(
+        q, k, v, pos, slots, k_pool, v_pool, head_dim=D, num_qo_heads=Hq, num_kv_heads=Hk,
+        rope_base=500000.0)
+    assert isinstance(q_rot, torch.Tensor) and q_rot.dtype == tdt and q_rot.shape == q.shape
+    assert kp is k_pool and vp is v_pool
+    ref, mag = rope(as_numpy(q), pos.numpy(), 500000.0)
+    assert_close(as_numpy(q_rot), ref, mag, "q_rot")
+    assert torch.equal(k_pool[slots], k_rot) and torch.equal(v_pool[slots], v)
+    rest = torch.ones(P, dtype=torch.bool)
+    rest[slots] = False
+    assert torch.equal(k_pool[rest], k0[rest]) and torch.equal(v_pool[rest], v0[rest])
+
+
+def test_torch_float32_pool_with_bf16_inputs_is_an_error_not_a_copy():
+    T, H, D = 3, 2, 16
+    q = torch.randn(T, H, D, dtype=torch.bfloat16)
+    pool = torch.zeros(4, H, D)
+    with pytest.raises(ValueError, match=r"^pool dtypes must match q/k/v dtype.*\.to\(q\.dtype\)"):
+        ropekv.rope_pool_fused(q, q, q, torch.arange(T), torch.arange(T), pool, pool.clone(),
+                               head_dim=D, num_qo_heads=H, num_kv_heads=H, rope_base=1e4)
+    assert torch.count_nonzero(pool) == 0
+
+
+def test_torch_int32_indices_and_preallocated_outputs():
+    T, H, D = 5, 4, 32
+    q = torch.randn(T, H, D)
+    q_out = torch.full_like(q, float("nan"))
+    k_out = torch.full_like(q, float("nan"))
+    pool = torch.zeros(8, H, D)
+    pos = torch.tensor([0, 1, 2, 3, 100000], dtype=torch.int32)
+    res = ropekv.rope_pool_fused(q, q, q, pos, torch.arange(T, dtype=torch.int32), pool,
+                                 pool.clone(), head_dim=D, num_qo_heads=H, num_kv_heads=H,
+                                 rope_base=1e4, q_out=q_out, k_out=k_out)
+    assert res[0] is q_out and res[1] is k_out
+    ref, mag = rope(q.numpy(), pos.numpy(), 1e4)
+    assert_close(q_out.numpy(), ref, mag, "q_out")
+    assert torch.equal(q_out, k_out)
+
+
+def test_mlx_arrays():
+    T, Hq, Hk, D, P = 7, 4, 2, 64, 10
+    rng = np.random.default_rng()
+    qn = rng.standard_normal((T, Hq, D)).astype(np.float32)
+    kn = rng.standard_normal((T, Hk, D)).astype(np.float32)
+    pos = rng.integers(0, 10000, T).astype(np.int32)
+    slots = rng.permutation(P)[:T].astype(np.int32)
+    k_pool, v_pool = mx.zeros((P, Hk, D)), mx.zeros((P, Hk, D))
+    q_rot, k_rot, kp, vp = ropekv.rope_pool_fused(
+        mx.array(qn), mx.array(kn), mx.array(kn), mx.array(pos), mx.array(slots), k_pool, v_pool,
+        head_dim=D, num_qo_heads=Hq, num_kv_heads=Hk, rope_base=1e4)
+    assert isinstance(q_rot, mx.array) and kp is k_pool
+    ref, mag = rope(qn, pos, 1e4)
+    assert_close(np.array(q_rot), ref, mag, "q_rot")
+    assert bits(np.array(k_pool)[slots]) == bits(np.array(k_rot))
+    assert bits(np.array(v_pool)[slots]) == bits(kn)
+
+
+def test_threads_call_at_once_on_separate_pools():
+    """The GIL is released while the kernel runs: 4 Python threads, each with
+    its own pool, many calls each; every result exact."""
+    T, Hq, Hk, D, P = 64, 8, 2, 128, 256
+    errors = []
+
+    def worker(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            kp = np.zeros((P, Hk, D), np.float32)
+            vp = np.zeros((P, Hk, D), np.float32)
+            for _ in range(20):
+                q = rng.standard_normal((T, Hq, D)).astype(np.float32)
+                k = rng.standard_normal((T, Hk, D)).astype(np.float32)
+                pos = rng.integers(0, 1 << 20, T).astype(np.int32)
+                slots = rng.permutation(P)[:T].astype(np.int32)
+                q_rot, k_rot, _, _ = ropekv.rope_pool_fused(
+                    q, k, k, pos, slots, kp, vp, head_dim=D, num_qo_heads=Hq,
+                    num_kv_heads=Hk, rope_base=5e5, num_threads=1)
+                ref, mag = rope(q, pos, 5e5)
+                assert_close(q_rot, ref, mag, "q_rot")
+                assert bits(kp[slots]) == bits(k_rot) and bits(vp[slots]) == bits(k)
+        except Exception as e:  # noqa: BLE001  (reported by the main thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
