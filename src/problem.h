@@ -53,7 +53,9 @@ inline int64_t load_index(const View1& a, IndexType t, int64_t i) {
 /// Checks every rule of the contract and builds the Problem. Throws Error.
 /// With `check_index_values`, also reads slots on the host (CPU arrays) and
 /// rejects any slot >= pool_size.
+/// With `check_duplicates` (checked mode, host-readable slots), also
+/// rejects two tokens naming the same non-negative slot.
 Problem make_problem(const RopePoolTensors& t, const RopeConfig& config,
-                     bool check_index_values);
+                     bool check_index_values, bool check_duplicates = false);
 
 }  // namespace ropekv

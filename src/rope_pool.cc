@@ -9,12 +9,15 @@ void rope_pool_fused(const RopePoolTensors& tensors, const RopeConfig& config,
   const bool on_cpu = tensors.q.device.device_type == kDLCPU;
   // On the CPU the slots are read here, so an out-of-range slot raises before
   // any write; on a GPU that read would cost a sync, so the kernel guards.
-  const Problem p = make_problem(tensors, config, /*check_index_values=*/on_cpu);
+  const Problem p = make_problem(tensors, config, /*check_index_values=*/on_cpu,
+                                 /*check_duplicates=*/on_cpu && options.checked);
   if (p.num_tokens == 0) return;
-  if (on_cpu)
+  if (on_cpu) {
     cpu::run(p, options);
-  else
-    cuda::run(p, options);
+    return;
+  }
+  cuda::run(p, options);
+  if (options.checked) cuda::check_errors(p.device.device_id, options.stream);
 }
 
 void check_device_errors(int device_id, void* stream) {

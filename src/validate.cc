@@ -1,7 +1,10 @@
 // The contract, once: every rule a call must meet, checked in the order the
 // contract gives, before any backend runs. Backends trust the Problem.
+#include <algorithm>
 #include <cmath>
 #include <sstream>
+#include <utility>
+#include <vector>
 #include <string>
 
 #include "backends.h"
@@ -130,10 +133,29 @@ void check_no_self_overlap(const DLTensor& t, const char* name) {
   }
 }
 
+// Two tokens naming one pool row race (which one lands depends on the
+// schedule): an error in checked mode.
+void check_unique_slots(const Problem& p) {
+  std::vector<std::pair<int64_t, int64_t>> named;  // (slot, token)
+  named.reserve(static_cast<size_t>(p.num_tokens));
+  for (int64_t i = 0; i < p.num_tokens; ++i) {
+    const int64_t s = load_index(p.slots, p.slot_type, i);
+    if (s >= 0) named.emplace_back(s, i);
+  }
+  std::sort(named.begin(), named.end());
+  for (size_t j = 1; j < named.size(); ++j)
+    if (named[j].first == named[j - 1].first)
+      fail("slots[" + std::to_string(named[j].second) + "] = " +
+           std::to_string(named[j].first) + " repeats slots[" +
+           std::to_string(named[j - 1].second) +
+           "]: two tokens would race for one pool row (checked mode); nothing was "
+           "written");
+}
+
 }  // namespace
 
 Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
-                     bool check_index_values) {
+                     bool check_index_values, bool check_duplicates) {
   // --- The original call's checks, in its order (messages exact). ---
   if (t.q.ndim != 3 || t.k.ndim != 3 || t.v.ndim != 3)
     fail("rope_pool_fused expects q/k/v to be 3-D, got q " + shape_str(t.q) + ", k " +
@@ -272,6 +294,7 @@ Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
              " is out of range for a pool of " + std::to_string(p.pool_size) +
              " rows (k_pool.shape[0]); nothing was written");
     }
+    if (check_duplicates) check_unique_slots(p);
   }
   return p;
 }

@@ -65,6 +65,12 @@ struct ExecOptions {
   /// CUDA stream (a cudaStream_t) the kernel is launched on; nullptr = the
   /// legacy default stream. Ignored on the CPU.
   void* stream = nullptr;
+  /// Checked mode: also reject duplicate non-negative slots (two tokens
+  /// racing for one pool row; on the CPU before anything is written), and on
+  /// CUDA synchronise after the launch and raise for the out-of-range slots
+  /// the kernel skipped (see check_device_errors). Costs a sort of the slots
+  /// and, on CUDA, a host synchronisation per call.
+  bool checked = false;
 };
 
 /// The arrays of one call. q_rot and k_rot are written; k_pool and v_pool are

@@ -41,22 +41,24 @@ _checked = os.environ.get("ROPEKV_CHECKED", "0") not in ("", "0", "false", "Fals
 
 
 def set_checked(enabled: bool) -> None:
-    """Turns the checked mode of CUDA calls on or off.
+    """Turns checked mode on or off for every later call.
 
-    A GPU kernel never writes outside the pool: a token whose slot is
-    ``>= pool_size`` is skipped and recorded in a device-side flag, since
-    checking slot values on the host would cost a device-to-host sync. In
-    checked mode every CUDA call synchronises its stream after the launch and
-    raises the CPU's ``ValueError`` for such a slot. Off by default; the
-    environment variable ``ROPEKV_CHECKED=1`` turns it on at import. CPU calls
-    always check (before writing anything) and are not affected.
+    Checked mode adds the checks that cost time: two tokens naming the same
+    non-negative slot (they would race for one pool row) raise ValueError,
+    on the CPU before anything is written. On a GPU the kernel never writes
+    outside the pool: a token whose slot is ``>= pool_size`` is skipped and
+    recorded in a device-side flag, since reading slots on the host would
+    cost a device-to-host sync; in checked mode every CUDA call synchronises
+    its stream after the launch and raises the CPU's ``ValueError`` for it.
+    Off by default; ``ROPEKV_CHECKED=1`` in the environment turns it on at
+    import. Out-of-range slots on the CPU always raise.
     """
     global _checked
     _checked = bool(enabled)
 
 
 def is_checked() -> bool:
-    """Whether CUDA calls run in checked mode (see :func:`set_checked`)."""
+    """Whether calls run in checked mode (see :func:`set_checked`)."""
     return _checked
 
 

@@ -70,9 +70,8 @@ void run(const Array& q, const Array& k, const Array& v, const Array& positions,
   ropekv::ExecOptions opts;
   opts.num_threads = num_threads;
   opts.stream = reinterpret_cast<void*>(stream);
+  opts.checked = checked;
   ropekv::rope_pool_fused(t, cfg, opts);
-  if (checked && t.q.device.device_type == kDLCUDA)
-    ropekv::check_device_errors(t.q.device.device_id, opts.stream);
 }
 
 }  // namespace

@@ -250,3 +250,27 @@ def test_messages_through_mlx():
     m["q"] = m["q"][0]
     with pytest.raises(ValueError, match=re.escape("rope_pool_fused expects q/k/v to be 3-D")):
         call(m, kw)
+
+
+def test_duplicate_slots_raise_in_checked_mode(rng):
+    arrays, kw = make_call(rng, idx=np.int64)
+    arrays["slots"][3] = arrays["slots"][1]
+    s = int(arrays["slots"][1])
+    expect_error(arrays, kw, f"slots[3] = {s} repeats slots[1]: two tokens would race")
+
+
+def test_negative_slots_may_repeat(rng):
+    arrays, kw = make_call(rng)
+    arrays["slots"][:3] = -1
+    call(arrays, kw)
+
+
+def test_duplicate_slots_pass_unchecked(rng):
+    """Unchecked, a duplicate is the caller's race: no error, no other row touched."""
+    arrays, kw = make_call(rng)
+    arrays["slots"][3] = arrays["slots"][1]
+    before = arrays["k_pool"].copy()
+    ropekv.set_checked(False)
+    call(arrays, kw)
+    untouched = np.setdiff1d(np.arange(P), arrays["slots"])
+    assert bits(arrays["k_pool"][untouched]) == bits(before[untouched])
