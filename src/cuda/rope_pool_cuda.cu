@@ -1,0 +1,346 @@
+// CUDA backend: one kernel launch per call on the caller's stream, no host
+// synchronisation, no allocation (after the first call on a device), CUDA
+// graph capturable. The kernel is in rope_pool_kernel.cuh.
+//
+// The launcher picks the widest vector the arrays allow (16 bytes when the
+// last dimension is contiguous and every base pointer and row/head stride is
+// a multiple of 16 bytes; 8, 4 or 2 bytes otherwise) and a strided kernel
+// when any array's last dimension is not contiguous. It splits each token's
+// heads into as few groups as still fill the GPU, so that the cos/sin a lane
+// computes are reused by as many heads as possible.
+#include <cuda_runtime.h>
+
+#include <array>
+#include <atomic>
+#include <climits>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include "backends.h"
+#include "cuda/rope_pool_kernel.cuh"
+#include "problem.h"
+
+namespace ropekv {
+namespace cuda {
+namespace {
+
+using detail::ErrorRecord;
+using detail::Params;
+using detail::Tensor3;
+
+[[noreturn]] void fail_cuda(const char* what, cudaError_t e) {
+  throw std::runtime_error(std::string("ropekv CUDA backend: ") + what + " failed: " +
+                           cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+}
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) fail_cuda(what, e);
+}
+
+// Makes `device` current for the scope and restores the caller's device.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    int now = -1;
+    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+constexpr int kMaxDevices = 64;
+
+// Per-device state, made once: the error record and the multiprocessor count.
+struct DeviceState {
+  std::atomic<ErrorRecord*> err{nullptr};
+  std::atomic<int> num_sms{0};
+};
+std::array<DeviceState, kMaxDevices> g_devices;
+std::mutex g_init_mutex;
+
+ErrorRecord initial_record() {
+  ErrorRecord r;
+  std::memset(&r, 0, sizeof(r));
+  r.token = LLONG_MAX;
+  return r;
+}
+
+// Writes the initial record to `dst` through a private non-blocking stream:
+// legal also while another stream of this thread is being captured.
+void reset_record_private(ErrorRecord* dst) {
+  const ErrorRecord init = initial_record();
+  cudaStream_t s = nullptr;
+  check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  cudaError_t e = cudaMemcpyAsync(dst, &init, sizeof(init), cudaMemcpyHostToDevice, s);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(s);
+  cudaStreamDestroy(s);
+  check(e, "initialising the error flag");
+}
+
+// The current device's state, made on first use. If that first use happens
+// while this thread captures a CUDA graph, the allocation runs in relaxed
+// capture mode (cudaMalloc is not a stream operation, and the initial copy
+// uses a stream of its own), so capture is not invalidated.
+DeviceState& device_state(int device) {
+  if (device < 0 || device >= kMaxDevices)
+    throw std::runtime_error("ropekv CUDA backend: device id " + std::to_string(device) +
+                             " is out of the supported range");
+  DeviceState& st = g_devices[device];
+  if (st.err.load(std::memory_order_acquire) != nullptr) return st;
+  std::lock_guard<std::mutex> lock(g_init_mutex);
+  if (st.err.load(std::memory_order_relaxed) != nullptr) return st;
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  check(cudaThreadExchangeStreamCaptureMode(&mode), "cudaThreadExchangeStreamCaptureMode");
+  ErrorRecord* rec = nullptr;
+  int sms = 0;
+  cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (e == cudaSuccess) e = cudaMalloc(&rec, sizeof(ErrorRecord));
+  if (e == cudaSuccess) {
+    try {
+      reset_record_private(rec);
+    } catch (...) {
+      cudaFree(rec);
+      cudaThreadExchangeStreamCaptureMode(&mode);
+      throw;
+    }
+  }
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  check(e, "allocating the device error flag");
+  st.num_sms.store(sms, std::memory_order_relaxed);
+  st.err.store(rec, std::memory_order_release);
+  return st;
+}
+
+// inv_freq[i] = fp32(base ** (-2i/R)) in double, as the CPU backend; cached
+// per thread for the last (base, R): pow() per call would cost more than a
+// decode step's launch.
+const float* inv_freq_table(double rope_base, int64_t rotary_dim) {
+  thread_local std::array<float, detail::kMaxTable> table{};
+  thread_local double base_seen = -1.0;
+  thread_local int64_t dim_seen = -1;
+  if (base_seen != rope_base || dim_seen != rotary_dim) {
+    table.fill(0.0f);
+    const int64_t half = std::min<int64_t>(rotary_dim / 2, detail::kMaxTable);
+    for (int64_t i = 0; i < half; ++i)
+      table[i] = static_cast<float>(
+          std::pow(rope_base, -2.0 * static_cast<double>(i) / static_cast<double>(rotary_dim)));
+    base_seen = rope_base;
+    dim_seen = rotary_dim;
+  }
+  return table.data();
+}
+
+Tensor3 tensor3(const View3& v) {
+  return Tensor3{v.data, v.stride[0], v.stride[1], v.stride[2]};
+}
+
+// True when the last dimension of every float array is contiguous and every
+// base pointer and row/head stride is a multiple of `vec` elements of `esize`
+// bytes.
+bool vector_ok(const Problem& p, int64_t vec, int64_t esize) {
+  const View3* all[] = {&p.q, &p.k, &p.v, &p.q_rot, &p.k_rot, &p.k_pool, &p.v_pool};
+  const int64_t half = p.rotary_dim / 2;
+  if (half % vec != 0 || (p.head_dim - p.rotary_dim) % vec != 0) return false;
+  for (const View3* a : all) {
+    if (a->stride[2] != 1) return false;
+    if (reinterpret_cast<uintptr_t>(a->data) % static_cast<uintptr_t>(vec * esize) != 0)
+      return false;
+    if (a->stride[0] % vec != 0 || a->stride[1] % vec != 0) return false;
+  }
+  return true;
+}
+
+template <class T, int N, bool kContig>
+void launch_as(const Params& prm, long long blocks, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned int>(blocks));
+  cfg.blockDim = dim3(detail::kBlock);
+  cfg.stream = stream;
+  check(cudaLaunchKernelEx(&cfg, detail::rope_pool_kernel<T, N, kContig>, prm),
+        "launching the rope_pool kernel");
+}
+
+template <class T>
+void launch_typed(const Params& prm, int vec, bool contig, long long blocks,
+                  cudaStream_t stream) {
+  if (!contig) return launch_as<T, 1, false>(prm, blocks, stream);
+  if constexpr (sizeof(T) == 4) {
+    if (vec == 4) return launch_as<T, 4, true>(prm, blocks, stream);
+    return launch_as<T, 2, true>(prm, blocks, stream);
+  } else {
+    if (vec == 8) return launch_as<T, 8, true>(prm, blocks, stream);
+    if (vec == 4) return launch_as<T, 4, true>(prm, blocks, stream);
+    return launch_as<T, 2, true>(prm, blocks, stream);
+  }
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+const char* kTensorNames[] = {"q",      "k",      "v",     "positions", "slots",
+                              "k_pool", "v_pool", "q_rot", "k_rot"};
+
+}  // namespace
+
+bool available() { return true; }
+
+void check_addressable(const RopePoolTensors& t) {
+  const DLTensor* all[] = {&t.q,      &t.k,      &t.v,     &t.positions, &t.slots,
+                           &t.k_pool, &t.v_pool, &t.q_rot, &t.k_rot};
+  for (int a = 0; a < 9; ++a) {
+    const DLTensor& x = *all[a];
+    int64_t n = 1;
+    for (int d = 0; d < x.ndim; ++d) n *= x.shape[d];
+    if (n == 0) continue;
+    const void* ptr = static_cast<const char*>(x.data) + x.byte_offset;
+    cudaPointerAttributes attr;
+    const cudaError_t e = cudaPointerGetAttributes(&attr, ptr);
+    if (e != cudaSuccess) {
+      cudaGetLastError();  // clear the (non-sticky) error for the caller
+      throw Error(std::string(kTensorNames[a]) + " is a CUDA array (cuda:" +
+                  std::to_string(x.device.device_id) +
+                  ") but its memory cannot be addressed: CUDA reports " +
+                  cudaGetErrorName(e) + " (" + cudaGetErrorString(e) +
+                  "); is a GPU present and the driver loaded?");
+    }
+    const bool device_memory =
+        attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+    if (!device_memory) {
+      const char* kind = attr.type == cudaMemoryTypeHost ? "pinned host memory"
+                                                         : "ordinary host memory";
+      throw Error(std::string(kTensorNames[a]) + " claims to be on cuda:" +
+                  std::to_string(x.device.device_id) + " but its memory is " + kind +
+                  ", which the kernel cannot address; expected device or managed memory "
+                  "(copy it to the GPU first)");
+    }
+    if (attr.device != x.device.device_id)
+      throw Error(std::string(kTensorNames[a]) + " claims to be on cuda:" +
+                  std::to_string(x.device.device_id) + " but its memory belongs to cuda:" +
+                  std::to_string(attr.device) + " (move it with .to(q.device))");
+  }
+}
+
+void run(const Problem& p, const ExecOptions& options) {
+  if (p.num_tokens == 0) return;
+  const int device = p.device.device_id;
+  DeviceGuard guard(device);
+  DeviceState& st = device_state(device);
+  cudaStream_t stream = static_cast<cudaStream_t>(options.stream);
+
+  Params prm;
+  prm.q = tensor3(p.q);
+  prm.k = tensor3(p.k);
+  prm.v = tensor3(p.v);
+  prm.q_rot = tensor3(p.q_rot);
+  prm.k_rot = tensor3(p.k_rot);
+  prm.k_pool = tensor3(p.k_pool);
+  prm.v_pool = tensor3(p.v_pool);
+  prm.positions = p.positions.data;
+  prm.slots = p.slots.data;
+  prm.pos_stride = p.positions.stride;
+  prm.slot_stride = p.slots.stride;
+  prm.num_tokens = p.num_tokens;
+  prm.pool_size = p.pool_size;
+  prm.err = st.err.load(std::memory_order_relaxed);
+  prm.rope_base = p.rope_base;
+  prm.num_qo_heads = static_cast<int>(p.num_qo_heads);
+  prm.num_kv_heads = static_cast<int>(p.num_kv_heads);
+  prm.half = static_cast<int>(p.rotary_dim / 2);
+  prm.rotary_dim = static_cast<int>(p.rotary_dim);
+  prm.pos64 = p.pos_type == IndexType::kI64;
+  prm.slot64 = p.slot_type == IndexType::kI64;
+  std::memcpy(prm.inv_freq, inv_freq_table(p.rope_base, p.rotary_dim), sizeof(prm.inv_freq));
+
+  const int64_t esize = element_size(p.dtype);
+  bool contig = true;
+  int vec = 1;
+  for (int64_t bytes = 16; bytes >= 2; bytes /= 2) {
+    const int64_t v = bytes / esize;
+    if (v < 2) break;  // one element: the strided kernel does the same work
+    if (vector_ok(p, v, esize)) {
+      vec = static_cast<int>(v);
+      break;
+    }
+  }
+  if (vec == 1) contig = false;
+
+  // Items per head: CH pairs of rotated vectors + the unrotated tail.
+  const int64_t pairs = p.rotary_dim / 2 / vec;
+  const int64_t items = pairs + (p.head_dim - p.rotary_dim) / vec;
+  int64_t heads_par, lanes;
+  if (items <= 32) {
+    heads_par = 32 / items;
+    lanes = 32;
+  } else {
+    heads_par = 1;
+    lanes = 64;
+    while (lanes < items && lanes < detail::kBlock) lanes *= 2;
+  }
+  const int64_t heads = p.num_qo_heads + 2 * p.num_kv_heads;
+  if (heads > INT_MAX / 2 || p.head_dim > INT_MAX / 2)
+    throw Error("num_qo_heads + 2*num_kv_heads and head_dim must fit in 31 bits");
+  // As few groups per token as fill every multiprocessor's thread slots once.
+  const int64_t want_threads = static_cast<int64_t>(st.num_sms.load()) * 2048;
+  const int64_t max_groups = ceil_div(heads, heads_par);
+  int64_t groups = ceil_div(want_threads, p.num_tokens * lanes);
+  groups = std::max<int64_t>(1, std::min(groups, max_groups));
+  int64_t group_heads = ceil_div(ceil_div(heads, groups), heads_par) * heads_par;
+  groups = ceil_div(heads, group_heads);
+
+  prm.groups = static_cast<int>(groups);
+  prm.group_heads = static_cast<int>(group_heads);
+  prm.pair_items = static_cast<int>(pairs);
+  prm.items = static_cast<int>(items);
+  prm.heads_par = static_cast<int>(heads_par);
+  prm.team_lanes = static_cast<int>(lanes);
+  prm.num_teams = p.num_tokens * groups;
+  const int64_t teams_per_block = detail::kBlock / lanes;
+  const int64_t blocks = ceil_div(prm.num_teams, teams_per_block);
+  if (blocks > INT_MAX) throw Error("too many tokens for one launch");
+
+  switch (p.dtype) {
+    case FloatType::kF32: return launch_typed<float>(prm, vec, contig, blocks, stream);
+    case FloatType::kF16: return launch_typed<__half>(prm, vec, contig, blocks, stream);
+    case FloatType::kBF16:
+      return launch_typed<__nv_bfloat16>(prm, vec, contig, blocks, stream);
+  }
+}
+
+void check_errors(int device_id, void* stream_ptr) {
+  if (device_id < 0 || device_id >= kMaxDevices) return;
+  ErrorRecord* rec = g_devices[device_id].err.load(std::memory_order_acquire);
+  if (rec == nullptr) return;  // no call has run on this device
+  DeviceGuard guard(device_id);
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing");
+  if (capturing != cudaStreamCaptureStatusNone) return;  // cannot sync inside a capture
+  check(cudaStreamSynchronize(stream), "a ropekv kernel (cudaStreamSynchronize)");
+  ErrorRecord h;
+  check(cudaMemcpyAsync(&h, rec, sizeof(h), cudaMemcpyDeviceToHost, stream),
+        "reading the device error flag");
+  check(cudaStreamSynchronize(stream), "reading the device error flag");
+  if (h.count == 0) return;
+  const ErrorRecord init = initial_record();
+  check(cudaMemcpyAsync(rec, &init, sizeof(init), cudaMemcpyHostToDevice, stream),
+        "clearing the device error flag");
+  check(cudaStreamSynchronize(stream), "clearing the device error flag");
+  throw Error("slots[" + std::to_string(h.token) + "] = " + std::to_string(h.slot) +
+              " is out of range for a pool of " + std::to_string(h.pool_size) +
+              " rows (k_pool.shape[0]); the CUDA kernel skipped the pool writes of " +
+              std::to_string(h.count) +
+              " token(s) with such slots since the last check (their pool rows were not "
+              "written; q_rot and k_rot were)");
+}
+
+}  // namespace cuda
+}  // namespace ropekv
