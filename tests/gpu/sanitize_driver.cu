@@ -1,0 +1,268 @@
+// A small C++ driver of the CUDA backend for compute-sanitizer (memcheck,
+// racecheck) and ncu: no Python, no framework, every kernel variant once.
+//
+//   sanitize_driver            small cases of every variant; exit 0 if all right
+//   sanitize_driver --large    one Llama-3.1-8B bf16 call of T = 8192 tokens,
+//                              three times (for ncu)
+//
+// Built by scripts/gpu-check.sh against the library the Python build made.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "ropekv/ropekv.h"
+
+namespace {
+
+#define CK(x)                                                                        \
+  do {                                                                               \
+    cudaError_t e_ = (x);                                                            \
+    if (e_ != cudaSuccess) {                                                         \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,                \
+                   cudaGetErrorString(e_));                                          \
+      std::exit(2);                                                                  \
+    }                                                                                \
+  } while (0)
+
+int g_failures = 0;
+
+struct Buf {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  explicit Buf(size_t n) : bytes(n) { CK(cudaMalloc(&ptr, n ? n : 1)); }
+  ~Buf() { cudaFree(ptr); }
+};
+
+DLTensor view(void* data, DLDataType dt, int ndim, int64_t* shape, int64_t* strides) {
+  DLTensor t{};
+  t.data = data;
+  t.device = DLDevice{kDLCUDA, 0};
+  t.ndim = ndim;
+  t.dtype = dt;
+  t.shape = shape;
+  t.strides = strides;
+  return t;
+}
+
+float to_float(uint16_t bits, int code) {
+  if (code == kDLBfloat) {
+    uint32_t u = static_cast<uint32_t>(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  __half h;
+  std::memcpy(&h, &bits, 2);
+  return __half2float(h);
+}
+
+// One call: T tokens, Hq/Hk/D, dtype, index width, element stride of the
+// last dim (1 = contiguous, 2 = every other element), one slot out of range
+// when `bad_slot`. Checks k_pool rows against k_rot and untouched rows.
+void run_case(const char* name, int T, int Hq, int Hk, int D, DLDataType dt, bool idx64,
+              int64_t last_stride, bool bad_slot) {
+  const int esize = dt.bits / 8;
+  const int64_t P = 4 * T + 3;
+  std::mt19937 rng(1234 + T + D);
+  std::uniform_real_distribution<float> uni(-1.f, 1.f);
+  auto fill = [&](size_t n) {
+    std::vector<uint8_t> h(n * esize);
+    for (size_t i = 0; i < n; ++i) {
+      const float x = uni(rng);
+      if (esize == 4) {
+        std::memcpy(&h[i * 4], &x, 4);
+      } else if (dt.code == kDLBfloat) {
+        __nv_bfloat16 b = __float2bfloat16_rn(x);
+        std::memcpy(&h[i * 2], &b, 2);
+      } else {
+        __half b = __float2half_rn(x);
+        std::memcpy(&h[i * 2], &b, 2);
+      }
+    }
+    return h;
+  };
+  const size_t nq = size_t(T) * Hq * D * last_stride, nk = size_t(T) * Hk * D * last_stride;
+  const size_t np = size_t(P) * Hk * D;
+  Buf q(nq * esize), k(nk * esize), v(nk * esize), qr(nq * esize), kr(nk * esize);
+  Buf kp(np * esize), vp(np * esize);
+  auto hq = fill(nq), hk = fill(nk), hv = fill(nk), hkp = fill(np), hvp = fill(np);
+  CK(cudaMemcpy(q.ptr, hq.data(), q.bytes, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(k.ptr, hk.data(), k.bytes, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(v.ptr, hv.data(), v.bytes, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(kp.ptr, hkp.data(), kp.bytes, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(vp.ptr, hvp.data(), vp.bytes, cudaMemcpyHostToDevice));
+  CK(cudaMemset(qr.ptr, 0xFF, qr.bytes));
+  CK(cudaMemset(kr.ptr, 0xFF, kr.bytes));
+
+  std::vector<int64_t> pos(T), slot(T);
+  std::vector<int64_t> perm(P);
+  for (int64_t i = 0; i < P; ++i) perm[i] = i;
+  std::shuffle(perm.begin(), perm.end(), rng);
+  for (int t = 0; t < T; ++t) {
+    pos[t] = static_cast<int64_t>(rng() % (1u << 24));
+    slot[t] = (t % 5 == 4) ? -1 : perm[t];
+  }
+  if (bad_slot) slot[T / 2] = P + 7;
+  const int iw = idx64 ? 8 : 4;
+  Buf dpos(size_t(T) * iw), dslot(size_t(T) * iw);
+  auto upload = [&](Buf& b, const std::vector<int64_t>& x) {
+    if (idx64) {
+      CK(cudaMemcpy(b.ptr, x.data(), b.bytes, cudaMemcpyHostToDevice));
+    } else {
+      std::vector<int32_t> y(x.begin(), x.end());
+      CK(cudaMemcpy(b.ptr, y.data(), b.bytes, cudaMemcpyHostToDevice));
+    }
+  };
+  upload(dpos, pos);
+  upload(dslot, slot);
+
+  int64_t sq[3] = {T, Hq, D}, sk[3] = {T, Hk, D}, sp[3] = {P, Hk, D}, s1[1] = {T};
+  int64_t stq[3] = {Hq * D * last_stride, D * last_stride, last_stride};
+  int64_t stk[3] = {Hk * D * last_stride, D * last_stride, last_stride};
+  DLDataType it{kDLInt, static_cast<uint8_t>(iw * 8), 1};
+  ropekv::RopePoolTensors t{view(q.ptr, dt, 3, sq, stq),     view(k.ptr, dt, 3, sk, stk),
+                            view(v.ptr, dt, 3, sk, stk),     view(dpos.ptr, it, 1, s1, nullptr),
+                            view(dslot.ptr, it, 1, s1, nullptr), view(kp.ptr, dt, 3, sp, nullptr),
+                            view(vp.ptr, dt, 3, sp, nullptr), view(qr.ptr, dt, 3, sq, stq),
+                            view(kr.ptr, dt, 3, sk, stk)};
+  ropekv::RopeConfig cfg;
+  cfg.head_dim = D;
+  cfg.num_qo_heads = Hq;
+  cfg.num_kv_heads = Hk;
+  cfg.rope_base = 500000.0;
+  ropekv::rope_pool_fused(t, cfg);
+  bool raised = false;
+  try {
+    ropekv::check_device_errors(0, nullptr);
+  } catch (const ropekv::Error& e) {
+    raised = true;
+    std::printf("  [%s] checked: %s\n", name, e.what());
+  }
+  CK(cudaDeviceSynchronize());
+
+  // Pool rows: slot rows == k_rot / v, other rows untouched.
+  std::vector<uint8_t> gkr(kr.bytes), gkp(kp.bytes), gvp(vp.bytes), gqr(qr.bytes);
+  CK(cudaMemcpy(gkr.data(), kr.ptr, kr.bytes, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(gqr.data(), qr.ptr, qr.bytes, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(gkp.data(), kp.ptr, kp.bytes, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(gvp.data(), vp.ptr, vp.bytes, cudaMemcpyDeviceToHost));
+  std::vector<int64_t> owner(P, -1);
+  for (int tt = 0; tt < T; ++tt)
+    if (slot[tt] >= 0 && slot[tt] < P) owner[slot[tt]] = tt;
+  int bad = 0;
+  const size_t row = size_t(Hk) * D * esize;
+  for (int64_t r = 0; r < P; ++r) {
+    if (owner[r] < 0) {
+      bad += std::memcmp(&gkp[r * row], &hkp[r * row], row) != 0;
+      bad += std::memcmp(&gvp[r * row], &hvp[r * row], row) != 0;
+      continue;
+    }
+    const int64_t tt = owner[r];
+    for (int64_t e = 0; e < int64_t(Hk) * D; ++e) {
+      const size_t src = (size_t(tt) * Hk * D + e) * last_stride * esize;
+      bad += std::memcmp(&gkp[r * row + e * esize], &gkr[src], esize) != 0;
+      bad += std::memcmp(&gvp[r * row + e * esize], &hv[src], esize) != 0;
+    }
+  }
+  // q_rot: spot-check the math of the first head of every token in fp64.
+  double worst = 0;
+  const int half = D / 2;
+  for (int tt = 0; tt < T; ++tt) {
+    for (int i = 0; i < half; ++i) {
+      const float f = static_cast<float>(std::pow(500000.0, -2.0 * i / D));
+      const double th = static_cast<float>(static_cast<float>(pos[tt]) * f);
+      auto at = [&](const std::vector<uint8_t>& h, int d) {
+        const size_t off = (size_t(tt) * Hq * D + d) * last_stride * esize;
+        if (esize == 4) {
+          float x;
+          std::memcpy(&x, &h[off], 4);
+          return double(x);
+        }
+        uint16_t b;
+        std::memcpy(&b, &h[off], 2);
+        return double(to_float(b, dt.code));
+      };
+      const double x1 = at(hq, i), x2 = at(hq, i + half);
+      const double r1 = x1 * std::cos(th) - x2 * std::sin(th);
+      const double r2 = x2 * std::cos(th) + x1 * std::sin(th);
+      worst = std::max({worst, std::fabs(at(gqr, i) - r1), std::fabs(at(gqr, i + half) - r2)});
+    }
+  }
+  const double tol = esize == 4 ? 1e-6 : (dt.code == kDLBfloat ? 1.6e-2 : 2e-3);
+  const bool ok = bad == 0 && worst <= tol && raised == bad_slot;
+  std::printf("%-34s T=%-4d Hq=%-2d Hk=%-2d D=%-3d %s: pool mismatches %d, q_rot max err %.2e\n",
+              name, T, Hq, Hk, D, ok ? "ok  " : "FAIL", bad, worst);
+  if (!ok) ++g_failures;
+}
+
+void large() {
+  const int T = 8192, Hq = 32, Hk = 8, D = 128;
+  const int64_t P = 1 << 19;
+  const DLDataType dt{kDLBfloat, 16, 1};
+  Buf q(size_t(T) * Hq * D * 2), k(size_t(T) * Hk * D * 2), v(size_t(T) * Hk * D * 2);
+  Buf qr(q.bytes), kr(k.bytes), kp(size_t(P) * Hk * D * 2), vp(kp.bytes);
+  Buf dpos(T * 4), dslot(T * 4);
+  CK(cudaMemset(q.ptr, 0x3c, q.bytes));
+  CK(cudaMemset(k.ptr, 0x3c, k.bytes));
+  CK(cudaMemset(v.ptr, 0x3c, v.bytes));
+  std::vector<int32_t> pos(T), slot(T);
+  std::mt19937 rng(7);
+  std::vector<int32_t> perm(P);
+  for (int i = 0; i < P; ++i) perm[i] = i;
+  std::shuffle(perm.begin(), perm.end(), rng);
+  for (int t = 0; t < T; ++t) {
+    pos[t] = t + 1000;
+    slot[t] = perm[t];
+  }
+  CK(cudaMemcpy(dpos.ptr, pos.data(), dpos.bytes, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(dslot.ptr, slot.data(), dslot.bytes, cudaMemcpyHostToDevice));
+  int64_t sq[3] = {T, Hq, D}, sk[3] = {T, Hk, D}, sp[3] = {P, Hk, D}, s1[1] = {T};
+  DLDataType it{kDLInt, 32, 1};
+  ropekv::RopePoolTensors t{view(q.ptr, dt, 3, sq, nullptr),  view(k.ptr, dt, 3, sk, nullptr),
+                            view(v.ptr, dt, 3, sk, nullptr),  view(dpos.ptr, it, 1, s1, nullptr),
+                            view(dslot.ptr, it, 1, s1, nullptr), view(kp.ptr, dt, 3, sp, nullptr),
+                            view(vp.ptr, dt, 3, sp, nullptr), view(qr.ptr, dt, 3, sq, nullptr),
+                            view(kr.ptr, dt, 3, sk, nullptr)};
+  ropekv::RopeConfig cfg;
+  cfg.head_dim = D;
+  cfg.num_qo_heads = Hq;
+  cfg.num_kv_heads = Hk;
+  cfg.rope_base = 500000.0;
+  for (int i = 0; i < 3; ++i) ropekv::rope_pool_fused(t, cfg);
+  ropekv::check_device_errors(0, nullptr);
+  CK(cudaDeviceSynchronize());
+  std::printf("large case done\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "--large") {
+    large();
+    return 0;
+  }
+  const DLDataType bf16{kDLBfloat, 16, 1}, f16{kDLFloat, 16, 1}, f32{kDLFloat, 32, 1};
+  run_case("bf16 16B vectors", 9, 32, 8, 128, bf16, false, 1, false);
+  run_case("bf16 16B vectors, one token", 1, 32, 8, 128, bf16, false, 1, false);
+  run_case("f16 16B vectors D=96", 5, 32, 32, 96, f16, true, 1, false);
+  run_case("f16 D=256", 3, 16, 8, 256, f16, false, 1, false);
+  run_case("f32 16B vectors D=80", 4, 4, 2, 80, f32, false, 1, false);
+  run_case("f32 8B vectors D=12", 4, 3, 1, 12, f32, true, 1, false);
+  run_case("bf16 4B vectors D=36", 6, 5, 3, 36, bf16, false, 1, false);
+  run_case("bf16 strided last dim", 6, 4, 2, 64, bf16, false, 2, false);
+  run_case("f32 strided last dim D=2", 6, 4, 2, 2, f32, false, 2, false);
+  run_case("f32 D=600 (inv_freq past table)", 2, 2, 1, 600, f32, false, 1, false);
+  run_case("bf16 out-of-range slot", 8, 8, 2, 128, bf16, false, 1, true);
+  run_case("f16 out-of-range slot, int64", 3, 8, 2, 64, f16, true, 1, true);
+  std::printf("%s: %d failure(s)\n", g_failures ? "FAIL" : "PASS", g_failures);
+  return g_failures ? 1 : 0;
+}
