@@ -1,1 +1,513 @@
+// The contract's checks (SPEC section 3): the 11 messages of the original
+// call, exact prefix and order (a call wrong in several ways gets the first
+// rule's message), shapes as Python tuples, the hints for common mistakes,
+// then the checks the original leaves to luck. After every rejected call,
+// every buffer (inputs, outputs, pools) is bit-identical to before.
 #include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "test_util.h"
+
+namespace ropekv_test {
+namespace {
+
+static_assert(std::is_base_of_v<std::invalid_argument, ropekv::Error>,
+              "ropekv::Error is the ValueError of the contract: a std::invalid_argument");
+
+constexpr int64_t kT = 3, kHq = 4, kHk = 2, kD = 8, kP = 6;
+
+struct Arr {
+  std::vector<int64_t> shape;
+  DType dtype;
+  DLDevice device{kDLCPU, 0};
+  bool null_data = false;
+  std::vector<int64_t> strides;  // empty: compact, strides == NULL
+};
+
+struct VSpec {
+  Arr q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot;
+  ropekv::RopeConfig cfg;
+  std::vector<Arr*> all() {
+    return {&q, &k, &v, &positions, &slots, &k_pool, &v_pool, &q_rot, &k_rot};
+  }
+};
+
+VSpec valid_spec(DType dt = DType::kF32, int64_t T = kT, int64_t Hq = kHq, int64_t Hk = kHk,
+                 int64_t D = kD, int64_t P = kP) {
+  VSpec s;
+  s.q = {{T, Hq, D}, dt};
+  s.k = {{T, Hk, D}, dt};
+  s.v = {{T, Hk, D}, dt};
+  s.positions = {{T}, DType::kI32};
+  s.slots = {{T}, DType::kI64};
+  s.k_pool = {{P, Hk, D}, dt};
+  s.v_pool = {{P, Hk, D}, dt};
+  s.q_rot = {{T, Hq, D}, dt};
+  s.k_rot = {{T, Hk, D}, dt};
+  s.cfg.head_dim = D;
+  s.cfg.num_qo_heads = Hq;
+  s.cfg.num_kv_heads = Hk;
+  s.cfg.rope_base = 500000.0;
+  return s;
+}
+
+struct Built {
+  std::vector<Tensor> t;  // q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot
+  ropekv::RopePoolTensors tensors() const {
+    ropekv::RopePoolTensors r{};
+    DLTensor* f[] = {&r.q, &r.k, &r.v, &r.positions, &r.slots,
+                     &r.k_pool, &r.v_pool, &r.q_rot, &r.k_rot};
+    for (size_t i = 0; i < t.size(); ++i) *f[i] = t[i].dl();
+    return r;
+  }
+};
+
+bool is_float(DType d) {
+  return d == DType::kF32 || d == DType::kF16 || d == DType::kBF16 || d == DType::kF64;
+}
+
+// Allocates every array of the spec: inputs random, slots distinct valid
+// rows (of a pool of kP rows), outputs poisoned, pools random bytes.
+Built build(VSpec s, std::mt19937_64& rng) {
+  Built b;
+  int idx = 0;
+  for (Arr* a : s.all()) {
+    Tensor t;
+    if (a->strides.empty()) {
+      t = Tensor::compact(a->dtype, a->shape, /*null_strides=*/rng() & 1);
+    } else {
+      int64_t span = 1;
+      for (size_t d = 0; d < a->shape.size(); ++d)
+        span += (a->shape[d] - 1) * std::abs(a->strides[d]);
+      t = Tensor::view(std::make_shared<Storage>(span * dtype_size(a->dtype)), a->dtype, a->shape,
+                       a->strides, 0);
+    }
+    t.set_device(a->device);
+    t.set_null_data(a->null_data);
+    random_bytes(*t.storage(), rng);
+    if (idx == 3 || idx == 4) {  // positions, slots
+      int64_t n = 0;
+      t.for_each_offset([&](int64_t o) {
+        const int64_t val = idx == 3 ? static_cast<int64_t>(rng() % 100000) : (n++ * 2 + 1) % kP;
+        t.set_value(o, static_cast<double>(val));
+      });
+    } else if (idx < 3 && is_float(a->dtype)) {
+      fill_random(t, rng);
+    } else if (idx >= 7) {
+      poison_storage(t);
+    }
+    b.t.push_back(t);
+    ++idx;
+  }
+  return b;
+}
+
+// Calls validate() and rope_pool_fused() on a freshly built call; both must
+// throw ropekv::Error with the same message and leave every byte of every
+// buffer as it was. Returns the message.
+std::string error_of(const VSpec& s, uint64_t salt = 0) {
+  std::mt19937_64 rng(test_seed(salt));
+  const Built b = build(s, rng);
+  std::vector<std::vector<uint8_t>> before;
+  for (const Tensor& t : b.t) before.push_back(t.storage()->snapshot());
+  std::string messages[2];
+  for (int which = 0; which < 2; ++which) {
+    try {
+      if (which == 0)
+        ropekv::validate(b.tensors(), s.cfg);
+      else
+        ropekv::rope_pool_fused(b.tensors(), s.cfg);
+      ADD_FAILURE() << (which ? "rope_pool_fused" : "validate") << " accepted the call";
+    } catch (const ropekv::Error& e) {
+      messages[which] = e.what();
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "threw something other than ropekv::Error: " << e.what();
+    }
+  }
+  EXPECT_EQ(messages[0], messages[1]) << "validate() and rope_pool_fused() disagree";
+  for (size_t i = 0; i < b.t.size(); ++i)
+    EXPECT_TRUE(b.t[i].storage()->snapshot() == before[i])
+        << "array " << i << " changed by a rejected call (" << messages[1] << ")";
+  return messages[1];
+}
+
+bool starts_with(const std::string& s, const std::string& p) { return s.rfind(p, 0) == 0; }
+
+#define EXPECT_PREFIX(msg, prefix) \
+  EXPECT_TRUE(starts_with(msg, prefix)) << "message: " << (msg) << "\nwanted prefix: " << (prefix)
+#define EXPECT_CONTAINS(msg, part) \
+  EXPECT_NE((msg).find(part), std::string::npos) << "message: " << (msg) << "\nwanted: " << (part)
+
+// ------------------------------------------------------------ the 11 rules
+
+struct Rule {
+  const char* prefix;  // the contract's text (static part)
+  std::string full;    // the full prefix for the single mutation, shapes included
+  std::function<void(VSpec&)> mutate;
+};
+
+std::vector<Rule> rules() {
+  return {
+      {"rope_pool_fused expects q/k/v to be 3-D", "rope_pool_fused expects q/k/v to be 3-D",
+       [](VSpec& s) { s.k.shape = {kT, kHk * kD}; }},
+      {"rope_pool_fused expects positions/slots to be 1-D",
+       "rope_pool_fused expects positions/slots to be 1-D",
+       [](VSpec& s) { s.slots.shape = {kT, 1}; }},
+      {"rope_pool_fused expects pool tensors to be 3-D",
+       "rope_pool_fused expects pool tensors to be 3-D",
+       [](VSpec& s) { s.v_pool.shape = {1, kP, kHk, kD}; }},
+      {"q shape must be [num_tokens, num_qo_heads, head_dim], got ",
+       "q shape must be [num_tokens, num_qo_heads, head_dim], got (3, 4, 8)",
+       [](VSpec& s) { s.cfg.num_qo_heads = kHq + 1; }},
+      {"k shape must be [num_tokens, num_kv_heads, head_dim], got ",
+       "k shape must be [num_tokens, num_kv_heads, head_dim], got (3, 2, 8)",
+       [](VSpec& s) { s.cfg.num_kv_heads = kHk + 1; }},
+      {"v shape must match k shape, got ", "v shape must match k shape, got (4, 2, 8) vs (3, 2, 8)",
+       [](VSpec& s) { s.v.shape[0] = kT + 1; }},
+      {"positions/slots must have one entry per token",
+       "positions/slots must have one entry per token",
+       [](VSpec& s) { s.positions.shape = {kT + 1}; }},
+      {"k_pool has incompatible shape ", "k_pool has incompatible shape (6, 2, 10)",
+       [](VSpec& s) { s.k_pool.shape[2] = kD + 2; }},
+      {"v_pool shape must match k_pool shape, got ",
+       "v_pool shape must match k_pool shape, got (6, 2, 8) vs (7, 2, 8)",
+       [](VSpec& s) { s.k_pool.shape[0] = kP + 1; }},
+      {"q/k/v dtypes must match", "q/k/v dtypes must match",
+       [](VSpec& s) { s.k.dtype = DType::kF16; }},
+      {"pool dtypes must match q/k/v dtype", "pool dtypes must match q/k/v dtype",
+       [](VSpec& s) { s.k_pool.dtype = DType::kF16; }},
+  };
+}
+
+TEST(Validate, ValidCallPasses) {
+  std::mt19937_64 rng(test_seed());
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+    const VSpec s = valid_spec(dt);
+    const Built b = build(s, rng);
+    EXPECT_NO_THROW(ropekv::validate(b.tensors(), s.cfg));
+    EXPECT_NO_THROW(ropekv::rope_pool_fused(b.tensors(), s.cfg));
+  }
+  // T = 0 is a valid call, also with null data pointers.
+  VSpec s = valid_spec(DType::kF32, 0);
+  for (Arr* a : {&s.q, &s.k, &s.v, &s.positions, &s.slots, &s.q_rot, &s.k_rot}) a->null_data = true;
+  const Built b = build(s, rng);
+  EXPECT_NO_THROW(ropekv::validate(b.tensors(), s.cfg));
+  EXPECT_NO_THROW(ropekv::rope_pool_fused(b.tensors(), s.cfg));
+}
+
+TEST(Validate, EachRuleAlone) {
+  const auto rs = rules();
+  for (size_t i = 0; i < rs.size(); ++i) {
+    VSpec s = valid_spec();
+    rs[i].mutate(s);
+    const std::string m = error_of(s, i);
+    SCOPED_TRACE("rule " + std::to_string(i + 1));
+    EXPECT_PREFIX(m, rs[i].full);
+  }
+}
+
+// Every pair (i < j) of broken rules: the message of rule i.
+TEST(Validate, FirstBrokenRuleWins) {
+  const auto rs = rules();
+  for (size_t i = 0; i < rs.size(); ++i)
+    for (size_t j = i + 1; j < rs.size(); ++j) {
+      VSpec s = valid_spec();
+      rs[j].mutate(s);
+      rs[i].mutate(s);
+      const std::string m = error_of(s, i * 16 + j);
+      SCOPED_TRACE("rules " + std::to_string(i + 1) + " and " + std::to_string(j + 1));
+      EXPECT_PREFIX(m, rs[i].prefix);
+    }
+  // All of them at once: rule 1.
+  VSpec s = valid_spec();
+  for (size_t j = rs.size(); j-- > 0;) rs[j].mutate(s);
+  EXPECT_PREFIX(error_of(s), rs[0].prefix);
+}
+
+// The checks beyond the original's come after all 11 rules.
+TEST(Validate, ExtraChecksComeAfterTheRules) {
+  const auto rs = rules();
+  const std::vector<std::function<void(VSpec&)>> extras = {
+      [](VSpec& s) { s.positions.dtype = DType::kF32; },
+      [](VSpec& s) { s.cfg.rope_base = -1.0; },
+      [](VSpec& s) { s.k_rot.device = {kDLCUDA, 0}; },
+  };
+  for (size_t i = 0; i < rs.size(); ++i)
+    for (size_t e = 0; e < extras.size(); ++e) {
+      VSpec s = valid_spec();
+      extras[e](s);
+      rs[i].mutate(s);
+      SCOPED_TRACE("rule " + std::to_string(i + 1) + " with extra " + std::to_string(e));
+      EXPECT_PREFIX(error_of(s, i * 8 + e), rs[i].prefix);
+    }
+}
+
+TEST(Validate, ShapesPrintAsPythonTuples) {
+  VSpec s = valid_spec();
+  s.k.shape = {kT, kHk * kD};
+  std::string m = error_of(s);
+  EXPECT_CONTAINS(m, "(3, 16)");
+  EXPECT_CONTAINS(m, "(3, 4, 8)");
+
+  s = valid_spec();
+  s.slots.shape = {kT, 1};
+  m = error_of(s);
+  EXPECT_CONTAINS(m, "(3, 1)");
+  EXPECT_CONTAINS(m, "(3,)");  // a 1-D shape keeps its comma
+
+  s = valid_spec();
+  s.positions.shape = {kT + 1};
+  m = error_of(s);
+  EXPECT_CONTAINS(m, "(4,)");
+  EXPECT_CONTAINS(m, "(3,)");
+
+  s = valid_spec();
+  s.slots.shape = {};  // 0-D
+  m = error_of(s);
+  EXPECT_PREFIX(m, "rope_pool_fused expects positions/slots to be 1-D");
+  EXPECT_CONTAINS(m, "()");
+}
+
+TEST(Validate, Hints) {
+  VSpec s = valid_spec();
+  s.k_pool.shape = {4, kP, kHk, kD};  // layer-stacked cache
+  std::string m = error_of(s);
+  EXPECT_PREFIX(m, "rope_pool_fused expects pool tensors to be 3-D");
+  EXPECT_CONTAINS(m, "pass k_pool[layer]");
+  EXPECT_CONTAINS(m, "(4, 6, 2, 8)");
+
+  s = valid_spec();
+  s.v_pool.shape = {kP, kHk * kD};  // flattened cache
+  m = error_of(s);
+  EXPECT_PREFIX(m, "rope_pool_fused expects pool tensors to be 3-D");
+  EXPECT_CONTAINS(m, "reshape to [pool_size, num_kv_heads, head_dim]");
+
+  s = valid_spec(DType::kBF16);
+  s.k_pool.dtype = DType::kF32;
+  s.v_pool.dtype = DType::kF32;
+  m = error_of(s);
+  EXPECT_PREFIX(m, "pool dtypes must match q/k/v dtype");
+  EXPECT_CONTAINS(m, ".to(q.dtype)");
+
+  s = valid_spec(DType::kBF16);
+  s.v_pool.dtype = DType::kF32;  // only one of them
+  m = error_of(s);
+  EXPECT_PREFIX(m, "pool dtypes must match q/k/v dtype");
+  EXPECT_CONTAINS(m, ".to(q.dtype)");
+}
+
+// ------------------------------------------------------------ beyond the original
+
+TEST(Validate, IndexArraysMustBeIntegers) {
+  for (DType bad : {DType::kF32, DType::kF64, DType::kI16, DType::kU32, DType::kF16}) {
+    VSpec s = valid_spec();
+    s.positions.dtype = bad;
+    std::string m = error_of(s);
+    EXPECT_PREFIX(m, "positions");
+    EXPECT_CONTAINS(m, "int32 or int64");
+    s = valid_spec();
+    s.slots.dtype = bad;
+    m = error_of(s);
+    EXPECT_PREFIX(m, "slots");
+    EXPECT_CONTAINS(m, "int32 or int64");
+  }
+  VSpec s = valid_spec();
+  s.positions.dtype = DType::kF32;
+  EXPECT_CONTAINS(error_of(s), "float32");
+}
+
+TEST(Validate, UnsupportedFloatDtype) {
+  VSpec s = valid_spec(DType::kF64);
+  const std::string m = error_of(s);
+  EXPECT_CONTAINS(m, "float16, bfloat16 or float32");
+  EXPECT_CONTAINS(m, "float64");
+}
+
+TEST(Validate, OutputsMustMatch) {
+  VSpec s = valid_spec();
+  s.q_rot.shape[1] = kHq - 1;
+  EXPECT_PREFIX(error_of(s), "q_rot shape must match q shape, got (3, 3, 8) vs (3, 4, 8)");
+  s = valid_spec();
+  s.k_rot.shape[0] = kT + 1;
+  EXPECT_PREFIX(error_of(s), "k_rot shape must match k shape");
+  s = valid_spec();
+  s.k_rot.dtype = DType::kBF16;
+  EXPECT_PREFIX(error_of(s), "q_rot/k_rot dtype must match");
+}
+
+TEST(Validate, HeadDim) {
+  for (int64_t D : {7, 1, 0, 3}) {
+    VSpec s = valid_spec(DType::kF32, kT, kHq, kHk, D);
+    EXPECT_PREFIX(error_of(s, D), "head_dim must be even and >= 2, got " + std::to_string(D));
+  }
+  VSpec s = valid_spec(DType::kF32, kT, kHq, kHk, -2);
+  s.q.shape[2] = s.k.shape[2] = s.v.shape[2] = s.q_rot.shape[2] = s.k_rot.shape[2] = 0;
+  s.k_pool.shape[2] = s.v_pool.shape[2] = 0;
+  // q's shape (3, 4, 0) no longer matches head_dim = -2: rule 4 fires first.
+  EXPECT_PREFIX(error_of(s), "q shape must be");
+}
+
+TEST(Validate, HeadCounts) {
+  VSpec s = valid_spec(DType::kF32, kT, 0, kHk);
+  EXPECT_PREFIX(error_of(s), "num_qo_heads must be >= 1, got 0");
+  s = valid_spec(DType::kF32, kT, kHq, 0);
+  EXPECT_PREFIX(error_of(s), "num_kv_heads must be >= 1, got 0");
+}
+
+TEST(Validate, RopeBase) {
+  const double bad[] = {std::numeric_limits<double>::quiet_NaN(),
+                        std::numeric_limits<double>::infinity(),
+                        -std::numeric_limits<double>::infinity(), 0.0, -0.0, -10000.0};
+  for (double b : bad) {
+    VSpec s = valid_spec();
+    s.cfg.rope_base = b;
+    EXPECT_PREFIX(error_of(s), "rope_base must be finite and > 0, got ") << b;
+  }
+  VSpec s = valid_spec();
+  s.cfg.rope_base = 1e-300;  // tiny but valid
+  std::mt19937_64 rng(test_seed());
+  const Built b = build(s, rng);
+  EXPECT_NO_THROW(ropekv::validate(b.tensors(), s.cfg));
+}
+
+TEST(Validate, MixedDevices) {
+  VSpec s = valid_spec();
+  s.k_pool.device = {kDLCUDA, 0};
+  std::string m = error_of(s);
+  EXPECT_PREFIX(m, "all arrays must be on one device");
+  EXPECT_CONTAINS(m, "k_pool");
+  EXPECT_CONTAINS(m, "cuda:0");
+
+  s = valid_spec();
+  for (Arr* a : s.all()) a->device = {kDLCUDA, 0};
+  s.positions.device = {kDLCUDA, 1};
+  m = error_of(s);
+  EXPECT_PREFIX(m, "all arrays must be on one device");
+  EXPECT_CONTAINS(m, "positions");
+  EXPECT_CONTAINS(m, "cuda:1");
+
+  s = valid_spec();
+  s.q.device = {kDLCUDA, 0};  // q decides; the first other array is named
+  m = error_of(s);
+  EXPECT_PREFIX(m, "all arrays must be on one device");
+  EXPECT_CONTAINS(m, "cuda:0");
+}
+
+TEST(Validate, DevicesItCannotAddress) {
+  VSpec s = valid_spec();
+  for (Arr* a : s.all()) a->device = {kDLOpenCL, 0};
+  EXPECT_CONTAINS(error_of(s), "cannot address");
+}
+
+TEST(Validate, CudaArraysWithoutCudaBackend) {
+  if (ropekv::has_cuda())
+    GTEST_SKIP() << "this build has the CUDA backend (host pointers labelled CUDA are "
+                    "rejected by the backend's own addressability check)";
+  VSpec s = valid_spec();
+  for (Arr* a : s.all()) a->device = {kDLCUDA, 0};
+  const std::string m = error_of(s);
+  EXPECT_CONTAINS(m, "cuda:0");
+  EXPECT_CONTAINS(m, "no CUDA backend");
+}
+
+TEST(Validate, SlotOutOfRangeRaisesBeforeAnyWrite) {
+  // build() gives the tokens slots 1, 3, 5: with a pool of 5 rows the last
+  // one is exactly P.
+  for (DType st : {DType::kI32, DType::kI64}) {
+    VSpec s = valid_spec();
+    s.slots.dtype = st;
+    s.k_pool.shape[0] = s.v_pool.shape[0] = 5;
+    EXPECT_PREFIX(error_of(s), "slots[2] = 5 is out of range for a pool of 5 rows");
+  }
+  // Any value >= P, int64 beyond 2^31 included; earlier tokens valid.
+  for (int64_t bad : {int64_t{6}, int64_t{7}, int64_t{1} << 31, int64_t{1} << 40}) {
+    std::mt19937_64 rng(test_seed(static_cast<uint64_t>(bad)));
+    VSpec s = valid_spec();
+    Built b = build(s, rng);
+    b.t[4].set_index(0, 0);
+    b.t[4].set_index(1, bad);
+    b.t[4].set_index(2, -1);
+    std::vector<std::vector<uint8_t>> before;
+    for (const Tensor& t : b.t) before.push_back(t.storage()->snapshot());
+    try {
+      ropekv::rope_pool_fused(b.tensors(), s.cfg);
+      ADD_FAILURE() << "slot " << bad << " accepted";
+    } catch (const ropekv::Error& e) {
+      EXPECT_PREFIX(std::string(e.what()),
+                    "slots[1] = " + std::to_string(bad) + " is out of range for a pool of 6 rows");
+    }
+    for (size_t i = 0; i < b.t.size(); ++i)
+      EXPECT_TRUE(b.t[i].storage()->snapshot() == before[i]) << "array " << i << " changed";
+  }
+}
+
+TEST(Validate, NullDataPointer) {
+  VSpec s = valid_spec();
+  s.k.null_data = true;
+  const std::string m = error_of(s);
+  EXPECT_PREFIX(m, "k has no data pointer");
+}
+
+TEST(Validate, OverlappingOutputs) {
+  VSpec s = valid_spec();
+  s.k_pool.strides = {0, kD, 1};  // every row at one address
+  EXPECT_PREFIX(error_of(s), "k_pool has stride 0 along axis 0");
+  s = valid_spec();
+  s.q_rot.strides = {kHq * kD, 0, 1};
+  EXPECT_PREFIX(error_of(s), "q_rot has stride 0 along axis 1");
+}
+
+}  // namespace
+}  // namespace ropekv_test
+
+namespace ropekv_test {
+namespace {
+
+// Checked mode (ExecOptions::checked): two tokens naming one pool row are
+// rejected before anything is written; negative slots may repeat.
+TEST(Validate, CheckedModeRejectsDuplicateSlots) {
+  std::mt19937_64 rng(test_seed());
+  for (DType st : {DType::kI32, DType::kI64}) {
+    CaseSpec s;
+    s.T = 5;
+    s.Hq = 4;
+    s.Hk = 2;
+    s.D = 16;
+    s.P = 8;
+    s.slot_type = st;
+    Case c = make_case(s, rng);
+    const int64_t slots[] = {4, -1, 6, -1, 4};
+    for (int64_t t = 0; t < 5; ++t) c.slots.set_index(t, slots[t]);
+    c.reset();
+    ropekv::ExecOptions checked;
+    checked.checked = true;
+    {
+      const Snapshot before(c);
+      try {
+        ropekv::rope_pool_fused(c.tensors(), c.config(), checked);
+        ADD_FAILURE() << "duplicate slots accepted in checked mode";
+      } catch (const ropekv::Error& e) {
+        EXPECT_PREFIX(std::string(e.what()), "slots[4] = 4 repeats slots[0]");
+      }
+      for (const auto& [storage, snap] : before.bytes)
+        EXPECT_TRUE(storage->snapshot() == snap) << "a rejected call wrote memory";
+    }
+    // Unchecked, the call goes through (one of the two tokens lands).
+    EXPECT_NO_THROW(ropekv::rope_pool_fused(c.tensors(), c.config()));
+    // Checked with distinct slots (negative ones repeated): a normal call.
+    c.slots.set_index(4, 7);
+    c.slots.set_index(3, -5);
+    run_and_check(c, expect(c), checked);
+  }
+}
+
+}  // namespace
+}  // namespace ropekv_test
