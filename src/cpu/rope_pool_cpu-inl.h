@@ -57,7 +57,29 @@ struct BF16 {
 struct F16 {
   using T = uint16_t;  // IEEE binary16 bits
   static HWY_INLINE VF Load(const T* p) {
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
+    // F16C: the hardware conversion, exact for every pattern.
     return hn::PromoteTo(DF(), hn::LoadU(DF16(), reinterpret_cast<const hwy::float16_t*>(p)));
+#else
+    // Highway's emulated f16 -> f32 PromoteTo (SSSE3, SSE4, EMU128, SCALAR
+    // in Highway 1.0.3) turns Inf and NaN into finite numbers (exponent 31 is
+    // rebiased like a normal one: Inf -> 65536). Convert exactly here instead
+    // (F. Giesen's half_to_float): normals rebiased, Inf/NaN to exponent 255,
+    // subnormals renormalised by an exact fp32 subtraction.
+    const DU32 du;
+    const DF df;
+    const auto h = hn::PromoteTo(du, hn::LoadU(DU16(), p));
+    const auto shifted_exp = hn::Set(du, 0x7C00u << 13);
+    auto o = hn::ShiftLeft<13>(hn::And(h, hn::Set(du, 0x7FFFu)));  // exponent and mantissa
+    const auto e = hn::And(o, shifted_exp);
+    o = hn::Add(o, hn::Set(du, (127u - 15u) << 23));
+    o = hn::IfThenElse(hn::Eq(e, shifted_exp), hn::Add(o, hn::Set(du, (128u - 16u) << 23)), o);
+    const auto sub = hn::BitCast(du, hn::Sub(hn::BitCast(df, hn::Add(o, hn::Set(du, 1u << 23))),
+                                             hn::BitCast(df, hn::Set(du, 113u << 23))));
+    o = hn::IfThenElse(hn::Eq(e, hn::Zero(du)), sub, o);
+    o = hn::Or(o, hn::ShiftLeft<16>(hn::And(h, hn::Set(du, 0x8000u))));
+    return hn::BitCast(df, o);
+#endif
   }
   // Round to nearest even on every target, subnormals and overflow to Inf
   // included (the rounding trick of F. Giesen's float_to_half_fast3_rtne:
