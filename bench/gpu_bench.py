@@ -1,0 +1,333 @@
+#!/usr/bin/env python3
+"""GPU benchmark of ropekv.rope_pool_fused against PyTorch (eager and
+torch.compile) and a device-to-device copy of the same bytes, in one run.
+
+For every model (SPEC section 6), dtype and token count T it times, per call:
+
+  ropekv         one fused launch
+  torch eager    rotate-half RoPE in the input dtype (Hugging Face style) and
+                 index_copy_ of k_rot and v into the pools
+  torch.compile  the same function compiled by Inductor (dynamic shapes)
+  copy           a device-to-device copy moving the same number of bytes
+                 (read + write) as the SPEC section 7 count of the call
+
+Method: every call is captured in CUDA graphs (50 back-to-back calls per
+graph for T <= 512, fewer above), replays are timed with CUDA events, and the
+median of several measurements is divided by the number of calls. Inputs and
+outputs rotate over enough slices that one pass over them is at least twice
+the L2 cache, so small T is not served from L2. Slots are a random
+permutation of a pool of 2^20 rows. Effective bandwidth = SPEC section 7
+bytes / time, for every implementation (the same useful bytes).
+
+Writes gpu_bench.csv, gpu_bench.md, gpu_bench.json and cuda_bandwidth.png to
+--out, and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import ropekv
+
+MODELS = [  # name, Hq, Hk, D, rope_theta
+    ("Llama-3.1-8B", 32, 8, 128, 500000.0),
+    ("Qwen2.5-7B", 28, 4, 128, 1000000.0),
+    ("Gemma-2-9B", 16, 8, 256, 10000.0),
+    ("Phi-3-mini", 32, 32, 96, 10000.0),
+]
+TOKENS = [1, 8, 32, 128, 512, 2048, 8192, 32768]
+DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16}
+POOL_ROWS = 1 << 20
+IMPLS = ["ropekv", "torch_eager", "torch_compile", "copy"]
+
+
+def spec_bytes(T, Hq, Hk, D, esize, written, index_bytes=8):
+    """SPEC section 7: read q, k, v; write q_rot, k_rot; write W pool rows."""
+    return esize * (2 * T * Hq * D + 3 * T * Hk * D + 2 * written * Hk * D) + T * index_bytes
+
+
+def torch_rope_pool(q, k, v, positions, slots64, k_pool, v_pool, inv_freq):
+    """The PyTorch way: rotate-half RoPE in the input dtype, then index_copy_."""
+    half = q.shape[-1] // 2
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = emb.cos().to(q.dtype)[:, None, :]
+    sin = emb.sin().to(q.dtype)[:, None, :]
+
+    def rotate_half(x):
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    q_rot = q * cos + rotate_half(q) * sin
+    k_rot = k * cos + rotate_half(k) * sin
+    k_pool.index_copy_(0, slots64, k_rot)
+    v_pool.index_copy_(0, slots64, v)
+    return q_rot, k_rot
+
+
+class Timer:
+    """Captures calls into CUDA graphs and times their replays."""
+
+    def __init__(self, reps=7, target_ms=4.0):
+        self.reps = reps
+        self.target_ms = target_ms
+
+    def run(self, fn, n_calls, calls_per_graph):
+        """fn(i) launches call i. Returns microseconds per call (median)."""
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for i in range(min(3, n_calls)):  # warm-up: compilation, allocator, flag
+                fn(i)
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        pool = torch.cuda.graph_pool_handle()
+        graphs = []
+        for g0 in range(0, n_calls, calls_per_graph):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                for i in range(g0, min(n_calls, g0 + calls_per_graph)):
+                    fn(i)
+            graphs.append(g)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+        def once(rounds):
+            start.record()
+            for _ in range(rounds):
+                for g in graphs:
+                    g.replay()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+
+        once(1)
+        one = once(1)
+        rounds = max(1, int(math.ceil(self.target_ms / max(one, 1e-3))))
+        times = [once(rounds) / (rounds * n_calls) * 1e3 for _ in range(self.reps)]
+        del graphs
+        return statistics.median(times)
+
+
+def bench_config(model, dtype_name, T, pool, timer, compiled, args, log):
+    name, Hq, Hk, D, base = model
+    dt = DTYPES[dtype_name]
+    esize = torch.tensor([], dtype=dt).element_size()
+    k_pool, v_pool = pool
+    nbytes = spec_bytes(T, Hq, Hk, D, esize, T, index_bytes=8)
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size or 60 * 2**20
+    calls_per_graph = 50 if T <= 512 else (10 if T <= 2048 else 4)
+    n_graphs = max(1, min(args.max_graphs, math.ceil(2 * l2 / (nbytes * calls_per_graph))))
+    n_calls = calls_per_graph * n_graphs
+    slices = max(1, min(n_calls, math.ceil(2 * l2 / nbytes)))
+
+    g = torch.Generator(device="cuda").manual_seed(T)
+    q = torch.randn(slices, T, Hq, D, device="cuda", dtype=dt, generator=g)
+    k = torch.randn(slices, T, Hk, D, device="cuda", dtype=dt, generator=g)
+    v = torch.randn(slices, T, Hk, D, device="cuda", dtype=dt, generator=g)
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    pos = torch.randint(0, 1 << 17, (slices, T), device="cuda", dtype=torch.int32, generator=g)
+    perm = torch.randperm(POOL_ROWS, device="cuda", generator=g)
+    idx = (torch.arange(slices * T, device="cuda") % POOL_ROWS).view(slices, T)
+    slots64 = perm[idx].contiguous()
+    slots32 = slots64.to(torch.int32)
+    inv_freq = (base ** (-torch.arange(0, D, 2, dtype=torch.float64, device="cuda") / D)).float()
+
+    def f_ropekv(i):
+        j = i % slices
+        ropekv.rope_pool_fused(q[j], k[j], v[j], pos[j], slots32[j], k_pool, v_pool,
+                               head_dim=D, num_qo_heads=Hq, num_kv_heads=Hk, rope_base=base,
+                               q_out=q_out[j], k_out=k_out[j])
+
+    def f_eager(i):
+        j = i % slices
+        torch_rope_pool(q[j], k[j], v[j], pos[j], slots64[j], k_pool, v_pool, inv_freq)
+
+    def f_compiled(i):
+        j = i % slices
+        compiled(q[j], k[j], v[j], pos[j], slots64[j], k_pool, v_pool, inv_freq)
+
+    half_elems = nbytes // 2 // 2
+    c_slices = max(1, min(n_calls, math.ceil(2 * l2 / nbytes)))
+    src = torch.empty(c_slices, half_elems, device="cuda", dtype=torch.bfloat16)
+    src.uniform_()
+    dst = torch.empty_like(src)
+
+    def f_copy(i):
+        j = i % c_slices
+        dst[j].copy_(src[j])
+
+    # Sanity: ropekv against the eager version on slice 0 (loose: eager rounds twice).
+    f_ropekv(0)
+    qr, kr = torch_rope_pool(q[0], k[0], v[0], pos[0], slots64[0], k_pool, v_pool, inv_freq)
+    err = max((q_out[0].float() - qr.float()).abs().max().item(),
+              (k_out[0].float() - kr.float()).abs().max().item())
+    if not err < 0.15:
+        raise RuntimeError(f"{name} {dtype_name} T={T}: ropekv and eager differ by {err}")
+
+    res = {"model": name, "dtype": dtype_name, "T": T, "bytes": nbytes, "calls": n_calls,
+           "slices": slices}
+    res["ropekv"] = timer.run(f_ropekv, n_calls, calls_per_graph)
+    res["copy"] = timer.run(f_copy, n_calls, calls_per_graph)
+    res["torch_eager"] = timer.run(f_eager, n_calls, calls_per_graph)
+    res["torch_compile"] = None
+    if compiled is not None:
+        try:
+            res["torch_compile"] = timer.run(f_compiled, n_calls, calls_per_graph)
+        except Exception as e:  # noqa: BLE001  (report, keep benchmarking)
+            log(f"  torch.compile failed for {name} {dtype_name} T={T}: {type(e).__name__}: "
+                f"{str(e)[:200]}")
+    del q, k, v, q_out, k_out, src, dst
+    return res
+
+
+def peak_copy_gbps(timer):
+    n = 1 << 29  # 1 GiB of bf16 each way
+    a = torch.empty(n, device="cuda", dtype=torch.bfloat16).uniform_()
+    b = torch.empty_like(a)
+    us = timer.run(lambda i: b.copy_(a), 4, 4)
+    del a, b
+    return 2 * n * 2 / (us * 1e-6) / 1e9
+
+
+def write_outputs(rows, peak, args, meta):
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
+        json.dump({"meta": meta, "peak_copy_GBps": peak, "rows": rows}, f, indent=1)
+    hdr = ["model", "dtype", "T", "bytes"]
+    with open(os.path.join(args.out, "gpu_bench.csv"), "w") as f:
+        f.write(",".join(hdr + [f"{m}_us" for m in IMPLS] + [f"{m}_GBps" for m in IMPLS] +
+                         ["ropekv_vs_copy"]) + "\n")
+        for r in rows:
+            us = [r.get(m) for m in IMPLS]
+            gbps = [r["bytes"] / (u * 1e-6) / 1e9 if u else None for u in us]
+            ratio = r["copy"] / r["ropekv"]
+            f.write(",".join([r["model"], r["dtype"], str(r["T"]), str(r["bytes"])] +
+                             ["" if u is None else f"{u:.3f}" for u in us] +
+                             ["" if g is None else f"{g:.1f}" for g in gbps] +
+                             [f"{ratio:.3f}"]) + "\n")
+    lines = [
+        f"GPU: {meta['gpu']}; torch {meta['torch']}; CUDA {meta['cuda']}; {meta['date']}",
+        f"Peak device-to-device copy (1 GiB, read + write): {peak:.0f} GB/s",
+        "",
+        "| model | dtype | T | ropekv µs | ropekv GB/s | copy GB/s (same bytes) | "
+        "ropekv / copy | eager µs | compile µs | speed-up vs eager | vs compile |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        gb = lambda u: r["bytes"] / (u * 1e-6) / 1e9  # noqa: E731
+        comp = r.get("torch_compile")
+        comp_us = "—" if comp is None else "%.2f" % comp
+        comp_x = "—" if comp is None else "%.1fx" % (comp / r["ropekv"])
+        lines.append(
+            f"| {r['model']} | {r['dtype']} | {r['T']} | {r['ropekv']:.2f} | "
+            f"{gb(r['ropekv']):.0f} | {gb(r['copy']):.0f} | {r['copy'] / r['ropekv']:.2f} | "
+            f"{r['torch_eager']:.2f} | {comp_us} | "
+            f"{r['torch_eager'] / r['ropekv']:.1f}x | {comp_x} |")
+    with open(os.path.join(args.out, "gpu_bench.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        plot(rows, peak, args, meta)
+    except Exception as e:  # noqa: BLE001
+        print(f"plot failed: {e}")
+
+
+def plot(rows, peak, args, meta):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = [m[0] for m in MODELS]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5), sharex=True, sharey=True)
+    styles = {"ropekv": ("tab:blue", "o", "ropekv (1 fused launch)"),
+              "torch_eager": ("tab:red", "s", "PyTorch eager"),
+              "torch_compile": ("tab:orange", "^", "torch.compile"),
+              "copy": ("tab:gray", ".", "D2D copy, same bytes")}
+    for ax, name in zip(axes.flat, models):
+        for impl, (color, marker, label) in styles.items():
+            pts = [(r["T"], r["bytes"] / (r[impl] * 1e-6) / 1e9) for r in rows
+                   if r["model"] == name and r["dtype"] == "bf16" and r.get(impl)]
+            if pts:
+                ax.plot(*zip(*pts), color=color, marker=marker, label=label,
+                        linestyle="--" if impl == "copy" else "-")
+        ax.axhline(peak, color="black", linewidth=0.8, linestyle=":",
+                   label=f"copy ceiling {peak:.0f} GB/s")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{name}, bf16")
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("tokens per call (T)")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("effective GB/s (SPEC §7 bytes / time)")
+    axes[0, 0].legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"rope_pool_fused on {meta['gpu']} (CUDA graphs, cold L2), {meta['date']}")
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "cuda_bandwidth.png"), dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    ap.add_argument("--models", default=",".join(m[0] for m in MODELS))
+    ap.add_argument("--dtypes", default="bf16,f16")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--compile-dtypes", default="bf16",
+                    help="dtypes for which torch.compile is timed too")
+    ap.add_argument("--budget-s", type=float, default=330.0,
+                    help="skip torch.compile once the run has taken this long")
+    ap.add_argument("--max-graphs", type=int, default=64)
+    args = ap.parse_args()
+    ropekv.set_checked(False)
+    t0 = time.time()
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    props = torch.cuda.get_device_properties(0)
+    meta = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d"),
+            "command": " ".join(sys.argv)}
+    timer = Timer()
+    peak = peak_copy_gbps(timer)
+    log(f"{props.name}: {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MiB, "
+        f"peak copy {peak:.0f} GB/s")
+    rows = []
+    tokens = [int(t) for t in args.tokens.split(",")]
+    for model in MODELS:
+        if model[0] not in args.models.split(","):
+            continue
+        for dtype_name in args.dtypes.split(","):
+            dt = DTYPES[dtype_name]
+            _, Hq, Hk, D, _ = model
+            k_pool = torch.empty(POOL_ROWS, Hk, D, device="cuda", dtype=dt)
+            v_pool = torch.empty_like(k_pool)
+            compiled = None
+            if dtype_name in args.compile_dtypes.split(",") and time.time() - t0 < args.budget_s:
+                torch._dynamo.reset()
+                compiled = torch.compile(torch_rope_pool, dynamic=True)
+            for T in tokens:
+                if compiled is not None and time.time() - t0 > args.budget_s:
+                    log("  (time budget spent: no more torch.compile)")
+                    compiled = None
+                r = bench_config(model, dtype_name, T, (k_pool, v_pool), timer, compiled, args,
+                                 log)
+                rows.append(r)
+                gb = r["bytes"] / (r["ropekv"] * 1e-6) / 1e9
+                comp = r["torch_compile"]
+                log(f"{model[0]:13s} {dtype_name} T={T:6d}: ropekv {r['ropekv']:8.2f} us "
+                    f"{gb:6.0f} GB/s ({r['copy'] / r['ropekv']:.2f} of copy), eager "
+                    f"{r['torch_eager']:8.2f} us, compile "
+                    f"{'-' if comp is None else f'{comp:.2f}'} us  [{time.time() - t0:.0f} s]")
+            del k_pool, v_pool
+            torch.cuda.empty_cache()
+    write_outputs(rows, peak, args, meta)
+
+
+if __name__ == "__main__":
+    main()
