@@ -1,0 +1,431 @@
+// ropekv-replay: replays an LLM serving workload through ropekv's fused
+// RoPE + KV-cache scatter, layer by layer, as an engine would, verifies every
+// result against ropekv::reference and reports the op's effective bandwidth
+// next to a memcpy of the same bytes. See tools/replay/README.md.
+#include <ropekv/ropekv.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "model_config.h"
+#include "numerics.h"
+#include "replay.h"
+#include "workload.h"
+
+#ifndef ROPEKV_REPLAY_CONFIG_DIR
+#define ROPEKV_REPLAY_CONFIG_DIR ""
+#endif
+
+namespace fs = std::filesystem;
+using namespace replay;
+
+namespace {
+
+constexpr const char* kDefaultConfig = "llama-3.1-8b.json";
+
+/// Where the shipped configs are: next to the executable's tree (a build
+/// directory inside the source tree, or an install's share/ropekv/configs),
+/// else the source directory the tool was built from.
+std::vector<fs::path> config_dirs() {
+  std::vector<fs::path> dirs;
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    fs::path d = exe.parent_path();
+    for (int up = 0; up < 5 && !d.empty(); ++up, d = d.parent_path()) {
+      dirs.push_back(d / "configs");
+      dirs.push_back(d / "share" / "ropekv" / "configs");
+      if (d == d.parent_path()) break;
+    }
+  }
+  if (std::strlen(ROPEKV_REPLAY_CONFIG_DIR) > 0) dirs.emplace_back(ROPEKV_REPLAY_CONFIG_DIR);
+  return dirs;
+}
+
+/// A path as given, else NAME or NAME.json in the shipped configs.
+std::string resolve_config(const std::string& given) {
+  std::error_code ec;
+  if (!given.empty() && fs::is_regular_file(given, ec)) return given;
+  const std::string name = given.empty() ? kDefaultConfig : given;
+  const bool bare = name.find('/') == std::string::npos;
+  if (bare) {
+    for (const fs::path& d : config_dirs()) {
+      for (const std::string& n : {name, name + ".json"}) {
+        if (fs::is_regular_file(d / n, ec)) return (d / n).string();
+      }
+    }
+  }
+  std::string msg = "cannot find the model config \"" + name + "\"";
+  if (bare) {
+    msg += "; looked in:";
+    for (const fs::path& d : config_dirs()) msg += "\n  " + d.string();
+  }
+  msg += "\n(pass --config FILE with a Hugging Face config.json)";
+  throw InputError(msg);
+}
+
+struct CopyBandwidth {
+  double bytes = 0;
+  int reps = 0;
+  double best_gbps = 0, median_gbps = 0;
+};
+
+/// memcpy of `bytes` from one buffer to another on `threads` threads (each
+/// copies a contiguous share, as the op's threads share its work), repeated;
+/// buffers are touched first. Best and median over the repetitions.
+CopyBandwidth measure_memcpy(size_t bytes, int threads) {
+  CopyBandwidth r;
+  bytes = std::max<size_t>(bytes, 64);
+  r.bytes = static_cast<double>(bytes);
+  std::vector<uint8_t> src(bytes), dst(bytes);
+  for (size_t i = 0; i < bytes; ++i) src[i] = static_cast<uint8_t>(i * 131 + 7);
+  std::memset(dst.data(), 0, bytes);
+  int nt = 1;
+#ifdef _OPENMP
+  nt = threads > 0 ? threads : omp_get_max_threads();
+#else
+  (void)threads;
+#endif
+  auto once = [&]() {
+    const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(nt)
+    {
+#ifdef _OPENMP
+      const int id = omp_get_thread_num(), n = omp_get_num_threads();
+#else
+      const int id = 0, n = 1;
+#endif
+      const size_t chunk = (bytes / n + 63) / 64 * 64;
+      const size_t b = std::min(bytes, chunk * id), e = std::min(bytes, b + chunk);
+      if (e > b) std::memcpy(dst.data() + b, src.data() + b, e - b);
+    }
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  once();
+  once();  // warm-up: pages and threads
+  std::vector<double> t;
+  double total = 0;
+  while ((t.size() < 200 && total < 0.25) || t.size() < 11) {
+    const double s = once();
+    t.push_back(s);
+    total += s;
+  }
+  std::sort(t.begin(), t.end());
+  r.reps = static_cast<int>(t.size());
+  r.best_gbps = r.bytes / t.front() / 1e9;
+  r.median_gbps = r.bytes / t[t.size() / 2] / 1e9;
+  // Defeat dead-store elimination of the copies.
+  volatile uint8_t sink = dst[bytes / 2];
+  (void)sink;
+  return r;
+}
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t i = static_cast<size_t>(std::min<double>(v.size() - 1, std::floor(p * (v.size() - 1) + 0.5)));
+  return v[i];
+}
+
+std::string human_bytes(double b) {
+  char buf[32];
+  if (b >= 1e9) std::snprintf(buf, sizeof buf, "%.2f GB", b / 1e9);
+  else if (b >= 1e6) std::snprintf(buf, sizeof buf, "%.2f MB", b / 1e6);
+  else std::snprintf(buf, sizeof buf, "%.1f kB", b / 1e3);
+  return buf;
+}
+
+std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return buf;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "ropekv-replay: replays an LLM serving workload through ropekv::rope_pool_fused, one call per "
+      "layer per step, with continuous batching over a KV pool and chunked prefill; verifies every "
+      "result against ropekv::reference and reports the op's effective bandwidth (SPEC section 7) "
+      "next to a memcpy of the same bytes.\nWith no arguments: configs/llama-3.1-8b.json, a seeded "
+      "synthetic run, bf16.",
+      "ropekv-replay"};
+  std::string config_arg, trace, json_out, dtype_s = "bf16", qkv_s = "fused", fault;
+  ReplayOptions opt;
+  SyntheticParams syn;
+  int64_t requests = 0, layers = 0, inject_at = 100;
+  bool progress = false, no_progress = false, ignore_scaling = false;
+  app.add_option("--config", config_arg,
+                 "model config.json (Hugging Face form), or the name of a shipped one "
+                 "(e.g. qwen3-8b) [default: configs/llama-3.1-8b.json]");
+  app.add_option("--trace", trace,
+                 "CSV of requests in the Azure LLM inference trace format "
+                 "(TIMESTAMP,ContextTokens,GeneratedTokens) [default: synthetic workload]")
+      ->check(CLI::ExistingFile);
+  app.add_option("--dtype", dtype_s, "element type of q/k/v and the pools [default: bf16]")
+      ->check(CLI::IsMember({"f32", "f16", "bf16"}));
+  app.add_option("--threads", opt.threads, "CPU threads of the op (ExecOptions::num_threads), also used "
+                 "for data generation, checks and the memcpy baseline; 0 = OpenMP default")
+      ->check(CLI::Range(0, 1024));
+  app.add_option("--layers", layers, "replay at most N layers (default: all of the config's)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  app.add_option("--seed", opt.seed, "seed of the synthetic workload and of all q/k/v data");
+  app.add_option("--requests", requests, "number of requests (synthetic: how many to make, default "
+                 + std::to_string(syn.requests) + "; trace: the first N)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
+  app.add_option("--pool-size", opt.pool_size, "KV slots (tokens) per layer; default: the largest "
+                 "request, at least min(all KV tokens, 4096)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 31));
+  app.add_option("--max-batch-tokens", opt.max_batch_tokens,
+                 "token budget of one step: decode tokens plus prefill chunks (chunked prefill)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+  app.add_option("--max-running", opt.max_running, "most requests in flight at once")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+  app.add_option("--qkv", qkv_s, "q/k/v layout: fused = strided views of one [T, (Hq+2Hk)*D] QKV "
+                 "projection output (as engines have it), separate = three compact arrays")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"fused", "separate"}));
+  app.add_flag("--pad-decode", opt.pad_decode, "pad decode-only steps to CUDA-graph batch sizes "
+               "(1, 2, 4, 8k) with tokens whose slot is -1 (not written)");
+  app.add_option("--spot-checks", opt.spot_checks,
+                 "(layer, token, head) samples of q_rot and of k_rot checked against ropekv::reference::rope_head per step")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1 << 20));
+  app.add_flag("--check-all", opt.check_all, "check every element of q_rot and k_rot of every call");
+  app.add_flag("--ignore-rope-scaling", ignore_scaling,
+               "replay any rope_scaling type as default RoPE (llama3 and yarn always are)");
+  app.add_option("--json", json_out, "write the summary as JSON to FILE");
+  app.add_flag("--progress", progress, "progress bar on stderr even when it is not a terminal");
+  app.add_flag("--no-progress", no_progress, "no progress bar");
+  app.add_option("--inject-fault", fault, "testing: corrupt one result to prove the checks fail")
+      ->check(CLI::IsMember({"pool-k", "pool-v", "k-rot", "q-rot", "stray"}))
+      ->group("");
+  app.add_option("--inject-at", inject_at, "testing: first call index eligible for the fault")
+      ->check(CLI::NonNegativeNumber)
+      ->group("");
+  app.set_version_flag("--version", std::string("ropekv-replay (ropekv ") + ropekv::version() + ")");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
+  }
+
+  try {
+    opt.dtype = dtype_s == "f32" ? Dtype::kF32 : dtype_s == "f16" ? Dtype::kF16 : Dtype::kBF16;
+    opt.fused_qkv = qkv_s == "fused";
+    opt.layers = layers;
+    opt.progress = !no_progress && (progress || isatty(STDERR_FILENO));
+    opt.inject_fault = fault;
+    opt.inject_at = inject_at;
+    if (fault == "q-rot" && opt.spot_checks < 1)
+      throw InputError("--inject-fault q-rot needs --spot-checks >= 1");
+
+    const std::string config_path = resolve_config(config_arg);
+    ModelConfig model = load_model_config(config_path);
+    check_supported(model, ignore_scaling, library_has_rotary_dim());
+
+    Workload wl;
+    if (!trace.empty()) {
+      wl = load_azure_trace(trace, requests);
+    } else {
+      syn.seed = opt.seed;
+      if (requests > 0) syn.requests = requests;
+      wl = make_synthetic(syn);
+    }
+
+    const int64_t L = layers > 0 ? std::min(layers, model.num_layers) : model.num_layers;
+    std::printf("ropekv-replay  ropekv %s, CPU target %s, %s\n", ropekv::version(),
+                ropekv::cpu_target().c_str(),
+                opt.threads > 0 ? (std::to_string(opt.threads) + " threads").c_str()
+                                : "threads: OpenMP default");
+    std::printf("model     %s%s%s: Hq %lld, Hk %lld, head_dim %lld, rotary %lld, rope_theta %g, "
+                "layers %lld of %lld, %s, q/k/v %s\n",
+                config_path.c_str(), model.model_type.empty() ? "" : " (",
+                model.model_type.empty() ? "" : (model.model_type + ")").c_str(),
+                static_cast<long long>(model.num_qo_heads), static_cast<long long>(model.num_kv_heads),
+                static_cast<long long>(model.head_dim), static_cast<long long>(model.rotary_dim),
+                model.rope_theta, static_cast<long long>(L), static_cast<long long>(model.num_layers),
+                dtype_name(opt.dtype), opt.fused_qkv ? "fused (strided views)" : "separate");
+    for (const std::string& n : model.notes) std::printf("note      %s\n", n.c_str());
+    if (!trace.empty() && layers > model.num_layers)
+      std::printf("note      --layers %lld > the model's %lld layers: using %lld\n",
+                  static_cast<long long>(layers), static_cast<long long>(model.num_layers),
+                  static_cast<long long>(model.num_layers));
+    {
+      int64_t p = 0, g = 0;
+      for (const Request& r : wl.requests) p += r.prompt_tokens, g += r.output_tokens;
+      std::printf("workload  %s: %zu requests, %lld prompt tokens, %lld output tokens\n", wl.source.c_str(),
+                  wl.requests.size(), static_cast<long long>(p), static_cast<long long>(g));
+    }
+    std::fflush(stdout);
+
+    ReplayResult r;
+    bool verified = true;
+    std::string failure;
+    try {
+      r = run_replay(model, wl, opt);
+    } catch (const VerifyError& e) {
+      verified = false;
+      failure = e.what();
+    }
+    if (!verified) {
+      std::fflush(stdout);
+      std::fprintf(stderr, "\nropekv-replay: %s\nropekv-replay: NOT verified\n", failure.c_str());
+      std::printf("NOT verified\n");
+      if (!json_out.empty()) {
+        nlohmann::ordered_json j;
+        j["tool"] = "ropekv-replay";
+        j["verified"] = false;
+        j["error"] = failure;
+        std::ofstream(json_out) << j.dump(2) << "\n";
+      }
+      return 1;
+    }
+
+    const double mean_bytes = r.calls ? r.bytes / static_cast<double>(r.calls) : 0;
+    const CopyBandwidth mc = measure_memcpy(static_cast<size_t>(mean_bytes), opt.threads);
+    const double op_gbps = r.op_seconds > 0 ? r.bytes / r.op_seconds / 1e9 : 0;
+    const double dec_gbps =
+        r.decode_only_op_seconds > 0 ? r.decode_only_bytes / r.decode_only_op_seconds / 1e9 : 0;
+    const double other_s = r.op_seconds - r.decode_only_op_seconds;
+    const int64_t other_calls = r.calls - r.decode_only_calls;
+    const double other_gbps = other_s > 0 ? (r.bytes - r.decode_only_bytes) / other_s / 1e9 : 0;
+    const double ratio = mc.best_gbps > 0 ? op_gbps / mc.best_gbps : 0;
+    const double mean_us = r.calls ? r.op_seconds * 1e6 / static_cast<double>(r.calls) : 0;
+    const double p50 = percentile(r.call_us, 0.5), p99 = percentile(r.call_us, 0.99);
+    const double dec_mean_us =
+        r.decode_only_calls ? r.decode_only_op_seconds * 1e6 / static_cast<double>(r.decode_only_calls) : 0;
+    const double pool_bytes = 2.0 * r.layers * r.pool_size * model.num_kv_heads * model.head_dim *
+                              elem_size(opt.dtype);
+
+    std::printf("pool      %lld slots x %lld layers (k + v: %s), max batch tokens %lld, max running %lld%s\n",
+                static_cast<long long>(r.pool_size), static_cast<long long>(r.layers),
+                human_bytes(pool_bytes).c_str(), static_cast<long long>(opt.max_batch_tokens),
+                static_cast<long long>(opt.max_running), opt.pad_decode ? ", decode padded" : "");
+    std::printf("\nsummary\n");
+    std::printf("  requests        %lld (%lld prompt + %lld output tokens)\n", static_cast<long long>(r.requests),
+                static_cast<long long>(r.prompt_tokens), static_cast<long long>(r.output_tokens));
+    std::printf("  steps           %lld (%lld decode-only)\n", static_cast<long long>(r.steps),
+                static_cast<long long>(r.decode_only_steps));
+    std::printf("  calls           %lld (%lld decode-only), %lld tokens, %lld KV rows written, "
+                "%lld slot reuses\n",
+                static_cast<long long>(r.calls), static_cast<long long>(r.decode_only_calls),
+                static_cast<long long>(r.tokens), static_cast<long long>(r.rows_written),
+                static_cast<long long>(r.slot_reuses));
+    std::printf("  wall time       %.3f s (replay, data generation and verification)\n", r.wall_seconds);
+    std::printf("  op time         %.3f s (the rope_pool_fused calls alone, %.1f%% of wall)\n", r.op_seconds,
+                r.wall_seconds > 0 ? 100.0 * r.op_seconds / r.wall_seconds : 0.0);
+    std::printf("  bytes moved     %s (SPEC section 7), %s per call on average\n", human_bytes(r.bytes).c_str(),
+                human_bytes(mean_bytes).c_str());
+    std::printf("  op bandwidth    %.2f GB/s effective (prefill/mixed calls %.2f GB/s, decode-only %.2f GB/s)\n",
+                op_gbps, other_gbps, dec_gbps);
+    std::printf("  per call        %.1f us mean, %.1f us p50, %.1f us p99; decode-only %.1f us mean "
+                "(%lld calls), others %.1f us mean\n",
+                mean_us, p50, p99, dec_mean_us, static_cast<long long>(r.decode_only_calls),
+                other_calls ? other_s * 1e6 / static_cast<double>(other_calls) : 0.0);
+    std::printf("  memcpy          %.2f GB/s best, %.2f GB/s median (%s, %d reps, same threads)\n",
+                mc.best_gbps, mc.median_gbps, human_bytes(mc.bytes).c_str(), mc.reps);
+    std::printf("  ratio           %.2f of memcpy (op GB/s / best memcpy GB/s)\n", ratio);
+    std::printf("  checks          %lld q_rot/k_rot heads spot-checked%s, %lld pool rows (token x layer) "
+                "checked, %lld untouched rows\n",
+                static_cast<long long>(r.spot_checked_heads), opt.check_all ? " (+ all, --check-all)" : "",
+                static_cast<long long>(r.pool_rows_checked), static_cast<long long>(r.untouched_rows_checked));
+    std::printf("verified\n");
+    std::fflush(stdout);
+
+    if (!json_out.empty()) {
+      nlohmann::ordered_json j;
+      j["tool"] = "ropekv-replay";
+      j["ropekv_version"] = ropekv::version();
+      j["date"] = utc_now();
+      j["cpu_target"] = ropekv::cpu_target();
+      j["threads"] = opt.threads;
+      j["config"] = config_path;
+      j["model"] = {{"model_type", model.model_type},
+                    {"num_qo_heads", model.num_qo_heads},
+                    {"num_kv_heads", model.num_kv_heads},
+                    {"head_dim", model.head_dim},
+                    {"rotary_dim", model.rotary_dim},
+                    {"rope_theta", model.rope_theta},
+                    {"num_layers", model.num_layers},
+                    {"notes", model.notes}};
+      j["dtype"] = dtype_name(opt.dtype);
+      j["qkv"] = qkv_s;
+      j["workload"] = wl.source;
+      j["seed"] = opt.seed;
+      j["layers"] = r.layers;
+      j["pool_size"] = r.pool_size;
+      j["max_batch_tokens"] = opt.max_batch_tokens;
+      j["max_running"] = opt.max_running;
+      j["pad_decode"] = opt.pad_decode;
+      j["requests"] = r.requests;
+      j["prompt_tokens"] = r.prompt_tokens;
+      j["output_tokens"] = r.output_tokens;
+      j["steps"] = r.steps;
+      j["decode_only_steps"] = r.decode_only_steps;
+      j["calls"] = r.calls;
+      j["decode_only_calls"] = r.decode_only_calls;
+      j["tokens"] = r.tokens;
+      j["rows_written"] = r.rows_written;
+      j["slot_reuses"] = r.slot_reuses;
+      j["wall_s"] = r.wall_seconds;
+      j["op_s"] = r.op_seconds;
+      j["bytes"] = r.bytes;
+      j["op_gbps"] = op_gbps;
+      j["op_gbps_prefill_mixed"] = other_gbps;
+      j["op_gbps_decode_only"] = dec_gbps;
+      j["call_us"] = {{"mean", mean_us}, {"p50", p50}, {"p99", p99}, {"decode_only_mean", dec_mean_us}};
+      j["memcpy"] = {{"bytes", mc.bytes},
+                     {"reps", mc.reps},
+                     {"best_gbps", mc.best_gbps},
+                     {"median_gbps", mc.median_gbps}};
+      j["ratio_to_memcpy"] = ratio;
+      j["checks"] = {{"spot_checked_heads", r.spot_checked_heads},
+                     {"check_all", opt.check_all},
+                     {"pool_rows_checked", r.pool_rows_checked},
+                     {"untouched_rows_checked", r.untouched_rows_checked}};
+      j["verified"] = true;
+      std::ofstream f(json_out);
+      if (!f) throw InputError("--json: cannot write " + json_out);
+      f << j.dump(2) << "\n";
+    }
+    return 0;
+  } catch (const InputError& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "ropekv-replay: error: %s\n", e.what());
+    return 2;
+  } catch (const std::bad_alloc&) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "ropekv-replay: error: out of memory (try a smaller --pool-size or --layers)\n");
+    return 2;
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "ropekv-replay: internal error: %s\n", e.what());
+    return 3;
+  }
+}

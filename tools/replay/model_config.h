@@ -1,0 +1,47 @@
+// A model's attention shape and RoPE parameters, read from a Hugging Face
+// config.json (the fields every engine reads to size its KV cache).
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace replay {
+
+/// Thrown for a config, trace or argument the tool cannot run; the message
+/// is printed as is and the tool exits with status 2.
+class InputError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct ModelConfig {
+  std::string path;        ///< file it was read from
+  std::string model_type;  ///< "llama", "qwen2", ... ("" when absent)
+  int64_t num_qo_heads = 0;   ///< num_attention_heads | n_head
+  int64_t num_kv_heads = 0;   ///< num_key_value_heads (default: num_qo_heads)
+  int64_t head_dim = 0;       ///< head_dim, else hidden_size / num_attention_heads
+  int64_t num_layers = 0;     ///< num_hidden_layers | n_layer
+  double rope_theta = 10000;  ///< rope_theta | rotary_emb_base (default 10000)
+  double partial_rotary_factor = 1.0;  ///< partial_rotary_factor | rotary_pct
+  int64_t rotary_dim = 0;     ///< rotated dims per head (rotary_dim, else D * factor)
+  bool interleaved = false;   ///< GPT-J pairs (2i, 2i+1) instead of (i, i + R/2)
+  std::string rope_scaling_type;  ///< "" when none; else rope_scaling.rope_type|type
+  std::string rope_scaling_desc;  ///< the rope_scaling object, compact JSON
+  std::vector<std::string> notes;  ///< defaults taken, fields ignored (printed)
+};
+
+/// Reads and checks a config.json. Throws InputError with the file name and
+/// the field for anything missing or malformed. Does not judge whether the
+/// library can run it: see check_supported.
+ModelConfig load_model_config(const std::string& path);
+
+/// Throws InputError when the op cannot compute what the config asks for
+/// (partial rotary, interleaved pairs, a rope_scaling type other than llama3
+/// and yarn). llama3 and yarn scaling are accepted with a note: see README.
+/// `ignore_rope_scaling` accepts every rope_scaling type with a note.
+/// `lib_has_rotary_dim` says whether this ropekv's RopeConfig takes a rotary dim.
+void check_supported(ModelConfig& config, bool ignore_rope_scaling, bool lib_has_rotary_dim);
+
+}  // namespace replay

@@ -1,0 +1,945 @@
+// The replay engine. One step = one forward pass of the engine: a batch of
+// decode tokens (one per decoding request) and prefill chunks (up to the
+// step's token budget), then one rope_pool_fused call per layer with fresh
+// inputs. What each call wrote is checked after it, each request's cache is
+// checked when it finishes (before its slots are freed and reused), and the
+// whole pool is checked at the end.
+#include "replay.h"
+
+#include <ropekv/reference.h>
+#include <ropekv/ropekv.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <limits>
+#include <memory>
+#include <sstream>
+#include <type_traits>
+#include <utility>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace replay {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// ropekv's RopeConfig may grow a rotary_dim (partial rotary, SPEC section 2);
+// use it when this build has it.
+template <class C, class = void>
+struct HasRotaryDim : std::false_type {};
+template <class C>
+struct HasRotaryDim<C, std::void_t<decltype(std::declval<C&>().rotary_dim)>> : std::true_type {};
+
+template <class C>
+void set_rotary_dim(C& c, int64_t r) {
+  if constexpr (HasRotaryDim<C>::value) c.rotary_dim = r;
+  else (void)c, (void)r;
+}
+
+/// 64-byte aligned, uninitialised bytes; grows, never shrinks.
+class Buffer {
+ public:
+  void reserve(size_t bytes) {
+    if (bytes <= size_) return;
+    const size_t n = (bytes + 63) / 64 * 64;
+    void* p = std::aligned_alloc(64, n);
+    if (!p) throw std::bad_alloc();
+    ptr_.reset(static_cast<uint8_t*>(p));
+    size_ = n;
+  }
+  uint8_t* data() const { return ptr_.get(); }
+  size_t size() const { return size_; }
+
+ private:
+  struct Free {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  std::unique_ptr<uint8_t, Free> ptr_;
+  size_t size_ = 0;
+};
+
+uint64_t hash_bytes(const void* p, size_t n) {  // n is a multiple of 4
+  // Four independent multiply-xor lanes over 8-byte words, then the tail.
+  const uint8_t* b = static_cast<const uint8_t*>(p);
+  uint64_t h[4] = {0x243F6A8885A308D3ull, 0x13198A2E03707344ull, 0xA4093822299F31D0ull,
+                   0x082EFA98EC4E6C89ull};
+  size_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    for (int j = 0; j < 4; ++j) {
+      uint64_t w;
+      std::memcpy(&w, b + i + 8 * j, 8);
+      h[j] = (h[j] ^ w) * 0x9E3779B97F4A7C15ull;
+      h[j] ^= h[j] >> 31;
+    }
+  }
+  uint64_t r = h[0] ^ (h[1] * 3) ^ (h[2] * 5) ^ (h[3] * 7) ^ n;
+  for (; i < n; i += 4) {
+    uint32_t w;
+    std::memcpy(&w, b + i, 4);
+    r = (r ^ w) * 0x100000001B3ull;
+    r ^= r >> 29;
+  }
+  uint64_t s = r;
+  return splitmix64(s);
+}
+
+std::string fmt_elem(Dtype t, uint32_t bits, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, t == Dtype::kF32 ? "0x%08x (%.9g)" : "0x%04x (%.6g)", bits, v);
+  return buf;
+}
+
+struct Token {
+  int64_t req = -1;  ///< request index, -1 for a padding token
+  int64_t pos = 0;   ///< position (= token index in its request)
+  int64_t slot = -1;
+};
+
+struct ReqState {
+  int64_t prefilled = 0;  ///< prompt tokens processed
+  int64_t decoded = 0;    ///< decode steps done
+  bool admitted = false, finished = false;
+  std::vector<int32_t> slots;  ///< slot of each KV token, by position
+};
+
+/// Where a check failed: the first bad element of a row.
+struct Bad {
+  bool bad = false;
+  int64_t head = 0, dim = 0;
+  uint32_t got_bits = 0, want_bits = 0;
+  double got = 0, want = 0, tol = 0;
+};
+
+class Engine {
+ public:
+  Engine(const ModelConfig& m, const Workload& w, const ReplayOptions& o)
+      : m_(m), w_(w), o_(o), dt_(o.dtype), E_(elem_size(o.dtype)) {}
+
+  ReplayResult run();
+
+ private:
+  // ---- shapes
+  int64_t Hq() const { return m_.num_qo_heads; }
+  int64_t Hk() const { return m_.num_kv_heads; }
+  int64_t D() const { return m_.head_dim; }
+  int64_t R() const { return m_.rotary_dim; }
+  int64_t qrow() const { return Hq() * D(); }
+  int64_t krow() const { return Hk() * D(); }
+  int64_t in_row() const { return o_.fused_qkv ? qrow() + 2 * krow() : 0; }
+  size_t krow_bytes() const { return static_cast<size_t>(krow()) * E_; }
+
+  // ---- buffers of the step
+  uint8_t* q_in(int64_t t) const {
+    return o_.fused_qkv ? in_.data() + (t * in_row()) * E_ : q_.data() + t * qrow() * E_;
+  }
+  uint8_t* k_in(int64_t t) const {
+    return o_.fused_qkv ? in_.data() + (t * in_row() + qrow()) * E_ : k_.data() + t * krow() * E_;
+  }
+  uint8_t* v_in(int64_t t) const {
+    return o_.fused_qkv ? in_.data() + (t * in_row() + qrow() + krow()) * E_
+                        : v_.data() + t * krow() * E_;
+  }
+  uint8_t* q_rot(int64_t t) const { return qrot_.data() + t * qrow() * E_; }
+  uint8_t* k_rot(int64_t t) const { return krot_.data() + t * krow() * E_; }
+  uint8_t* k_pool(int64_t layer, int64_t slot) const {
+    return pool_.data() + ((2 * layer) * P_ + slot) * krow_bytes();
+  }
+  uint8_t* v_pool(int64_t layer, int64_t slot) const {
+    return pool_.data() + ((2 * layer + 1) * P_ + slot) * krow_bytes();
+  }
+
+  // ---- data
+  uint64_t key(int64_t req, int64_t pos, int64_t layer, int tensor) const {
+    return mix_key(o_.seed, static_cast<uint64_t>(req), static_cast<uint64_t>(pos),
+                   static_cast<uint64_t>(layer), static_cast<uint64_t>(tensor));
+  }
+  void gen_row(uint64_t k, int64_t n, uint8_t* dst) const;
+  void make_table();
+  void generate_inputs(int64_t layer);
+  const double* cos_sin(int64_t pos) const { return &table_[static_cast<size_t>(pos) * R()]; }
+  void rotate_ref(const double* x, int64_t pos, double* out) const;
+  Bad compare_rotated(const uint8_t* got, const double* x, int64_t pos, int64_t heads,
+                      double ulps = 1.0) const;
+  static Bad compare_bits(Dtype t, const uint8_t* got, const uint8_t* want, int64_t n, int64_t D);
+
+  // ---- steps
+  void admit_and_build();
+  void call(int64_t layer);
+  void check_call(int64_t layer);
+  void spot_check(int64_t layer);
+  void check_all(int64_t layer);
+  void check_cached(int64_t req, int64_t pos, int64_t layer, const char* when) const;
+  void finish_step();
+  void verify_pool_end();
+  void maybe_inject_before_checks(int64_t layer);
+  void maybe_inject_after_checks(int64_t layer);
+  [[noreturn]] void report(const std::string& check, int64_t req, int64_t pos, int64_t slot,
+                           int64_t layer, const Bad& b, const char* got_name,
+                           const char* want_name) const;
+  int nthreads() const;
+  void progress(bool final);
+
+  const ModelConfig& m_;
+  const Workload& w_;
+  const ReplayOptions& o_;
+  const Dtype dt_;
+  const int E_;
+  int64_t L_ = 0, P_ = 0;
+
+  Buffer pool_, in_, q_, k_, v_, qrot_, krot_;
+  std::vector<double> table_;  // per position: c[0..R/2), s[0..R/2), from reference::rope_head
+  std::vector<uint64_t> khash_;  // per (layer, slot, head): hash of the k_rot head the call wrote
+  size_t hash_index(int64_t layer, int64_t slot, int64_t head) const {
+    return static_cast<size_t>((layer * P_ + slot) * Hk() + head);
+  }
+  std::vector<int64_t> owner_req_, owner_pos_;  // last writer of each slot
+  std::vector<char> ever_used_;
+  std::deque<int32_t> free_;
+  std::vector<ReqState> st_;
+  std::deque<int64_t> waiting_;
+  std::vector<int64_t> running_;  // admission order
+  int64_t reserved_ = 0;
+
+  std::vector<Token> toks_;
+  std::vector<int32_t> positions_, slots_;
+  std::vector<std::pair<int64_t, int64_t>> chunks_;  // (request, tokens) prefill of this step
+  std::vector<int64_t> decoders_;                      // requests decoding this step
+  int64_t written_ = 0;                                // W of this step
+  bool decode_only_ = false;
+
+  ReplayResult res_;
+  int64_t kv_total_ = 0, kv_done_ = 0, finished_ = 0;
+  Clock::time_point last_progress_{};
+  struct Sample {
+    int64_t layer, token, head;
+  };
+  std::vector<Sample> spot_q_, spot_k_;  // spot checks of this step
+  static constexpr int64_t kTableElems = int64_t{1} << 20;
+  Buffer table_data_;  // random values in the dtype; inputs are windows of it
+};
+
+int Engine::nthreads() const {
+#ifdef _OPENMP
+  return o_.threads > 0 ? o_.threads : omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+void Engine::gen_row(uint64_t k, int64_t n, uint8_t* dst) const {
+  // A window of the random table at a random offset, with the sign of each
+  // element flipped by a random 64-bit pattern: fresh data for every
+  // (request, token, layer, tensor), made at memcpy speed, and made again
+  // bit for bit from the same key when the cache is checked.
+  Rng r(k);
+  const uint64_t off = r.below(kTableElems);
+  const uint64_t mask = r.next();
+  if (E_ == 4) {
+    uint32_t pat[64];
+    for (int i = 0; i < 64; ++i) pat[i] = static_cast<uint32_t>((mask >> i) & 1u) << 31;
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(table_data_.data()) + off;
+    uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+    for (int64_t b = 0; b < n; b += 64) {
+      const int64_t m = std::min<int64_t>(64, n - b);
+      for (int64_t j = 0; j < m; ++j) d[b + j] = src[b + j] ^ pat[j];
+    }
+  } else {
+    uint16_t pat[64];
+    for (int i = 0; i < 64; ++i) pat[i] = static_cast<uint16_t>(((mask >> i) & 1u) << 15);
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(table_data_.data()) + off;
+    uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+    for (int64_t b = 0; b < n; b += 64) {
+      const int64_t m = std::min<int64_t>(64, n - b);
+      for (int64_t j = 0; j < m; ++j) d[b + j] = static_cast<uint16_t>(src[b + j] ^ pat[j]);
+    }
+  }
+}
+
+void Engine::make_table() {
+  // Values uniform in [-2, 2) on a 2^-22 grid (exact in fp32), rounded once
+  // to the dtype; long enough for a window of the longest row at any offset.
+  const int64_t n = kTableElems + qrow();
+  table_data_.reserve(static_cast<size_t>(n) * E_);
+  Rng r(mix_key(o_.seed, 0x7AB1E, 0, 0, 0));
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = static_cast<float>(static_cast<int32_t>(r.next() & 0xFFFFFF) - 0x800000) * 0x1p-22f;
+    store_elem(dt_, table_data_.data(), i, v);
+  }
+}
+
+void Engine::generate_inputs(int64_t layer) {
+  const int64_t T = static_cast<int64_t>(toks_.size());
+#pragma omp parallel for num_threads(nthreads()) schedule(static) if (T >= 32)
+  for (int64_t t = 0; t < T; ++t) {
+    const Token& tk = toks_[t];
+    if (tk.req < 0) {  // padding: zeros, as an engine's padded graph batch
+      std::memset(q_in(t), 0, qrow() * E_);
+      std::memset(k_in(t), 0, krow() * E_);
+      std::memset(v_in(t), 0, krow() * E_);
+      continue;
+    }
+    gen_row(key(tk.req, tk.pos, layer, 0), qrow(), q_in(t));
+    gen_row(key(tk.req, tk.pos, layer, 1), krow(), k_in(t));
+    gen_row(key(tk.req, tk.pos, layer, 2), krow(), v_in(t));
+  }
+}
+
+void Engine::rotate_ref(const double* x, int64_t pos, double* out) const {
+  // The reference's formula with the reference's own c, s (see the table).
+  const int64_t h = R() / 2;
+  const double* cs = cos_sin(pos);
+  for (int64_t i = 0; i < h; ++i) {
+    out[i] = x[i] * cs[i] - x[i + h] * cs[h + i];
+    out[i + h] = x[i + h] * cs[i] + x[i] * cs[h + i];
+  }
+  for (int64_t d = R(); d < D(); ++d) out[d] = x[d];
+}
+
+/// Compares `heads` rotated heads `got` (dtype) with the float64 rotation of
+/// the dtype values `x` at `pos`, within rope_tolerance.
+Bad Engine::compare_rotated(const uint8_t* got, const double* x, int64_t pos, int64_t heads,
+                            double ulps) const {
+  Bad b;
+  const int64_t Dd = D(), R2 = R(), h = R2 / 2;
+  const double* cs = cos_sin(pos);
+  const UlpFn ulp(dt_);
+  const double K = 4.0 * 0x1p-24;
+  thread_local std::vector<double> g;
+  g.resize(static_cast<size_t>(heads * Dd));
+  load_row(dt_, got, heads * Dd, g.data());
+  for (int64_t hd = 0; hd < heads; ++hd) {
+    const double* xh = x + hd * Dd;
+    const double* gh = g.data() + hd * Dd;
+    bool bad = false;
+    for (int64_t i = 0; i < h; ++i) {  // the reference's formula, c and s from the reference
+      const double x1 = xh[i], x2 = xh[i + h], c = cs[i], s = cs[h + i];
+      const double r1 = x1 * c - x2 * s, r2 = x2 * c + x1 * s;
+      const double t = K * (std::fabs(x1 * c) + std::fabs(x2 * s));
+      const double u = K * (std::fabs(x2 * c) + std::fabs(x1 * s));
+      bad |= !(std::fabs(gh[i] - r1) <= ulps * ulp(r1) + t);
+      bad |= !(std::fabs(gh[i + h] - r2) <= ulps * ulp(r2) + u);
+    }
+    for (int64_t d = R2; d < Dd; ++d) bad |= !(gh[d] == xh[d]);
+    if (!bad) continue;
+    // Slow path: the first bad element, with the tolerance of rope_tolerance.
+    std::vector<double> ref(static_cast<size_t>(Dd));
+    rotate_ref(xh, pos, ref.data());
+    for (int64_t d = 0; d < Dd; ++d) {
+      double tol = 0;
+      if (d < R2) {
+        const int64_t i = d < h ? d : d - h;
+        const double x1 = xh[d], x2 = d < h ? xh[d + h] : xh[d - h];
+        tol = rope_tolerance(dt_, ref[d], x1 * cs[i], x2 * cs[h + i], ulps);
+      }
+      if (!(std::fabs(gh[d] - ref[d]) <= tol)) {
+        const int64_t e = hd * Dd + d;
+        b = {true, hd, d, elem_bits(dt_, got, e), 0, gh[d], ref[d], tol};
+        return b;
+      }
+    }
+  }
+  return b;
+}
+
+Bad Engine::compare_bits(Dtype t, const uint8_t* got, const uint8_t* want, int64_t n, int64_t Dd) {
+  Bad b;
+  const int es = elem_size(t);
+  if (std::memcmp(got, want, static_cast<size_t>(n) * es) == 0) return b;
+  for (int64_t e = 0; e < n; ++e) {
+    if (std::memcmp(got + e * es, want + e * es, es) != 0) {
+      b = {true, e / Dd, e % Dd, elem_bits(t, got, e), elem_bits(t, want, e), load_elem(t, got, e),
+           load_elem(t, want, e), 0};
+      return b;
+    }
+  }
+  return b;
+}
+
+void Engine::report(const std::string& check, int64_t req, int64_t pos, int64_t slot, int64_t layer,
+                    const Bad& b, const char* got_name, const char* want_name) const {
+  std::ostringstream o;
+  o << "MISMATCH (" << check << "): request " << req << ", token " << pos << ", layer " << layer
+    << ", head " << b.head << "\n  at dim " << b.dim << " (position " << pos << ", slot " << slot
+    << ", " << dtype_name(dt_) << "): " << got_name << " "
+    << fmt_elem(dt_, b.got_bits, b.got) << ", " << want_name << " ";
+  if (b.tol > 0 || std::strstr(want_name, "reference"))
+    o << b.want << " (|diff| " << std::fabs(b.got - b.want) << " > tolerance " << b.tol << ")";
+  else
+    o << fmt_elem(dt_, b.want_bits, b.want);
+  throw VerifyError(o.str());
+}
+
+// ------------------------------------------------------------ scheduling
+
+void Engine::admit_and_build() {
+  toks_.clear();
+  chunks_.clear();
+  decoders_.clear();
+  int64_t budget = o_.max_batch_tokens;
+  // 1. one decode token per request in its decode phase
+  for (int64_t r : running_) {
+    const Request& q = w_.requests[r];
+    if (st_[r].prefilled == q.prompt_tokens) decoders_.push_back(r);
+  }
+  budget -= static_cast<int64_t>(decoders_.size());
+  // 2. prefill chunks of admitted requests, in admission order
+  for (int64_t r : running_) {
+    const Request& q = w_.requests[r];
+    if (budget <= 0) break;
+    if (st_[r].prefilled < q.prompt_tokens) {
+      const int64_t n = std::min(budget, q.prompt_tokens - st_[r].prefilled);
+      chunks_.push_back({r, n});
+      budget -= n;
+    }
+  }
+  // 3. admit waiting requests (first come, first served) while the budget,
+  //    the running limit and the pool (each request reserves its whole KV) allow
+  while (budget > 0 && !waiting_.empty() &&
+         static_cast<int64_t>(running_.size()) < o_.max_running) {
+    const int64_t r = waiting_.front();
+    const Request& q = w_.requests[r];
+    if (reserved_ + q.kv_tokens() > P_) break;
+    waiting_.pop_front();
+    reserved_ += q.kv_tokens();
+    st_[r].admitted = true;
+    st_[r].slots.assign(static_cast<size_t>(q.kv_tokens()), -1);
+    running_.push_back(r);
+    const int64_t n = std::min(budget, q.prompt_tokens);
+    chunks_.push_back({r, n});
+    budget -= n;
+  }
+  // Tokens: decodes first (as engines order a mixed batch), then chunks.
+  auto alloc = [&](int64_t r, int64_t pos) {
+    if (free_.empty()) throw std::logic_error("ropekv-replay: free list empty (reservation bug)");
+    const int32_t s = free_.front();
+    free_.pop_front();
+    if (ever_used_[s]) ++res_.slot_reuses;
+    ever_used_[s] = 1;
+    st_[r].slots[static_cast<size_t>(pos)] = s;
+    owner_req_[s] = r;
+    owner_pos_[s] = pos;
+    toks_.push_back({r, pos, s});
+  };
+  for (int64_t r : decoders_) {
+    const Request& q = w_.requests[r];
+    const int64_t pos = q.prompt_tokens + st_[r].decoded;
+    alloc(r, pos);
+  }
+  for (auto [r, n] : chunks_)
+    for (int64_t i = 0; i < n; ++i) alloc(r, st_[r].prefilled + i);
+  written_ = static_cast<int64_t>(toks_.size());
+  decode_only_ = chunks_.empty() && !decoders_.empty();
+  if (o_.pad_decode && decode_only_) {
+    // CUDA-graph batch sizes as vLLM captures them: 1, 2, 4, then multiples of 8.
+    const int64_t n = written_;
+    const int64_t padded = n <= 1 ? 1 : n <= 2 ? 2 : n <= 4 ? 4 : (n + 7) / 8 * 8;
+    for (int64_t i = n; i < padded; ++i) toks_.push_back({-1, 0, -1});
+  }
+  const size_t T = toks_.size();
+  positions_.resize(T);
+  slots_.resize(T);
+  for (size_t t = 0; t < T; ++t) {
+    positions_[t] = static_cast<int32_t>(toks_[t].pos);
+    slots_[t] = static_cast<int32_t>(toks_[t].slot);
+  }
+}
+
+void Engine::finish_step() {
+  for (int64_t r : decoders_) {
+    ++st_[r].decoded;
+    ++kv_done_;
+  }
+  for (auto [r, n] : chunks_) {
+    st_[r].prefilled += n;
+    kv_done_ += n;
+  }
+  std::vector<int64_t> still;
+  for (int64_t r : running_) {
+    const Request& q = w_.requests[r];
+    const int64_t decodes = q.output_tokens > 1 ? q.output_tokens - 1 : 0;
+    if (st_[r].prefilled == q.prompt_tokens && st_[r].decoded == decodes) {
+      // Finished: its cache must still be exactly what the calls wrote.
+      const int64_t n = q.kv_tokens();
+      const int64_t items = n * L_;
+      std::atomic<int64_t> first_bad{items};
+#pragma omp parallel for num_threads(nthreads()) schedule(static) if (items >= 256)
+      for (int64_t i = 0; i < items; ++i) {
+        if (i > first_bad.load(std::memory_order_relaxed)) continue;
+        try {
+          check_cached(r, i % n, i / n, "at finish");
+        } catch (const VerifyError&) {
+          int64_t cur = first_bad.load();
+          while (i < cur && !first_bad.compare_exchange_weak(cur, i)) {}
+        }
+      }
+      if (first_bad.load() < items) {
+        const int64_t i = first_bad.load();
+        check_cached(r, i % n, i / n, "at finish");  // throws with the message
+      }
+      res_.pool_rows_checked += items;
+      for (int32_t s : st_[r].slots) free_.push_back(s);
+      reserved_ -= n;
+      st_[r].finished = true;
+      ++finished_;
+    } else {
+      still.push_back(r);
+    }
+  }
+  running_.swap(still);
+}
+
+// ------------------------------------------------------------ one call
+
+void Engine::call(int64_t layer) {
+  const int64_t T = static_cast<int64_t>(toks_.size());
+  const DLDataType dl = dl_dtype(dt_);
+  const DLDevice cpu{kDLCPU, 0};
+  int64_t q_shape[3] = {T, Hq(), D()}, kv_shape[3] = {T, Hk(), D()}, idx_shape[1] = {T};
+  int64_t pool_shape[3] = {P_, Hk(), D()};
+  const int64_t in_stride = o_.fused_qkv ? in_row() : 0;
+  int64_t q_strides[3] = {o_.fused_qkv ? in_stride : qrow(), D(), 1};
+  int64_t kv_strides[3] = {o_.fused_qkv ? in_stride : krow(), D(), 1};
+  auto tensor = [&](void* data, int ndim, int64_t* shape, int64_t* strides, DLDataType type) {
+    DLTensor x{};
+    x.data = data;
+    x.device = cpu;
+    x.ndim = ndim;
+    x.dtype = type;
+    x.shape = shape;
+    x.strides = strides;
+    x.byte_offset = 0;
+    return x;
+  };
+  const DLDataType i32{kDLInt, 32, 1};
+  ropekv::RopePoolTensors t{};
+  t.q = tensor(q_in(0), 3, q_shape, q_strides, dl);
+  t.k = tensor(k_in(0), 3, kv_shape, kv_strides, dl);
+  t.v = tensor(v_in(0), 3, kv_shape, kv_strides, dl);
+  t.positions = tensor(positions_.data(), 1, idx_shape, nullptr, i32);
+  t.slots = tensor(slots_.data(), 1, idx_shape, nullptr, i32);
+  t.k_pool = tensor(k_pool(layer, 0), 3, pool_shape, nullptr, dl);
+  t.v_pool = tensor(v_pool(layer, 0), 3, pool_shape, nullptr, dl);
+  t.q_rot = tensor(q_rot(0), 3, q_shape, nullptr, dl);
+  t.k_rot = tensor(k_rot(0), 3, kv_shape, nullptr, dl);
+  ropekv::RopeConfig cfg;
+  cfg.head_dim = D();
+  cfg.num_qo_heads = Hq();
+  cfg.num_kv_heads = Hk();
+  cfg.rope_base = m_.rope_theta;
+  set_rotary_dim(cfg, R());
+  ropekv::ExecOptions ex;
+  ex.num_threads = o_.threads;
+
+  const auto t0 = Clock::now();
+  try {
+    ropekv::rope_pool_fused(t, cfg, ex);
+  } catch (const ropekv::Error& e) {
+    throw VerifyError(std::string("ropekv rejected a valid call (layer ") + std::to_string(layer) +
+                      ", T " + std::to_string(T) + "): " + e.what());
+  }
+  const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+
+  const double bytes = call_bytes(m_, dt_, T, written_);
+  res_.op_seconds += s;
+  res_.bytes += bytes;
+  res_.call_us.push_back(s * 1e6);
+  ++res_.calls;
+  res_.tokens += T;
+  res_.rows_written += written_;
+  res_.max_call_tokens = std::max(res_.max_call_tokens, T);
+  if (decode_only_) {
+    ++res_.decode_only_calls;
+    res_.decode_only_op_seconds += s;
+    res_.decode_only_bytes += bytes;
+  }
+}
+
+void Engine::check_call(int64_t layer) {
+  // Every named pool row is bit for bit the k_rot the call returned and the v
+  // it was given; record the k row's hash for the checks after this step.
+  const int64_t T = static_cast<int64_t>(toks_.size());
+  std::atomic<int64_t> first_bad{T};
+#pragma omp parallel for num_threads(nthreads()) schedule(static) if (T >= 64)
+  for (int64_t t = 0; t < T; ++t) {
+    const Token& tk = toks_[t];
+    if (tk.slot < 0) continue;
+    const bool ok = std::memcmp(k_pool(layer, tk.slot), k_rot(t), krow_bytes()) == 0 &&
+                    std::memcmp(v_pool(layer, tk.slot), v_in(t), krow_bytes()) == 0;
+    if (!ok) {
+      int64_t cur = first_bad.load();
+      while (t < cur && !first_bad.compare_exchange_weak(cur, t)) {}
+      continue;
+    }
+    for (int64_t hd = 0; hd < Hk(); ++hd)
+      khash_[hash_index(layer, tk.slot, hd)] = hash_bytes(k_rot(t) + hd * D() * E_, static_cast<size_t>(D()) * E_);
+  }
+  if (first_bad.load() < T) {
+    const int64_t t = first_bad.load();
+    const Token& tk = toks_[t];
+    Bad b = compare_bits(dt_, k_pool(layer, tk.slot), k_rot(t), krow(), D());
+    if (b.bad)
+      report("k pool row vs the k_rot the call returned", tk.req, tk.pos, tk.slot, layer, b, "k_pool",
+             "k_rot");
+    b = compare_bits(dt_, v_pool(layer, tk.slot), v_in(t), krow(), D());
+    report("v pool row vs the v given to the call", tk.req, tk.pos, tk.slot, layer, b, "v_pool", "v");
+  }
+}
+
+void Engine::spot_check(int64_t layer) {
+  // The samples of this step that fall on this layer, each against
+  // ropekv::reference::rope_head itself.
+  const int64_t Dd = D();
+  std::vector<double> x(Dd), ref(Dd);
+  auto one = [&](bool is_q, int64_t t, int64_t h) {
+    const Token& tk = toks_[t];
+    const uint8_t* in = (is_q ? q_in(t) : k_in(t)) + h * Dd * E_;
+    const uint8_t* out = (is_q ? q_rot(t) : k_rot(t)) + h * Dd * E_;
+    load_row(dt_, in, Dd, x.data());
+    ropekv::reference::rope_head(x.data(), ref.data(), Dd, R(), tk.pos, m_.rope_theta);
+    const double* cs = cos_sin(tk.pos);
+    const int64_t half = R() / 2;
+    for (int64_t d = 0; d < Dd; ++d) {
+      const double g = load_elem(dt_, out, d);
+      double tol = 0;
+      if (d < R()) {
+        const int64_t i = d < half ? d : d - half;
+        const double x1 = x[d], x2 = d < half ? x[d + half] : x[d - half];
+        tol = rope_tolerance(dt_, ref[d], x1 * cs[i], x2 * cs[half + i]);
+      }
+      if (!(std::fabs(g - ref[d]) <= tol)) {
+        Bad b{true, h, d, elem_bits(dt_, out, d), 0, g, ref[d], tol};
+        report(is_q ? "q_rot spot check vs ropekv::reference" : "k_rot spot check vs ropekv::reference",
+               tk.req, tk.pos, tk.slot, layer, b, is_q ? "q_rot" : "k_rot", "reference");
+      }
+    }
+    ++res_.spot_checked_heads;
+  };
+  for (const Sample& p : spot_q_)
+    if (p.layer == layer) one(true, p.token, p.head);
+  for (const Sample& p : spot_k_)
+    if (p.layer == layer) one(false, p.token, p.head);
+}
+
+void Engine::check_all(int64_t layer) {
+  const int64_t T = static_cast<int64_t>(toks_.size());
+  std::atomic<int64_t> first_bad{T};
+#pragma omp parallel for num_threads(nthreads()) schedule(static) if (T >= 8)
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<double> x(static_cast<size_t>(qrow()));
+    const Token& tk = toks_[t];
+    load_row(dt_, q_in(t), qrow(), x.data());
+    bool bad = compare_rotated(q_rot(t), x.data(), tk.pos, Hq()).bad;
+    if (!bad) {
+      load_row(dt_, k_in(t), krow(), x.data());
+      bad = compare_rotated(k_rot(t), x.data(), tk.pos, Hk()).bad;
+    }
+    if (bad) {
+      int64_t cur = first_bad.load();
+      while (t < cur && !first_bad.compare_exchange_weak(cur, t)) {}
+    }
+  }
+  if (first_bad.load() < T) {
+    const int64_t t = first_bad.load();
+    const Token& tk = toks_[t];
+    std::vector<double> x(static_cast<size_t>(qrow()));
+    for (int64_t e = 0; e < qrow(); ++e) x[e] = load_elem(dt_, q_in(t), e);
+    Bad b = compare_rotated(q_rot(t), x.data(), tk.pos, Hq());
+    if (b.bad) report("q_rot vs reference (--check-all)", tk.req, tk.pos, tk.slot, layer, b, "q_rot", "reference");
+    for (int64_t e = 0; e < krow(); ++e) x[e] = load_elem(dt_, k_in(t), e);
+    b = compare_rotated(k_rot(t), x.data(), tk.pos, Hk());
+    report("k_rot vs reference (--check-all)", tk.req, tk.pos, tk.slot, layer, b, "k_rot", "reference");
+  }
+}
+
+/// The cached K/V of token `pos` of request `req` at `layer`: v is bit for
+/// bit the v generated for it, k is the float64 rotation of its k within the
+/// tolerance, and bit for bit the k_rot the call returned (hash).
+void Engine::check_cached(int64_t req, int64_t pos, int64_t layer, const char* when) const {
+  const int64_t slot = st_[req].slots[static_cast<size_t>(pos)];
+  thread_local std::vector<uint8_t> regen;
+  thread_local std::vector<double> x;
+  regen.resize(krow_bytes());
+  x.resize(static_cast<size_t>(krow()));
+  gen_row(key(req, pos, layer, 2), krow(), regen.data());
+  Bad b = compare_bits(dt_, v_pool(layer, slot), regen.data(), krow(), D());
+  if (b.bad)
+    report(std::string("v pool row ") + when + " vs the v generated for the token", req, pos, slot, layer,
+           b, "v_pool", "v");
+  gen_row(key(req, pos, layer, 1), krow(), regen.data());
+  load_row(dt_, regen.data(), krow(), x.data());
+  b = compare_rotated(k_pool(layer, slot), x.data(), pos, Hk());
+  if (b.bad)
+    report(std::string("k pool row ") + when + " vs float64 reference of k rotated at its position", req,
+           pos, slot, layer, b, "k_pool", "reference");
+  for (int64_t hd = 0; hd < Hk(); ++hd) {
+    const uint8_t* row = k_pool(layer, slot) + hd * D() * E_;
+    if (hash_bytes(row, static_cast<size_t>(D()) * E_) == khash_[hash_index(layer, slot, hd)]) continue;
+    // Changed since the call wrote it, yet within the tolerance (a flipped
+    // low bit). Name the first element that is not the nearest rounding of
+    // the reference: that is where the row was changed.
+    Bad h = compare_rotated(row, x.data() + hd * D(), pos, 1, 0.5);
+    std::ostringstream o;
+    o << "MISMATCH (k pool row " << when << " is not the k_rot the call returned: its hash differs): request "
+      << req << ", token " << pos << ", layer " << layer << ", head " << hd << "\n  slot " << slot;
+    if (h.bad)
+      o << ", dim " << h.dim << ": k_pool " << fmt_elem(dt_, h.got_bits, h.got) << ", reference " << h.want
+        << " (more than half an ulp off: not the nearest rounding)";
+    throw VerifyError(o.str());
+  }
+}
+
+void Engine::verify_pool_end() {
+  // Every slot ever written holds its last writer's rows; every other row
+  // still holds the fill pattern (the op never touched it).
+  std::atomic<int64_t> first_bad{P_};
+  std::atomic<int64_t> untouched{0}, checked{0};
+  const size_t kb = krow_bytes();
+#pragma omp parallel for num_threads(nthreads()) schedule(dynamic, 16)
+  for (int64_t s = 0; s < P_; ++s) {
+    if (s > first_bad.load(std::memory_order_relaxed)) continue;
+    bool bad = false;
+    if (owner_req_[s] >= 0) {
+      try {
+        for (int64_t l = 0; l < L_; ++l) check_cached(owner_req_[s], owner_pos_[s], l, "after the run");
+      } catch (const VerifyError&) {
+        bad = true;
+      }
+      checked += L_;
+    } else {
+      for (int64_t l = 0; l < L_ && !bad; ++l) {
+        const uint8_t* rows[2] = {k_pool(l, s), v_pool(l, s)};
+        for (const uint8_t* p : rows)
+          for (size_t i = 0; i < kb; ++i)
+            if (p[i] != 0xFF) bad = true;
+      }
+      untouched += L_;
+    }
+    if (bad) {
+      int64_t cur = first_bad.load();
+      while (s < cur && !first_bad.compare_exchange_weak(cur, s)) {}
+    }
+  }
+  res_.pool_rows_checked += checked.load();
+  res_.untouched_rows_checked += untouched.load();
+  if (first_bad.load() < P_) {
+    const int64_t s = first_bad.load();
+    if (owner_req_[s] >= 0) {
+      for (int64_t l = 0; l < L_; ++l) check_cached(owner_req_[s], owner_pos_[s], l, "after the run");
+    }
+    for (int64_t l = 0; l < L_; ++l) {
+      for (int kv = 0; kv < 2; ++kv) {
+        const uint8_t* p = kv ? v_pool(l, s) : k_pool(l, s);
+        for (int64_t e = 0; e < krow(); ++e) {
+          if (elem_bits(dt_, p, e) != (dt_ == Dtype::kF32 ? 0xFFFFFFFFu : 0xFFFFu)) {
+            std::ostringstream o;
+            o << "MISMATCH (" << (kv ? "v" : "k") << " pool row that no call named was written): request -, "
+              << "token -, layer " << l << ", head " << e / D() << "\n  slot " << s << ", dim " << e % D()
+              << ": " << fmt_elem(dt_, elem_bits(dt_, p, e), load_elem(dt_, p, e))
+              << ", expected the fill pattern (all bits set)";
+            throw VerifyError(o.str());
+          }
+        }
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------ faults
+
+void Engine::maybe_inject_before_checks(int64_t layer) {
+  const std::string& f = o_.inject_fault;
+  if (f.empty() || res_.fault_injected || res_.calls - 1 < o_.inject_at) return;
+  const Sample* sq = nullptr;
+  for (const Sample& p : spot_q_)
+    if (p.layer == layer) { sq = &p; break; }
+  if (f == "q-rot" && sq) {
+    const int64_t t = sq->token, h = sq->head;
+    uint8_t* p = q_rot(t) + (h * D() + 1) * E_;
+    if (dt_ == Dtype::kF32) *reinterpret_cast<uint32_t*>(p) ^= 0x40000000u;
+    else *reinterpret_cast<uint16_t*>(p) ^= 0x4000u;
+    res_.fault_injected = true;
+  } else if (f == "k-rot" && written_ > 0) {
+    uint8_t* p = k_rot(0) + ((Hk() - 1) * D() + 1) * E_;
+    p[0] ^= 1;
+    res_.fault_injected = true;
+  }
+  if (res_.fault_injected)
+    std::fprintf(stderr, "ropekv-replay: injected fault %s after call %lld (layer %lld)\n", f.c_str(),
+                 static_cast<long long>(res_.calls - 1), static_cast<long long>(layer));
+}
+
+void Engine::maybe_inject_after_checks(int64_t layer) {
+  const std::string& f = o_.inject_fault;
+  if (f.empty() || res_.fault_injected || res_.calls - 1 < o_.inject_at) return;
+  if ((f == "pool-k" || f == "pool-v") && written_ > 0) {
+    const Token& tk = toks_[0];
+    uint8_t* row = f == "pool-k" ? k_pool(layer, tk.slot) : v_pool(layer, tk.slot);
+    row[((Hk() - 1) * D() + 1) * E_] ^= 1;  // the lowest bit of (head Hk-1, dim 1)
+    res_.fault_injected = true;
+    std::fprintf(stderr,
+                 "ropekv-replay: injected fault %s after call %lld: request %lld, token %lld, layer %lld, "
+                 "head %lld, dim 1 (slot %lld)\n",
+                 f.c_str(), static_cast<long long>(res_.calls - 1), static_cast<long long>(tk.req),
+                 static_cast<long long>(tk.pos), static_cast<long long>(layer),
+                 static_cast<long long>(Hk() - 1), static_cast<long long>(tk.slot));
+  } else if (f == "stray" && !free_.empty()) {
+    // A write to a row no call names: prefer a slot that was never used.
+    // (the last one in the free list: the allocator reaches it last).
+    int32_t s = free_.back();
+    for (auto it = free_.rbegin(); it != free_.rend(); ++it)
+      if (!ever_used_[*it]) { s = *it; break; }
+    k_pool(layer, s)[0] ^= 1;
+    res_.fault_injected = true;
+    std::fprintf(stderr, "ropekv-replay: injected fault stray after call %lld: layer %lld, slot %d\n",
+                 static_cast<long long>(res_.calls - 1), static_cast<long long>(layer), s);
+  }
+}
+
+// ------------------------------------------------------------ progress
+
+void Engine::progress(bool final) {
+  if (!o_.progress) return;
+  const auto now = Clock::now();
+  if (!final && now - last_progress_ < std::chrono::milliseconds(100)) return;
+  last_progress_ = now;
+  const double frac = kv_total_ ? static_cast<double>(kv_done_) / static_cast<double>(kv_total_) : 1.0;
+  const int width = 30;
+  const int fill = static_cast<int>(frac * width);
+  char bar[width + 1];
+  for (int i = 0; i < width; ++i) bar[i] = i < fill ? '#' : '.';
+  bar[width] = 0;
+  std::fprintf(stderr, "\r[%s] %3d%%  step %lld  requests %lld/%lld done, %zu running  calls %lld   ", bar,
+               static_cast<int>(frac * 100), static_cast<long long>(res_.steps),
+               static_cast<long long>(finished_), static_cast<long long>(w_.requests.size()),
+               running_.size(), static_cast<long long>(res_.calls));
+  if (final) std::fprintf(stderr, "\n");
+  std::fflush(stderr);
+}
+
+// ------------------------------------------------------------ run
+
+ReplayResult Engine::run() {
+  const auto wall0 = Clock::now();
+  L_ = o_.layers > 0 ? std::min(o_.layers, m_.num_layers) : m_.num_layers;
+  res_.layers = L_;
+  int64_t largest = 1, max_pos = 0;
+  for (const Request& r : w_.requests) {
+    largest = std::max(largest, r.kv_tokens());
+    max_pos = std::max(max_pos, r.kv_tokens() - 1);
+    kv_total_ += r.kv_tokens();
+    res_.prompt_tokens += r.prompt_tokens;
+    res_.output_tokens += r.output_tokens;
+  }
+  res_.requests = static_cast<int64_t>(w_.requests.size());
+  P_ = o_.pool_size > 0 ? o_.pool_size : std::max(largest, std::min<int64_t>(kv_total_, 4096));
+  if (largest > P_)
+    throw InputError("a request needs " + std::to_string(largest) + " KV slots but the pool has " +
+                     std::to_string(P_) + " (--pool-size): it could never be scheduled");
+  if (P_ > std::numeric_limits<int32_t>::max()) throw InputError("--pool-size must be < 2^31 (int32 slots)");
+  res_.pool_size = P_;
+
+  // The pools, filled with all-ones bits: rows no call names must keep them.
+  pool_.reserve(static_cast<size_t>(2 * L_ * P_) * krow_bytes());
+  std::memset(pool_.data(), 0xFF, static_cast<size_t>(2 * L_ * P_) * krow_bytes());
+  khash_.assign(static_cast<size_t>(L_ * P_ * Hk()), 0);
+  owner_req_.assign(static_cast<size_t>(P_), -1);
+  owner_pos_.assign(static_cast<size_t>(P_), -1);
+  ever_used_.assign(static_cast<size_t>(P_), 0);
+  for (int64_t s = 0; s < P_; ++s) free_.push_back(static_cast<int32_t>(s));
+  st_.assign(w_.requests.size(), ReqState{});
+  for (const Request& r : w_.requests) waiting_.push_back(r.id);
+
+  make_table();
+  // c and s of every position, taken from the reference itself: rope_head of
+  // x = (1,..,1, 0,..,0) gives out[i] = c_i, out[i + R/2] = s_i exactly.
+  table_.assign(static_cast<size_t>((max_pos + 1) * R()), 0.0);
+  {
+    std::vector<double> unit(static_cast<size_t>(D()), 0.0), out(static_cast<size_t>(D()));
+    for (int64_t i = 0; i < R() / 2; ++i) unit[i] = 1.0;
+    for (int64_t p = 0; p <= max_pos; ++p) {
+      ropekv::reference::rope_head(unit.data(), out.data(), D(), R(), p, m_.rope_theta);
+      std::copy(out.begin(), out.begin() + R(), table_.begin() + p * R());
+    }
+  }
+
+  // Buffers for the largest step (decodes + budget, padding to a multiple of 8).
+  const int64_t Tmax = o_.max_batch_tokens + o_.max_running + 8;
+  if (o_.fused_qkv) {
+    in_.reserve(static_cast<size_t>(Tmax * in_row() * E_));
+  } else {
+    q_.reserve(static_cast<size_t>(Tmax * qrow() * E_));
+    k_.reserve(static_cast<size_t>(Tmax * krow() * E_));
+    v_.reserve(static_cast<size_t>(Tmax * krow() * E_));
+  }
+  qrot_.reserve(static_cast<size_t>(Tmax * qrow() * E_));
+  krot_.reserve(static_cast<size_t>(Tmax * krow() * E_));
+
+  while (finished_ < res_.requests) {
+    admit_and_build();
+    if (toks_.empty())
+      throw std::logic_error("ropekv-replay: scheduler made no progress (a bug of the tool)");
+    ++res_.steps;
+    if (decode_only_) ++res_.decode_only_steps;
+    const int64_t T = static_cast<int64_t>(toks_.size());
+    Rng pick(mix_key(o_.seed, 0x5B07, static_cast<uint64_t>(res_.steps), 0, 0));
+    spot_q_.clear();
+    spot_k_.clear();
+    for (int i = 0; i < o_.spot_checks; ++i) {
+      const auto l1 = static_cast<int64_t>(pick.below(L_)), t1 = static_cast<int64_t>(pick.below(T));
+      spot_q_.push_back({l1, t1, static_cast<int64_t>(pick.below(Hq()))});
+      const auto l2 = static_cast<int64_t>(pick.below(L_)), t2 = static_cast<int64_t>(pick.below(T));
+      spot_k_.push_back({l2, t2, static_cast<int64_t>(pick.below(Hk()))});
+    }
+    for (int64_t layer = 0; layer < L_; ++layer) {
+      generate_inputs(layer);
+      call(layer);
+      maybe_inject_before_checks(layer);
+      check_call(layer);
+      spot_check(layer);
+      if (o_.check_all) check_all(layer);
+      maybe_inject_after_checks(layer);
+    }
+    finish_step();
+    progress(false);
+  }
+  progress(true);
+  verify_pool_end();
+  res_.wall_seconds = seconds_since(wall0);
+  res_.verify_seconds = res_.wall_seconds - res_.op_seconds;
+  if (!o_.inject_fault.empty() && !res_.fault_injected)
+    throw InputError("--inject-fault " + o_.inject_fault + ": the run ended (" + std::to_string(res_.calls) +
+                     " calls) before the fault could be injected at call " + std::to_string(o_.inject_at));
+  return res_;
+}
+
+}  // namespace
+
+double call_bytes(const ModelConfig& m, Dtype t, int64_t tokens, int64_t written) {
+  const double E = elem_size(t);
+  const double T = static_cast<double>(tokens), W = static_cast<double>(written);
+  const double Hq = static_cast<double>(m.num_qo_heads), Hk = static_cast<double>(m.num_kv_heads),
+               D = static_cast<double>(m.head_dim);
+  return E * (2 * T * Hq * D + 3 * T * Hk * D + 2 * W * Hk * D) + T * (4 + 4);
+}
+
+ReplayResult run_replay(const ModelConfig& model, const Workload& workload, const ReplayOptions& opt) {
+  Engine e(model, workload, opt);
+  return e.run();
+}
+
+bool library_has_rotary_dim() { return HasRotaryDim<ropekv::RopeConfig>::value; }
+
+}  // namespace replay
