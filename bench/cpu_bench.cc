@@ -1,0 +1,300 @@
+// CPU benchmark of ropekv::rope_pool_fused (Google Benchmark).
+//
+// Shapes of real models (SPEC section 6), f32 and bf16, T in
+// {1, 16, 128, 1024, 8192}, 1 and 2 threads. Each row reports:
+//
+//   us_per_call  wall time of one call (also the benchmark's own Time column)
+//   GB/s         SPEC section 7 bytes / time
+//   memcpy_GB/s  a memcpy moving the same traffic (bytes/2 read, bytes/2
+//                written), timed in the same benchmark right after the op, on
+//                the same number of threads
+//   vs_memcpy    GB/s / memcpy_GB/s
+//
+// Cold caches, as in a serving engine where the pool is far larger than any
+// cache and the previous layer has long evicted this one:
+//   - the pools have at least kPoolMinBytes each (larger than the last-level
+//     cache) and slots are a random permutation of their rows;
+//   - every iteration uses the next of S input/output sets (q, k, v,
+//     positions, slots, q_rot, k_rot), S chosen so that all sets together
+//     are at least 2x the last-level cache: a small T call never finds its
+//     inputs in a cache that a previous iteration warmed;
+//   - the memcpy reference rotates over its buffers the same way.
+// The C++ API allocates nothing per call, so the loop times rope_pool_fused
+// directly (validation included).
+//
+// The "warm" family (T = 1 and 16) is the decode case: q, k, v and the
+// outputs reused (in cache, as right after the QKV projection), the pool rows
+// still cold. Its memcpy reference copies one hot buffer.
+//
+// Run:  build-bench/bench/ropekv_cpu_bench --benchmark_counters_tabular=true
+#include <benchmark/benchmark.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "ropekv/ropekv.h"
+
+namespace {
+
+struct Model {
+  const char* name;
+  int64_t hq, hk, d;
+  double base;
+};
+
+constexpr Model kModels[] = {
+    {"Llama-3.1-8B", 32, 8, 128, 500000.0},
+    {"Qwen2.5-7B", 28, 4, 128, 1000000.0},
+    {"Gemma-2-9B", 16, 8, 256, 10000.0},
+};
+
+// Size of the last-level cache, from sysfs (sysconf's value is wrong in some
+// VMs); 32 MiB when unknown.
+int64_t llc_bytes() {
+  int64_t best = 0;
+  for (int i = 0; i < 8; ++i) {
+    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i);
+    std::ifstream f(dir + "/size");
+    std::string v;
+    if (!(f >> v) || v.empty()) continue;
+    int64_t n = std::atoll(v.c_str());
+    if (v.back() == 'K') n <<= 10;
+    if (v.back() == 'M') n <<= 20;
+    best = std::max(best, n);
+  }
+  return best > 0 ? best : int64_t{32} << 20;
+}
+
+// 64-byte aligned, zero-initialised (pages touched) buffer.
+struct Buffer {
+  std::unique_ptr<uint8_t, decltype(&std::free)> p{nullptr, &std::free};
+  size_t n = 0;
+  explicit Buffer(size_t bytes = 0) {
+    n = std::max<size_t>(bytes, 64);
+    p.reset(static_cast<uint8_t*>(std::aligned_alloc(64, (n + 63) / 64 * 64)));
+    std::memset(p.get(), 0, n);
+  }
+  uint8_t* get() const { return p.get(); }
+};
+
+DLTensor view(void* data, DLDataType dt, int ndim, int64_t* shape) {
+  DLTensor t{};
+  t.data = data;
+  t.device = {kDLCPU, 0};
+  t.ndim = ndim;
+  t.dtype = dt;
+  t.shape = shape;
+  t.strides = nullptr;
+  return t;
+}
+
+uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+// SPEC section 7: E * (2*T*Hq*D + 3*T*Hk*D + 2*W*Hk*D) + T * (4 + 4).
+int64_t spec_bytes(const Model& m, int64_t T, int64_t E) {
+  return E * (2 * T * m.hq * m.d + 3 * T * m.hk * m.d + 2 * T * m.hk * m.d) + T * 8;
+}
+
+// Timed memcpy of `n` bytes per call, rotating over `sets` buffer pairs, on
+// `threads` threads (each piece at least 64 KiB, as ropekv's own rule).
+double memcpy_seconds_per_call(size_t n, int threads, int64_t sets, double min_seconds) {
+  Buffer src(n * sets), dst(n * sets);
+  std::memset(src.get(), 1, n * sets);
+  const int64_t by_size = std::max<int64_t>(1, static_cast<int64_t>(n) / (64 * 1024));
+  const int nt = static_cast<int>(std::min<int64_t>(threads, by_size));
+  auto copy = [&](int64_t s) {
+    uint8_t* d = dst.get() + s * n;
+    const uint8_t* sp = src.get() + s * n;
+    if (nt <= 1) {
+      std::memcpy(d, sp, n);
+      return;
+    }
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+    {
+      const int i = omp_get_thread_num(), k = omp_get_num_threads();
+      const size_t chunk = (n / k + 63) / 64 * 64;
+      const size_t b = std::min(n, chunk * i), e = std::min(n, b + chunk);
+      if (e > b) std::memcpy(d + b, sp + b, e - b);
+    }
+#endif
+  };
+  for (int64_t s = 0; s < sets; ++s) copy(s);  // warm-up (page faults)
+  double best = 1e30;
+  for (int rep = 0; rep < 5; ++rep) {
+    int64_t iters = 0, s = 0;
+    const auto t0 = std::chrono::steady_clock::now();
+    double el = 0;
+    do {
+      copy(s);
+      s = (s + 1) % sets;
+      ++iters;
+      if ((iters & 7) == 0 || n > (1 << 20))
+        el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    } while (el < min_seconds / 5);
+    el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::min(best, el / iters);
+  }
+  return best;
+}
+
+// `warm`: q, k, v, positions and the outputs are one set reused by every
+// iteration (in cache, as right after the QKV projection of a decode step);
+// the slots still name fresh random pool rows each call (the pool is cold).
+void BM_RopePool(benchmark::State& state, Model m, bool bf16, int threads, bool warm) {
+  const int64_t T = state.range(0);
+  const int64_t E = bf16 ? 2 : 4;
+  const DLDataType dt = bf16 ? DLDataType{kDLBfloat, 16, 1} : DLDataType{kDLFloat, 32, 1};
+  const int64_t llc = llc_bytes();
+
+  // Pools: each at least 2x the LLC, and at least 2T rows.
+  const int64_t row_bytes = m.hk * m.d * E;
+  const int64_t P = std::max<int64_t>(2 * T, (2 * llc + row_bytes - 1) / row_bytes);
+  Buffer k_pool(P * row_bytes), v_pool(P * row_bytes);
+
+  // Input/output sets, and slot sets (the pool rows touched by all slot sets
+  // together also exceed 2x the LLC).
+  const int64_t q_elems = T * m.hq * m.d, k_elems = T * m.hk * m.d;
+  const int64_t set_bytes = E * (2 * q_elems + 3 * k_elems) + 8 * T;
+  const int64_t in_sets =
+      warm ? 1 : std::clamp<int64_t>((2 * llc + set_bytes - 1) / set_bytes, 1, 8192);
+  const int64_t slot_sets =
+      std::clamp<int64_t>((2 * llc + 2 * T * row_bytes - 1) / (2 * T * row_bytes), 1, 8192);
+  const int64_t sets = std::max(in_sets, slot_sets);
+  Buffer q(in_sets * q_elems * E), k(in_sets * k_elems * E), v(in_sets * k_elems * E);
+  Buffer q_rot(in_sets * q_elems * E), k_rot(in_sets * k_elems * E);
+  Buffer pos(in_sets * T * 4), slot(slot_sets * T * 4);
+  std::mt19937_64 rng(1234);
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+  auto fill = [&](const Buffer& b, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float f = uni(rng);
+      if (bf16) reinterpret_cast<uint16_t*>(b.get())[i] = to_bf16(f);
+      else reinterpret_cast<float*>(b.get())[i] = f;
+    }
+  };
+  fill(q, in_sets * q_elems);
+  fill(k, in_sets * k_elems);
+  fill(v, in_sets * k_elems);
+  // Slots: consecutive chunks of random permutations of the pool rows (each
+  // call's slots distinct); positions: T consecutive positions from a random
+  // start below 128k.
+  std::vector<int32_t> perm(P);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  int64_t next = 0;
+  for (int64_t s = 0; s < slot_sets; ++s) {
+    if (next + T > P) {
+      std::shuffle(perm.begin(), perm.end(), rng);
+      next = 0;
+    }
+    int32_t* sl = reinterpret_cast<int32_t*>(slot.get()) + s * T;
+    for (int64_t t = 0; t < T; ++t) sl[t] = perm[next++];
+  }
+  std::uniform_int_distribution<int32_t> pos_dist(0, 131071);
+  for (int64_t s = 0; s < in_sets; ++s) {
+    int32_t* ps = reinterpret_cast<int32_t*>(pos.get()) + s * T;
+    const int32_t p0 = pos_dist(rng);
+    for (int64_t t = 0; t < T; ++t) ps[t] = p0 + static_cast<int32_t>(t);
+  }
+
+  int64_t sq[3] = {T, m.hq, m.d}, sk[3] = {T, m.hk, m.d}, sp[3] = {P, m.hk, m.d}, s1[1] = {T};
+  const DLDataType i32{kDLInt, 32, 1};
+  std::vector<ropekv::RopePoolTensors> calls(sets);
+  for (int64_t c = 0; c < sets; ++c) {
+    const int64_t s = c % in_sets, ss = c % slot_sets;
+    auto& a = calls[c];
+    a.q = view(q.get() + s * q_elems * E, dt, 3, sq);
+    a.k = view(k.get() + s * k_elems * E, dt, 3, sk);
+    a.v = view(v.get() + s * k_elems * E, dt, 3, sk);
+    a.positions = view(pos.get() + s * T * 4, i32, 1, s1);
+    a.slots = view(slot.get() + ss * T * 4, i32, 1, s1);
+    a.k_pool = view(k_pool.get(), dt, 3, sp);
+    a.v_pool = view(v_pool.get(), dt, 3, sp);
+    a.q_rot = view(q_rot.get() + s * q_elems * E, dt, 3, sq);
+    a.k_rot = view(k_rot.get() + s * k_elems * E, dt, 3, sk);
+  }
+  ropekv::RopeConfig cfg;
+  cfg.head_dim = m.d;
+  cfg.num_qo_heads = m.hq;
+  cfg.num_kv_heads = m.hk;
+  cfg.rope_base = m.base;
+  ropekv::ExecOptions opt;
+  opt.num_threads = threads;
+
+  for (int64_t c = 0; c < sets; ++c) ropekv::rope_pool_fused(calls[c], cfg, opt);  // warm-up
+
+  int64_t c = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    ropekv::rope_pool_fused(calls[c], cfg, opt);
+    if (++c == sets) c = 0;
+  }
+  const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double per_call = el / static_cast<double>(state.iterations());
+
+  // The memcpy reference: cold (rotating buffers) for the cold family, one
+  // hot buffer pair for the warm family.
+  const int64_t bytes = spec_bytes(m, T, E);
+  const int64_t mc_sets = warm ? 1 : std::clamp<int64_t>((2 * llc + bytes - 1) / bytes, 1, 8192);
+  const double mc = memcpy_seconds_per_call(static_cast<size_t>(bytes / 2), threads, mc_sets,
+                                            std::clamp(el, 0.05, 0.5));
+  state.counters["us_per_call"] = per_call * 1e6;
+  state.counters["us_per_token"] = per_call * 1e6 / static_cast<double>(T);
+  state.counters["GB/s"] = static_cast<double>(bytes) / per_call * 1e-9;
+  state.counters["memcpy_GB/s"] = static_cast<double>(2 * (bytes / 2)) / mc * 1e-9;
+  state.counters["vs_memcpy"] = mc / per_call;
+  state.counters["sets"] = static_cast<double>(sets);
+  state.SetLabel(ropekv::cpu_target());
+}
+
+void register_all() {
+  for (const Model& m : kModels) {
+    for (bool bf16 : {false, true}) {
+      for (int threads : {1, 2}) {
+        for (bool warm : {false, true}) {
+          const std::string name = std::string(warm ? "warm/" : "cold/") + m.name + "/" +
+                                   (bf16 ? "bf16" : "f32") + "/threads:" +
+                                   std::to_string(threads);
+          auto* b =
+              benchmark::RegisterBenchmark(name.c_str(), BM_RopePool, m, bf16, threads, warm);
+          b->ArgName("T")->UseRealTime()->Unit(benchmark::kMicrosecond);
+          if (warm)
+            b->Arg(1)->Arg(16);
+          else
+            b->Arg(1)->Arg(16)->Arg(128)->Arg(1024)->Arg(8192);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  register_all();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::AddCustomContext("ropekv_cpu_target", ropekv::cpu_target());
+  benchmark::AddCustomContext("llc_bytes", std::to_string(llc_bytes()));
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
