@@ -190,13 +190,13 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 1024));
   app.add_option("--layers", layers, "replay at most N layers (default: all of the config's)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
-  app.add_option("--seed", opt.seed, "seed of the synthetic workload and of all q/k/v data");
+  app.add_option("--seed", opt.seed, "seed of the synthetic workload and of all q/k/v data")->capture_default_str();
   app.add_option("--requests", requests, "number of requests (synthetic: how many to make, default "
                  + std::to_string(syn.requests) + "; trace: the first N)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   app.add_option("--pool-size", opt.pool_size, "KV slots (tokens) per layer; default: the largest "
                  "request, at least min(all KV tokens, 4096)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 31));
+      ->check(CLI::Range(int64_t{1}, int64_t{2147483647}));
   app.add_option("--max-batch-tokens", opt.max_batch_tokens,
                  "token budget of one step: decode tokens plus prefill chunks (chunked prefill)")
       ->capture_default_str()
@@ -272,7 +272,7 @@ int main(int argc, char** argv) {
                 model.rope_theta, static_cast<long long>(L), static_cast<long long>(model.num_layers),
                 dtype_name(opt.dtype), opt.fused_qkv ? "fused (strided views)" : "separate");
     for (const std::string& n : model.notes) std::printf("note      %s\n", n.c_str());
-    if (!trace.empty() && layers > model.num_layers)
+    if (layers > model.num_layers)
       std::printf("note      --layers %lld > the model's %lld layers: using %lld\n",
                   static_cast<long long>(layers), static_cast<long long>(model.num_layers),
                   static_cast<long long>(model.num_layers));
