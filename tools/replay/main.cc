@@ -139,6 +139,15 @@ CopyBandwidth measure_memcpy(size_t bytes, int threads) {
   return r;
 }
 
+int effective_threads(int threads) {
+#ifdef _OPENMP
+  return threads > 0 ? threads : omp_get_max_threads();
+#else
+  (void)threads;
+  return 1;
+#endif
+}
+
 double percentile(std::vector<double> v, double p) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -259,10 +268,10 @@ int main(int argc, char** argv) {
     }
 
     const int64_t L = layers > 0 ? std::min(layers, model.num_layers) : model.num_layers;
-    std::printf("ropekv-replay  ropekv %s, CPU target %s, %s\n", ropekv::version(),
-                ropekv::cpu_target().c_str(),
-                opt.threads > 0 ? (std::to_string(opt.threads) + " threads").c_str()
-                                : "threads: OpenMP default");
+    std::printf("ropekv-replay  ropekv %s, CPU target %s, %d thread%s%s\n", ropekv::version(),
+                ropekv::cpu_target().c_str(), effective_threads(opt.threads),
+                effective_threads(opt.threads) == 1 ? "" : "s",
+                opt.threads > 0 ? "" : " (OpenMP default)");
     std::printf("model     %s%s%s: Hq %lld, Hk %lld, head_dim %lld, rotary %lld, rope_theta %g, "
                 "layers %lld of %lld, %s, q/k/v %s\n",
                 config_path.c_str(), model.model_type.empty() ? "" : " (",
@@ -365,6 +374,7 @@ int main(int argc, char** argv) {
       j["date"] = utc_now();
       j["cpu_target"] = ropekv::cpu_target();
       j["threads"] = opt.threads;
+      j["threads_effective"] = effective_threads(opt.threads);
       j["config"] = config_path;
       j["model"] = {{"model_type", model.model_type},
                     {"num_qo_heads", model.num_qo_heads},

@@ -53,7 +53,6 @@ struct ReplayResult {
   double op_seconds = 0;     ///< sum of the timed calls
   double decode_only_op_seconds = 0;
   double wall_seconds = 0;   ///< the replay loop and its verification
-  double verify_seconds = 0; ///< verification and data generation part of the wall time
   std::vector<double> call_us;  ///< every call's time, microseconds
   int64_t spot_checked_heads = 0, pool_rows_checked = 0, untouched_rows_checked = 0;
   bool fault_injected = false;
