@@ -121,7 +121,7 @@ def bench_config(model, dtype_name, T, pool, timer, compiled, args, log):
     esize = torch.tensor([], dtype=dt).element_size()
     k_pool, v_pool = pool
     nbytes = spec_bytes(T, Hq, Hk, D, esize, T, index_bytes=8)
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size or 60 * 2**20
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 60 * 2**20
     calls_per_graph = 50 if T <= 512 else (10 if T <= 2048 else 4)
     n_graphs = max(1, min(args.max_graphs, math.ceil(2 * l2 / (nbytes * calls_per_graph))))
     n_calls = calls_per_graph * n_graphs
@@ -295,7 +295,8 @@ def main():
             "command": " ".join(sys.argv)}
     timer = Timer()
     peak = peak_copy_gbps(timer)
-    log(f"{props.name}: {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MiB, "
+    log(f"{props.name}: {props.multi_processor_count} SMs, "
+        f"L2 {getattr(props, 'L2_cache_size', 0) >> 20} MiB, "
         f"peak copy {peak:.0f} GB/s")
     rows = []
     tokens = [int(t) for t in args.tokens.split(",")]

@@ -58,6 +58,23 @@ class DeviceGuard {
   int previous_ = 0;
 };
 
+// Relaxed stream-capture mode for this thread, for the scope: the pointer
+// queries and the one-time allocation below are not stream work and must not
+// invalidate a graph capture in progress (PyTorch captures in global mode).
+class RelaxedCapture {
+ public:
+  RelaxedCapture() { ok_ = cudaThreadExchangeStreamCaptureMode(&mode_) == cudaSuccess; }
+  ~RelaxedCapture() {
+    if (ok_) cudaThreadExchangeStreamCaptureMode(&mode_);
+  }
+  RelaxedCapture(const RelaxedCapture&) = delete;
+  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+  bool ok_ = false;
+};
+
 constexpr int kMaxDevices = 64;
 
 // Per-device state, made once: the error record and the multiprocessor count.
@@ -99,23 +116,18 @@ DeviceState& device_state(int device) {
   if (st.err.load(std::memory_order_acquire) != nullptr) return st;
   std::lock_guard<std::mutex> lock(g_init_mutex);
   if (st.err.load(std::memory_order_relaxed) != nullptr) return st;
-  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-  check(cudaThreadExchangeStreamCaptureMode(&mode), "cudaThreadExchangeStreamCaptureMode");
+  RelaxedCapture relaxed;
   ErrorRecord* rec = nullptr;
   int sms = 0;
-  cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (e == cudaSuccess) e = cudaMalloc(&rec, sizeof(ErrorRecord));
-  if (e == cudaSuccess) {
-    try {
-      reset_record_private(rec);
-    } catch (...) {
-      cudaFree(rec);
-      cudaThreadExchangeStreamCaptureMode(&mode);
-      throw;
-    }
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+        "cudaDeviceGetAttribute");
+  check(cudaMalloc(&rec, sizeof(ErrorRecord)), "allocating the device error flag");
+  try {
+    reset_record_private(rec);
+  } catch (...) {
+    cudaFree(rec);
+    throw;
   }
-  cudaThreadExchangeStreamCaptureMode(&mode);
-  check(e, "allocating the device error flag");
   st.num_sms.store(sms, std::memory_order_relaxed);
   st.err.store(rec, std::memory_order_release);
   return st;
@@ -160,24 +172,29 @@ bool vector_ok(const Problem& p, int64_t vec, int64_t esize) {
   return true;
 }
 
-template <class T, int N, bool kContig>
+template <class T, int N, bool kContig, bool kLazy = false>
 void launch_as(const Params& prm, long long blocks, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned int>(blocks));
   cfg.blockDim = dim3(detail::kBlock);
   cfg.stream = stream;
-  check(cudaLaunchKernelEx(&cfg, detail::rope_pool_kernel<T, N, kContig>, prm),
+  check(cudaLaunchKernelEx(&cfg, detail::rope_pool_kernel<T, N, kContig, kLazy>, prm),
         "launching the rope_pool kernel");
 }
 
+// `lazy`: the 16-byte kernel that computes cos/sin after issuing its first
+// loads (shorter critical path, for grids that fit in one wave); otherwise
+// cos/sin come first and the kernel needs fewer registers (more warps).
 template <class T>
-void launch_typed(const Params& prm, int vec, bool contig, long long blocks,
+void launch_typed(const Params& prm, int vec, bool contig, bool lazy, long long blocks,
                   cudaStream_t stream) {
   if (!contig) return launch_as<T, 1, false>(prm, blocks, stream);
   if constexpr (sizeof(T) == 4) {
+    if (vec == 4 && lazy) return launch_as<T, 4, true, true>(prm, blocks, stream);
     if (vec == 4) return launch_as<T, 4, true>(prm, blocks, stream);
     return launch_as<T, 2, true>(prm, blocks, stream);
   } else {
+    if (vec == 8 && lazy) return launch_as<T, 8, true, true>(prm, blocks, stream);
     if (vec == 8) return launch_as<T, 8, true>(prm, blocks, stream);
     if (vec == 4) return launch_as<T, 4, true>(prm, blocks, stream);
     return launch_as<T, 2, true>(prm, blocks, stream);
@@ -196,6 +213,7 @@ bool available() { return true; }
 void check_addressable(const RopePoolTensors& t) {
   const DLTensor* all[] = {&t.q,      &t.k,      &t.v,     &t.positions, &t.slots,
                            &t.k_pool, &t.v_pool, &t.q_rot, &t.k_rot};
+  RelaxedCapture relaxed;
   for (int a = 0; a < 9; ++a) {
     const DLTensor& x = *all[a];
     int64_t n = 1;
@@ -307,11 +325,12 @@ void run(const Problem& p, const ExecOptions& options) {
   const int64_t blocks = ceil_div(prm.num_teams, teams_per_block);
   if (blocks > INT_MAX) throw Error("too many tokens for one launch");
 
+  const bool lazy = prm.num_teams * lanes <= want_threads;
   switch (p.dtype) {
-    case FloatType::kF32: return launch_typed<float>(prm, vec, contig, blocks, stream);
-    case FloatType::kF16: return launch_typed<__half>(prm, vec, contig, blocks, stream);
+    case FloatType::kF32: return launch_typed<float>(prm, vec, contig, lazy, blocks, stream);
+    case FloatType::kF16: return launch_typed<__half>(prm, vec, contig, lazy, blocks, stream);
     case FloatType::kBF16:
-      return launch_typed<__nv_bfloat16>(prm, vec, contig, blocks, stream);
+      return launch_typed<__nv_bfloat16>(prm, vec, contig, lazy, blocks, stream);
   }
 }
 

@@ -78,53 +78,129 @@ struct Params {
 
 // ------------------------------------------------------------------ vectors
 
+// N elements of T held in 32-bit words (N * sizeof(T) >= 4): 16-bit values
+// stay packed two to a register and are converted pairwise, so a 16-byte
+// vector costs 4 registers, not 8.
+template <class T, int N, bool kWords = (N * sizeof(T) >= 4)>
+struct Vec {
+  static constexpr int kNumWords = static_cast<int>(N * sizeof(T) / 4);
+  unsigned int w[kNumWords];
+};
+// One 16-bit element (the strided kernel).
+template <class T>
+struct Vec<T, 1, false> {
+  T v;
+};
+
 template <int kBytes> struct RawOf;
 template <> struct RawOf<16> { using type = uint4; };
 template <> struct RawOf<8> { using type = uint2; };
 template <> struct RawOf<4> { using type = unsigned int; };
-template <> struct RawOf<2> { using type = unsigned short; };
 
-template <class T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
+__device__ __forceinline__ void to_words(uint4 r, unsigned int* w) {
+  w[0] = r.x; w[1] = r.y; w[2] = r.z; w[3] = r.w;
+}
+__device__ __forceinline__ void to_words(uint2 r, unsigned int* w) { w[0] = r.x; w[1] = r.y; }
+__device__ __forceinline__ void to_words(unsigned int r, unsigned int* w) { w[0] = r; }
+__device__ __forceinline__ void from_words(const unsigned int* w, uint4* r) {
+  *r = make_uint4(w[0], w[1], w[2], w[3]);
+}
+__device__ __forceinline__ void from_words(const unsigned int* w, uint2* r) {
+  *r = make_uint2(w[0], w[1]);
+}
+__device__ __forceinline__ void from_words(const unsigned int* w, unsigned int* r) { *r = w[0]; }
 
-template <class T, int N>
-__device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
-  using Raw = typename RawOf<sizeof(T) * N>::type;
-  const Raw raw = __ldg(reinterpret_cast<const Raw*>(p));
-  Pack<T, N> out;
-  memcpy(&out, &raw, sizeof(raw));
+// Loads the vector at x (contiguous: one 16/8/4-byte load through the
+// read-only path) or the element x[0] (strided kernel, N = 1).
+template <class T, int N, bool kContig>
+__device__ __forceinline__ Vec<T, N> load_vec(const T* x) {
+  Vec<T, N> out;
+  if constexpr (kContig) {
+    using Raw = typename RawOf<sizeof(T) * N>::type;
+    to_words(__ldg(reinterpret_cast<const Raw*>(x)), out.w);
+  } else if constexpr (sizeof(T) == 4) {
+    out.w[0] = __float_as_uint(*x);
+  } else {
+    out.v = *x;
+  }
   return out;
 }
 
-template <class T, int N>
-__device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& v) {
-  *reinterpret_cast<Pack<T, N>*>(p) = v;
+template <class T, int N, bool kContig>
+__device__ __forceinline__ void store_vec(T* y, const Vec<T, N>& v) {
+  if constexpr (kContig) {
+    using Raw = typename RawOf<sizeof(T) * N>::type;
+    Raw r;
+    from_words(v.w, &r);
+    *reinterpret_cast<Raw*>(y) = r;
+  } else if constexpr (sizeof(T) == 4) {
+    *y = __uint_as_float(v.w[0]);
+  } else {
+    *y = v.v;
+  }
 }
 
-__device__ __forceinline__ float to_f32(float x) { return x; }
+// Two 16-bit values of a word as floats (exact) and back (round to nearest
+// even, both halves at once).
+__device__ __forceinline__ float2 unpack2(unsigned int w, __nv_bfloat16) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xFFFF0000u));
+}
+__device__ __forceinline__ float2 unpack2(unsigned int w, __half) {
+  __half2 h;
+  memcpy(&h, &w, 4);
+  return __half22float2(h);
+}
+__device__ __forceinline__ unsigned int pack2(float2 f, __nv_bfloat16) {
+  const __nv_bfloat162 h = __float22bfloat162_rn(f);
+  unsigned int w;
+  memcpy(&w, &h, 4);
+  return w;
+}
+__device__ __forceinline__ unsigned int pack2(float2 f, __half) {
+  const __half2 h = __float22half2_rn(f);
+  unsigned int w;
+  memcpy(&w, &h, 4);
+  return w;
+}
+
 __device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <class T> __device__ __forceinline__ T from_f32(float x);
-template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_f32<__half>(float x) {
-  return __float2half_rn(x);
-}
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
+__device__ __forceinline__ __half from_f32(float x, __half) { return __float2half_rn(x); }
+__device__ __forceinline__ __nv_bfloat16 from_f32(float x, __nv_bfloat16) {
   return __float2bfloat16_rn(x);
 }
 
-// out1 = x1*c - x2*s, out2 = x2*c + x1*s in fp32, rounded once (RNE).
+// out1 = x1*c - x2*s and out2 = x2*c + x1*s in fp32 (explicit FMA, no
+// contraction freedom), rounded once to T (round to nearest even).
+__device__ __forceinline__ float rot1(float x1, float x2, float c, float s) {
+  return __fmaf_rn(x1, c, -__fmul_rn(x2, s));
+}
+__device__ __forceinline__ float rot2(float x1, float x2, float c, float s) {
+  return __fmaf_rn(x2, c, __fmul_rn(x1, s));
+}
+
 template <class T, int N>
-__device__ __forceinline__ void rotate(Pack<T, N>& a, Pack<T, N>& b, const float (&c)[N],
+__device__ __forceinline__ void rotate(Vec<T, N>& a, Vec<T, N>& b, const float (&c)[N],
                                        const float (&s)[N]) {
+  if constexpr (sizeof(T) == 4) {
 #pragma unroll
-  for (int j = 0; j < N; ++j) {
-    const float x1 = to_f32(a.v[j]), x2 = to_f32(b.v[j]);
-    a.v[j] = from_f32<T>(__fmaf_rn(x1, c[j], -__fmul_rn(x2, s[j])));
-    b.v[j] = from_f32<T>(__fmaf_rn(x2, c[j], __fmul_rn(x1, s[j])));
+    for (int j = 0; j < N; ++j) {
+      const float x1 = __uint_as_float(a.w[j]), x2 = __uint_as_float(b.w[j]);
+      a.w[j] = __float_as_uint(rot1(x1, x2, c[j], s[j]));
+      b.w[j] = __float_as_uint(rot2(x1, x2, c[j], s[j]));
+    }
+  } else if constexpr (N == 1) {
+    const float x1 = to_f32(a.v), x2 = to_f32(b.v);
+    a.v = from_f32(rot1(x1, x2, c[0], s[0]), T());
+    b.v = from_f32(rot2(x1, x2, c[0], s[0]), T());
+  } else {
+#pragma unroll
+    for (int j = 0; j < N / 2; ++j) {
+      const float2 x1 = unpack2(a.w[j], T()), x2 = unpack2(b.w[j], T());
+      const float c0 = c[2 * j], c1 = c[2 * j + 1], s0 = s[2 * j], s1 = s[2 * j + 1];
+      a.w[j] = pack2(make_float2(rot1(x1.x, x2.x, c0, s0), rot1(x1.y, x2.y, c1, s1)), T());
+      b.w[j] = pack2(make_float2(rot2(x1.x, x2.x, c0, s0), rot2(x1.y, x2.y, c1, s1)), T());
+    }
   }
 }
 
@@ -156,10 +232,22 @@ __device__ __noinline__ float inv_freq_slow(const Params& p, int i) {
   return static_cast<float>(pow(p.rope_base, -2.0 * i / p.rotary_dim));
 }
 
+// cos/sin of the N frequencies i = c*N .. c*N+N-1 of one lane, at `pos`.
+template <int N>
+__device__ __forceinline__ void compute_cs(const Params& p, int c, float pos, float (&cs_c)[N],
+                                           float (&cs_s)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const int i = c * N + j;
+    const float f = i < kMaxTable ? p.inv_freq[i] : inv_freq_slow(p, i);
+    sincos_device(__fmul_rn(pos, f), &cs_s[j], &cs_c[j]);  // theta = fp32(pos * inv_freq)
+  }
+}
+
 // One kind of head over [h_begin, h_end) (indices within that kind):
 // kKind 0 = q (rotate into q_rot), 1 = k (rotate into k_rot and, with
 // `pool_row`, into the pool), 2 = v (copy into the pool row).
-template <class T, int N, bool kContig, int kKind>
+template <class T, int N, bool kContig, bool kLazy, int kKind>
 __device__ __forceinline__ void process_heads(
     const Tensor3& src, const Tensor3& dst, const Tensor3& pool, long long t,
     long long pool_row, int h_begin, int h_end, int hp, int HP, bool pair, int off1, int off2,
@@ -167,7 +255,7 @@ __device__ __forceinline__ void process_heads(
   const T* __restrict__ s_base = static_cast<const T*>(src.data) + t * src.s0;
   T* d_base;
   long long d_s1, d_s2;
-  if (kKind == 2) {
+  if constexpr (kKind == 2) {
     d_base = static_cast<T*>(pool.data) + pool_row * pool.s0;
     d_s1 = pool.s1;
     d_s2 = pool.s2;
@@ -183,28 +271,18 @@ __device__ __forceinline__ void process_heads(
   const long long ps2 = kContig ? 1 : pool.s2;
 
   for (int h = h_begin + hp; h < h_end; h += kUnroll * HP) {
-    Pack<T, N> a[kUnroll], b[kUnroll];
+    Vec<T, N> a[kUnroll], b[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int hh = h + u * HP;
       if (hh < h_end) {
         const T* x = s_base + hh * src.s1;
-        if constexpr (kContig) {
-          a[u] = load_pack<T, N>(x + off1);
-          if (pair) b[u] = load_pack<T, N>(x + off2);
-        } else {
-          a[u].v[0] = x[off1 * ss2];
-          if (pair) b[u].v[0] = x[off2 * ss2];
-        }
+        a[u] = load_vec<T, N, kContig>(x + off1 * ss2);
+        if (pair) b[u] = load_vec<T, N, kContig>(x + off2 * ss2);
       }
     }
-    if (kKind != 2 && pair && !cs_ready) {
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        const int i = c * N + j;
-        const float f = i < kMaxTable ? p.inv_freq[i] : inv_freq_slow(p, i);
-        sincos_device(__fmul_rn(pos, f), &cs_s[j], &cs_c[j]);
-      }
+    if (kLazy && kKind != 2 && pair && !cs_ready) {
+      compute_cs<N>(p, c, pos, cs_c, cs_s);
       cs_ready = true;
     }
 #pragma unroll
@@ -213,22 +291,12 @@ __device__ __forceinline__ void process_heads(
       if (hh < h_end) {
         if (kKind != 2 && pair) rotate<T, N>(a[u], b[u], cs_c, cs_s);
         T* y = d_base + hh * d_s1;
-        if constexpr (kContig) {
-          store_pack<T, N>(y + off1, a[u]);
-          if (pair) store_pack<T, N>(y + off2, b[u]);
-        } else {
-          y[off1 * ds2] = a[u].v[0];
-          if (pair) y[off2 * ds2] = b[u].v[0];
-        }
+        store_vec<T, N, kContig>(y + off1 * ds2, a[u]);
+        if (pair) store_vec<T, N, kContig>(y + off2 * ds2, b[u]);
         if (to_pool) {
           T* z = p_base + hh * pool.s1;
-          if constexpr (kContig) {
-            store_pack<T, N>(z + off1, a[u]);
-            if (pair) store_pack<T, N>(z + off2, b[u]);
-          } else {
-            z[off1 * ps2] = a[u].v[0];
-            if (pair) z[off2 * ps2] = b[u].v[0];
-          }
+          store_vec<T, N, kContig>(z + off1 * ps2, a[u]);
+          if (pair) store_vec<T, N, kContig>(z + off2 * ps2, b[u]);
         }
       }
     }
@@ -237,7 +305,7 @@ __device__ __forceinline__ void process_heads(
 
 // T: float, __half or __nv_bfloat16. N: elements per vector (N = 1 when
 // !kContig: any element strides).
-template <class T, int N, bool kContig>
+template <class T, int N, bool kContig, bool kLazy>
 __global__ void __launch_bounds__(kBlock) rope_pool_kernel(const __grid_constant__ Params p) {
   const int TL = p.team_lanes;
   const int lane = threadIdx.x & (TL - 1);
@@ -281,14 +349,15 @@ __global__ void __launch_bounds__(kBlock) rope_pool_kernel(const __grid_constant
     const int off2 = p.half + c * N;
     float cs_c[N], cs_s[N];
     bool cs_ready = false;
+    if (!kLazy && pair && (q0 < q1 || k0 < k1)) compute_cs<N>(p, c, pos, cs_c, cs_s);
     if (q0 < q1)
-      process_heads<T, N, kContig, 0>(p.q, p.q_rot, p.k_pool, t, -1, q0, q1, hp, HP, pair,
+      process_heads<T, N, kContig, kLazy, 0>(p.q, p.q_rot, p.k_pool, t, -1, q0, q1, hp, HP, pair,
                                       off1, off2, cs_c, cs_s, cs_ready, pos, c, p);
     if (k0 < k1)
-      process_heads<T, N, kContig, 1>(p.k, p.k_rot, p.k_pool, t, row, k0, k1, hp, HP, pair,
+      process_heads<T, N, kContig, kLazy, 1>(p.k, p.k_rot, p.k_pool, t, row, k0, k1, hp, HP, pair,
                                       off1, off2, cs_c, cs_s, cs_ready, pos, c, p);
     if (v0 < v1 && row >= 0)
-      process_heads<T, N, kContig, 2>(p.v, p.v_pool, p.v_pool, t, row, v0, v1, hp, HP, pair,
+      process_heads<T, N, kContig, kLazy, 2>(p.v, p.v_pool, p.v_pool, t, row, v0, v1, hp, HP, pair,
                                       off1, off2, cs_c, cs_s, cs_ready, pos, c, p);
   }
 }

@@ -1,0 +1,168 @@
+#!/usr/bin/env bash
+# The GPU check, on a machine with an NVIDIA GPU, nvcc, PyTorch with CUDA,
+# CuPy, nanobind and scikit-build-core (no network needed):
+#
+#   build     the Python package with the CUDA backend (pip, no build isolation)
+#   test      tests/gpu (pytest, CUDA) and the host test of the kernel's sincos
+#   sanitize  compute-sanitizer memcheck, racecheck, initcheck and synccheck on
+#             small cases of every kernel variant (tests/gpu/sanitize_driver.cu)
+#   ncu       Nsight Compute on one large call (Llama-3.1-8B bf16, T = 8192)
+#   cputest   the CPU Python suite tests/python
+#   bench     bench/gpu_bench.py (ropekv vs PyTorch eager, torch.compile, copy)
+#
+# Usage: scripts/gpu-check.sh [STEP ...]   (default: every step, in that order)
+# Logs go to $OUT (default ./gpu-out): log.txt (everything), ncu.txt and the
+# benchmark's gpu_bench.{md,csv,json} and cuda_bandwidth.png. A short table of
+# the steps and the headline numbers is printed last.
+#
+# Highway and DLPack: used from the system if installed, else from the Debian
+# packages in .gpudeps/ (libhwy1, libhwy-dev, libdlpack-dev; fetch them with
+# `apt-get download` into that ignored folder and carry it to the machine).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+ROOT=$PWD
+OUT=${OUT:-$ROOT/gpu-out}
+mkdir -p "$OUT"
+LOG=$OUT/log.txt
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+STEPS=("$@")
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(build test sanitize ncu cputest bench)
+BUILD_DIR=$ROOT/build/gpu-python
+DRIVER=$ROOT/build/gpu-driver
+declare -A RESULT
+ORDER=()
+
+log() { echo "$@" | tee -a "$LOG"; }
+
+# Runs a step (each command in it has its own time limit), its output
+# appended to log.txt.
+step() {
+  local name=$1
+  shift
+  log ""
+  log "=== $name ($(date +%T))"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  RESULT[$name]="$([ "$rc" -eq 0 ] && echo ok || echo "FAIL (rc $rc)") $((SECONDS - t0)) s"
+  ORDER+=("$name")
+  return "$rc"
+}
+
+# ---------------------------------------------------------------- environment
+if [ -x /usr/local/cuda/bin/nvcc ]; then
+  export PATH=/usr/local/cuda/bin:$PATH
+  export CUDACXX=${CUDACXX:-/usr/local/cuda/bin/nvcc}
+fi
+CMAKE_DEFS=()
+if { [ ! -f /usr/include/hwy/highway.h ] || [ -n "${ROPEKV_USE_GPUDEPS:-}" ]; } && ls .gpudeps/*.deb >/dev/null 2>&1; then
+  DEPS=/tmp/ropekv-deps
+  for f in .gpudeps/*.deb; do dpkg -x "$f" "$DEPS"; done
+  LIBDIR=$DEPS/usr/lib/x86_64-linux-gnu
+  export LD_LIBRARY_PATH=$LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  CMAKE_DEFS+=(-C "cmake.define.hwy_DIR=$LIBDIR/cmake/hwy"
+               -C "cmake.define.DLPACK_INCLUDE_DIR=$DEPS/usr/include")
+  HWY_LINK=(-L"$LIBDIR" -lhwy)
+  INC_DEPS=(-I"$DEPS/usr/include")
+else
+  HWY_LINK=(-lhwy)
+  INC_DEPS=()
+fi
+ARCH=$($PY -c "import torch; p = torch.cuda.get_device_capability(); print(f'{p[0]}{p[1]}')" \
+       2>/dev/null || echo 90)
+
+{
+  echo "gpu-check $(date -u +%FT%TZ) steps: ${STEPS[*]}"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem \
+    --format=csv 2>&1 || true
+  nvcc --version 2>&1 | tail -1
+  $PY -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__,
+           'cuda', torch.version.cuda, torch.cuda.get_device_name(0))" 2>&1
+  git log --oneline -1 2>/dev/null
+} | tee -a "$LOG"
+
+do_build() {
+  timeout 420 $PY -m pip install --no-build-isolation --no-deps --force-reinstall -v . \
+    -C build-dir="$BUILD_DIR" -C cmake.define.CMAKE_CUDA_ARCHITECTURES="$ARCH" \
+    "${CMAKE_DEFS[@]}" || return 1
+  (cd /tmp && $PY -c "import ropekv; assert ropekv.has_cuda(), 'built without CUDA'; \
+                      print('ropekv', ropekv.__version__, 'CUDA', ropekv.has_cuda())") || return 1
+  g++ -O2 -std=c++17 -Wall -Wextra -Isrc -Iinclude tests/gpu/test_sincos_device.cc \
+    -o build/gpu-sincos-test || return 1
+  local lib
+  lib=$(ls "$BUILD_DIR"/libropekv.a) || return 1
+  timeout 120 nvcc -O2 -std=c++17 -arch=sm_"$ARCH" -Iinclude "${INC_DEPS[@]}" tests/gpu/sanitize_driver.cu \
+    "$lib" "${HWY_LINK[@]}" -Xcompiler -fopenmp -o "$DRIVER"
+}
+
+do_test() {
+  build/gpu-sincos-test || return 1
+  (cd /tmp && timeout 300 $PY -m pytest -q -p no:cacheprovider -rs "$ROOT/tests/gpu")
+}
+
+do_sanitize() {
+  local rc=0 tool
+  for tool in memcheck racecheck initcheck synccheck; do
+    echo "--- compute-sanitizer --tool $tool"
+    timeout 120 compute-sanitizer --tool "$tool" --error-exitcode 9 "$DRIVER" || rc=1
+  done
+  return $rc
+}
+
+do_ncu() {
+  timeout 150 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section Occupancy --section LaunchStats --section SchedulerStats \
+    -k regex:rope_pool -c 2 "$DRIVER" --large > "$OUT/ncu.txt" 2>&1
+  local rc=$?
+  grep -E "DRAM Throughput|Memory Throughput|Duration|Achieved Occupancy|Registers Per|Theoretical Occ|Eligible|Block Limit Reg" \
+    "$OUT/ncu.txt" | head -40
+  return $rc
+}
+
+do_cputest() {
+  (cd /tmp && timeout 180 $PY -m pytest -q -p no:cacheprovider --continue-on-collection-errors \
+     "$ROOT/tests/python")
+}
+
+do_bench() {
+  (cd /tmp && timeout 560 $PY "$ROOT/bench/gpu_bench.py" --out "$OUT" ${BENCH_ARGS:-})
+}
+
+for s in "${STEPS[@]}"; do
+  case $s in
+    build) step build do_build ;;
+    test) step test do_test ;;
+    sanitize) step sanitize do_sanitize ;;
+    ncu) step ncu do_ncu ;;
+    cputest) step cputest do_cputest ;;
+    bench) step bench do_bench ;;
+    *) log "unknown step $s"; exit 2 ;;
+  esac
+done
+
+# ---------------------------------------------------------------- summary
+{
+  echo ""
+  echo "=== summary"
+  printf "%-10s %s\n" step result
+  for s in "${ORDER[@]}"; do printf "%-10s %s\n" "$s" "${RESULT[$s]}"; done
+  grep -E "^(=+ )?[0-9]+ (passed|failed)|passed|failed" "$LOG" | grep -E " in [0-9.]+s" | tail -4
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|^PASS|^FAIL" "$LOG" | tail -8
+  if [ -f "$OUT/gpu_bench.csv" ]; then
+    $PY - "$OUT/gpu_bench.csv" <<'EOF'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+print("\nheadline (bf16): T, ropekv us, GB/s, ratio to copy, eager us, compile us")
+for r in rows:
+    if r["dtype"] == "bf16" and int(r["T"]) in (1, 32, 64, 2048, 8192, 32768):
+        print(f"  {r['model']:13s} T={int(r['T']):6d} {float(r['ropekv_us']):9.2f} us "
+              f"{float(r['ropekv_GBps']):6.0f} GB/s  {float(r['ropekv_vs_copy']):.2f}x copy  "
+              f"eager {float(r['torch_eager_us']):9.2f}  compile {r['torch_compile_us'] or '-'}")
+EOF
+  fi
+} | tee -a "$LOG"
+for s in "${ORDER[@]}"; do
+  case ${RESULT[$s]} in ok*) ;; *) exit 1 ;; esac
+done
+exit 0
