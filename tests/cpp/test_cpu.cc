@@ -15,14 +15,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <fstream>
 #include <limits>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
-#include <fstream>
-#include <map>
-#include <nlohmann/json.hpp>
 
 #include "test_util.h"
 
@@ -59,6 +60,11 @@ struct ModelParam {
   ModelConfig model;
   DType dtype;
 };
+
+void PrintTo(const ModelParam& p, std::ostream* os) {
+  *os << p.model.name << " (Hq " << p.model.hq << ", Hk " << p.model.hk << ", D " << p.model.d
+      << ", base " << p.model.base << ") " << dtype_name(p.dtype);
+}
 
 std::string model_param_name(const ::testing::TestParamInfo<ModelParam>& info) {
   return std::string(info.param.model.name) + "_" + dtype_name(info.param.dtype);
@@ -467,6 +473,61 @@ TEST(Cpu, ThreadCountsGiveBitIdenticalResults) {
     }
 }
 
+// Calls from several user threads at once, each with its own head_dim and
+// base, alternating, with and without OpenMP threads of their own: per-thread
+// caches (inv_freq table, scratch) must never leak between calls.
+TEST(Cpu, ConcurrentCallsWithDifferentConfigs) {
+  const struct {
+    int64_t D;
+    double base;
+    DType dt;
+  } configs[] = {{128, 500000.0, DType::kBF16}, {64, 10000.0, DType::kF32},
+                 {96, 1000000.0, DType::kF16}, {256, 10000.0, DType::kF32}};
+  std::vector<Case> cases;
+  std::vector<Expected> expected;
+  for (int i = 0; i < 4; ++i) {
+    std::mt19937_64 rng(test_seed(i));
+    CaseSpec s;
+    s.T = 23;
+    s.Hq = 8;
+    s.Hk = 2;
+    s.D = configs[i].D;
+    s.P = 30;
+    s.base = configs[i].base;
+    s.dtype = configs[i].dt;
+    cases.push_back(make_case(s, rng));
+    expected.push_back(expect(cases.back()));
+  }
+  // Each thread works on its own copy of the arrays, so the calls overlap in time.
+  std::vector<std::thread> threads;
+  std::vector<int> failures(3, 0);
+  for (int th = 0; th < 3; ++th) {
+    threads.emplace_back([&, th] {
+      std::mt19937_64 rng(test_seed(100 + th));
+      std::vector<Case> mine;
+      for (int i = 0; i < 4; ++i) {
+        std::mt19937_64 r2(test_seed(i));
+        mine.push_back(make_case(cases[i].spec, r2));  // same seed: same contents
+      }
+      for (int rep = 0; rep < 12; ++rep) {
+        const int i = static_cast<int>(rng() % 4);
+        ropekv::ExecOptions opt;
+        opt.num_threads = 1 + static_cast<int>(rng() % 2);
+        Case& c = mine[i];
+        c.reset();
+        ropekv::rope_pool_fused(c.tensors(), c.config(), opt);
+        const Expected& e = expected[i];
+        if (check_rotated(c.q_rot, e.q, e.q_tol, "q_rot", 2) +
+                check_rotated(c.k_rot, e.k, e.k_tol, "k_rot", 2) !=
+            0)
+          ++failures[th];
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int th = 0; th < 3; ++th) EXPECT_EQ(failures[th], 0) << "thread " << th;
+}
+
 // ------------------------------------------------------------ special values
 
 // NaN or Inf in one token's q reach that token's q_rot only (the pair it
@@ -578,9 +639,83 @@ TEST(Cpu, EveryBitPatternRoundTripsAtPositionZero) {
   }
 }
 
-// Inputs at the edges of the formats: f16 subnormals and values near the
-// f16 maximum, bf16 subnormals, f32 subnormals; results must still be
-// within one rounding (overflow to Inf where the exact value overflows).
+// Round to nearest even, bit for bit. With rope_base = 2^40 and head_dim 4,
+// inv_freq[1] = 2^-20 exactly, so at position 1 the second pair turns by
+// theta = 2^-20, where fp32 cos is exactly 1 and fp32 sin exactly 2^-20.
+// Then out[1] = x[1] - x[3] * 2^-20 with an exact product; choosing x[3] so
+// that the product is m/2 ulp of the output dtype at x[1] (m = 1, 2, 3, 4, 6)
+// makes the exact result a tie (m odd) or not: for f16 and bf16 it is exact
+// in fp32 and the kernel's one rounding must give encode(exact) bit for bit
+// (a truncating, tie-away or double-rounding store fails); for f32 the fp32
+// subtraction itself is the one rounding. out[3] = x[3] + x[1] * 2^-20 the
+// same way. Pair 0 (theta = 1) is checked within the usual bound.
+TEST(Cpu, RoundingIsToNearestEvenBitForBit) {
+  std::mt19937_64 rng(test_seed());
+  const double base = std::ldexp(1.0, 40);
+  ASSERT_EQ(ropekv::reference::inv_freq(1, 4, base), std::ldexp(1.0, -20));
+  for (DType dt : kFloatTypes) {
+    const Format f = format_of(dt);
+    CaseSpec s;
+    s.T = 4096;
+    s.Hq = 1;
+    s.Hk = 1;
+    s.D = 4;
+    s.P = 64;
+    s.base = base;
+    s.dtype = dt;
+    Case c = make_case(s, rng);
+    std::vector<double> want1(s.T), want3(s.T);
+    for (int64_t t = 0; t < s.T; ++t) {
+      c.positions.set_index(t, 1);
+      // x1: a random value of the dtype with |x1| in [2^-3, 2^4).
+      const double x1 = decode(encode(random_value(rng) * 2.0, f), f);
+      const int m[] = {1, 2, 3, 4, 6};
+      const double half_ulp = 0.5 * ulp_of(x1, f);
+      double x3 = m[rng() % 5] * half_ulp * std::ldexp(1.0, 20);
+      if (rng() & 1) x3 = -x3;
+      for (Tensor* x : {&c.q, &c.k}) {
+        x->set_value(x->off(t, 0, 1), x1);
+        x->set_value(x->off(t, 0, 3), x3);
+      }
+      ASSERT_EQ(c.q.value(c.q.off(t, 0, 3)), x3);  // representable
+      want1[t] = x1 - x3 * std::ldexp(1.0, -20);
+      want3[t] = x3 + x1 * std::ldexp(1.0, -20);
+    }
+    Expected e = expect(c);
+    for_each_target([&](int64_t) {
+      c.reset();
+      ropekv::rope_pool_fused(c.tensors(), c.config());
+      int64_t bad = 0;
+      for (int64_t t = 0; t < s.T; ++t) {
+        for (int which = 0; which < 2; ++which) {
+          const Tensor* out = which ? &c.k_rot : &c.q_rot;
+          const std::vector<double>& ref = which ? e.k : e.q;
+          const std::vector<double>& tol = which ? e.k_tol : e.q_tol;
+          const uint64_t g1 = out->raw(out->off(t, 0, 1)), g3 = out->raw(out->off(t, 0, 3));
+          const uint64_t w1 = encode(want1[t], f), w3 = encode(want3[t], f);
+          if ((g1 != w1 || g3 != w3) && bad++ < 8)
+            ADD_FAILURE() << dtype_name(dt) << " token " << t << ": out[1] 0x" << std::hex << g1
+                          << " want 0x" << w1 << " (exact " << std::dec << want1[t]
+                          << "), out[3] 0x" << std::hex << g3 << " want 0x" << w3 << std::dec
+                          << " (exact " << want3[t] << ")";
+          for (int64_t d : {0, 2}) {
+            const double g = out->value(out->off(t, 0, d));
+            const int64_t i = t * 4 + d;
+            if (!(std::fabs(g - ref[i]) <= tol[i]) && bad++ < 8)
+              ADD_FAILURE() << dtype_name(dt) << " token " << t << " dim " << d << ": " << g
+                            << " vs " << ref[i];
+          }
+        }
+      }
+      EXPECT_EQ(bad, 0) << dtype_name(dt);
+    });
+  }
+}
+
+// Inputs at the edges of the formats: subnormals, values just above the
+// smallest normal, values up to the format's maximum; results must still be
+// within one rounding, and Inf (of the right sign) where the exact value
+// overflows the format.
 TEST(Cpu, ExtremeMagnitudes) {
   std::mt19937_64 rng(test_seed());
   for (DType dt : kFloatTypes) {
@@ -592,9 +727,9 @@ TEST(Cpu, ExtremeMagnitudes) {
     for (Tensor* x : {&c.q, &c.k, &c.v}) {
       x->for_each_offset([&](int64_t o) {
         const uint64_t r = rng() % 4;
-        const double m = 1.0 + static_cast<double>(rng() % 1000) / 1000.0;
+        const double m = 1.0 + static_cast<double>(rng() % 990) / 1000.0;  // < bf16's max 1.992
         double v = r == 0 ? tiny * static_cast<double>(rng() % 64 + 1)   // subnormal
-                   : r == 1 ? big * m * 0.5                              // near the maximum
+                   : r == 1 ? big * m                                    // up to the maximum
                    : r == 2 ? std::ldexp(m, 1 - bias_of(f))              // just above the smallest normal
                             : random_value(rng);
         if (rng() & 1) v = -v;
@@ -602,6 +737,9 @@ TEST(Cpu, ExtremeMagnitudes) {
       });
     }
     const Expected e = expect(c);
+    int64_t overflows = 0;
+    for (double r : e.q) overflows += std::fabs(r) >= overflow_threshold(f);
+    EXPECT_GT(overflows, 0) << "the case should reach the overflow range";
     SCOPED_TRACE(dtype_name(dt));
     check_on_all_targets(c, e);
   }

@@ -703,6 +703,23 @@ inline void mark(std::map<const Storage*, std::vector<bool>>* masks, const Tenso
   for (int64_t b = 0; b < es; ++b) m[elem * es + b] = true;
 }
 
+/// The smallest magnitude that rounds to Inf in format f (max + half an ulp).
+inline double overflow_threshold(Format f) {
+  const double max = decode((((1u << f.exp_bits) - 2) << f.man_bits) | ((1u << f.man_bits) - 1), f);
+  return max + 0.5 * ulp_of(max, f);
+}
+
+/// One output element against its exact value: within `tol`, or, where the
+/// exact value overflows the format by more than `tol`, the Inf of its sign
+/// (both accepted inside the band of width tol around the threshold).
+inline bool element_ok(double got, double ref, double tol, Format f) {
+  const double thr = overflow_threshold(f);
+  const bool inf_ok = std::isinf(got) && std::signbit(got) == std::signbit(ref);
+  if (std::fabs(ref) - tol >= thr) return inf_ok;
+  if (std::fabs(ref) + tol >= thr && inf_ok) return true;
+  return std::fabs(got - ref) <= tol;  // false for NaN (unwritten poison)
+}
+
 /// Compares one output tensor with its expectation; returns the failures.
 inline int64_t check_rotated(const Tensor& got, const std::vector<double>& ref,
                              const std::vector<double>& tol, const char* name, int64_t max_report,
@@ -715,7 +732,7 @@ inline int64_t check_rotated(const Tensor& got, const std::vector<double>& ref,
       for (int64_t d = 0; d < D; ++d) {
         const int64_t i = (t * H + h) * D + d;
         const double g = got.value(got.off(t, h, d));
-        if (!(std::fabs(g - ref[i]) <= tol[i])) {  // NaN (unwritten poison) fails too
+        if (!element_ok(g, ref[i], tol[i], format_of(got.dtype()))) {
           if (bad < max_report)
             ADD_FAILURE() << name << "[" << t << ", " << h << ", " << d << "] = " << g
                           << " (bits 0x" << std::hex << got.raw(got.off(t, h, d)) << std::dec
