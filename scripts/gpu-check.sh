@@ -6,7 +6,8 @@
 #   test      tests/gpu (pytest, CUDA) and the host test of the kernel's sincos
 #   sanitize  compute-sanitizer memcheck, racecheck, initcheck and synccheck on
 #             small cases of every kernel variant (tests/gpu/sanitize_driver.cu)
-#   ncu       Nsight Compute on one large call (Llama-3.1-8B bf16, T = 8192)
+#   ncu       Nsight Compute on Llama-3.1-8B bf16 calls of T = 1, 64 and 8192
+#   latency   per-call time of small calls in CUDA graphs, next to an empty kernel
 #   cputest   the CPU Python suite tests/python
 #   bench     bench/gpu_bench.py (ropekv vs PyTorch eager, torch.compile, copy)
 #
@@ -27,7 +28,7 @@ LOG=$OUT/log.txt
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 STEPS=("$@")
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(build test sanitize ncu cputest bench)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(build test sanitize ncu latency cputest bench)
 BUILD_DIR=$ROOT/build/gpu-python
 DRIVER=$ROOT/build/gpu-driver
 declare -A RESULT
@@ -111,18 +112,30 @@ do_sanitize() {
 }
 
 do_ncu() {
+  # Llama-3.1-8B bf16, T = 1, 64, 8192 (two calls each): duration, DRAM, occupancy.
   timeout 150 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
     --section Occupancy --section LaunchStats --section SchedulerStats \
-    -k regex:rope_pool -c 2 "$DRIVER" --large > "$OUT/ncu.txt" 2>&1
+    -k regex:rope_pool -c 6 "$DRIVER" --profile > "$OUT/ncu.txt" 2>&1
   local rc=$?
-  grep -E "DRAM Throughput|Memory Throughput|Duration|Achieved Occupancy|Registers Per|Theoretical Occ|Eligible|Block Limit Reg" \
-    "$OUT/ncu.txt" | head -40
+  grep -E "rope_pool_kernel|DRAM Throughput|Duration|Achieved Occupancy|Registers Per|Theoretical Occ|No Eligible|Block Limit Reg|Grid Size|Block Size" \
+    "$OUT/ncu.txt" | sed -E 's/\(ropekv::cuda::detail::Params\).*//' | head -80
   return $rc
+}
+
+do_latency() {
+  timeout 60 "$DRIVER" --latency
 }
 
 do_cputest() {
   (cd /tmp && timeout 180 $PY -m pytest -q -p no:cacheprovider --continue-on-collection-errors \
      "$ROOT/tests/python")
+  local rc=$?
+  if [ $rc -ge 128 ]; then  # a crash: versions and a native backtrace of the first test
+    $PY -c "import nanobind, numpy; print('nanobind', nanobind.__version__, 'numpy', numpy.__version__)"
+    (cd /tmp && timeout 120 cuda-gdb -batch -ex run -ex bt --args "$PY" -m pytest -x -q \
+       -p no:cacheprovider "$ROOT/tests/python/test_contract.py" 2>&1 | grep -vE "^\[New Thread|^\[Thread" | tail -40)
+  fi
+  return $rc
 }
 
 do_bench() {
@@ -135,6 +148,7 @@ for s in "${STEPS[@]}"; do
     test) step test do_test ;;
     sanitize) step sanitize do_sanitize ;;
     ncu) step ncu do_ncu ;;
+    latency) step latency do_latency ;;
     cputest) step cputest do_cputest ;;
     bench) step bench do_bench ;;
     *) log "unknown step $s"; exit 2 ;;

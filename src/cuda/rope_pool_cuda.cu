@@ -1,13 +1,18 @@
 // CUDA backend: one kernel launch per call on the caller's stream, no host
-// synchronisation, no allocation (after the first call on a device), CUDA
-// graph capturable. The kernel is in rope_pool_kernel.cuh.
+// synchronisation, CUDA-graph capturable. The kernel is in
+// rope_pool_kernel.cuh.
 //
 // The launcher picks the widest vector the arrays allow (16 bytes when the
 // last dimension is contiguous and every base pointer and row/head stride is
 // a multiple of 16 bytes; 8, 4 or 2 bytes otherwise) and a strided kernel
-// when any array's last dimension is not contiguous. It splits each token's
-// heads into as few groups as still fill the GPU, so that the cos/sin a lane
-// computes are reused by as many heads as possible.
+// when any array's last dimension is not contiguous, and shapes the grid as
+// one block per token (its teams share the token's cos/sin).
+//
+// Device memory it owns, made once and kept for the process: a per-device
+// error flag (out-of-range slots) and one inv_freq table per (device,
+// rope_base, rotary_dim). Both are made on first use, which may be inside a
+// graph capture (relaxed capture mode, a private stream for the upload);
+// every later call allocates nothing.
 #include <cuda_runtime.h>
 
 #include <array>
@@ -18,6 +23,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "backends.h"
 #include "cuda/rope_pool_kernel.cuh"
@@ -77,10 +83,9 @@ class RelaxedCapture {
 
 constexpr int kMaxDevices = 64;
 
-// Per-device state, made once: the error record and the multiprocessor count.
+// Per-device state, made once: the error record.
 struct DeviceState {
   std::atomic<ErrorRecord*> err{nullptr};
-  std::atomic<int> num_sms{0};
 };
 std::array<DeviceState, kMaxDevices> g_devices;
 std::mutex g_init_mutex;
@@ -92,16 +97,16 @@ ErrorRecord initial_record() {
   return r;
 }
 
-// Writes the initial record to `dst` through a private non-blocking stream:
-// legal also while another stream of this thread is being captured.
-void reset_record_private(ErrorRecord* dst) {
-  const ErrorRecord init = initial_record();
+// Copies `bytes` from the host to `dst` through a private non-blocking
+// stream and waits: legal also while another stream of this thread is being
+// captured (the caller holds RelaxedCapture).
+void upload_private(void* dst, const void* src, size_t bytes, const char* what) {
   cudaStream_t s = nullptr;
   check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
-  cudaError_t e = cudaMemcpyAsync(dst, &init, sizeof(init), cudaMemcpyHostToDevice, s);
+  cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s);
   if (e == cudaSuccess) e = cudaStreamSynchronize(s);
   cudaStreamDestroy(s);
-  check(e, "initialising the error flag");
+  check(e, what);
 }
 
 // The current device's state, made on first use. If that first use happens
@@ -118,38 +123,60 @@ DeviceState& device_state(int device) {
   if (st.err.load(std::memory_order_relaxed) != nullptr) return st;
   RelaxedCapture relaxed;
   ErrorRecord* rec = nullptr;
-  int sms = 0;
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-        "cudaDeviceGetAttribute");
   check(cudaMalloc(&rec, sizeof(ErrorRecord)), "allocating the device error flag");
   try {
-    reset_record_private(rec);
+    const ErrorRecord init = initial_record();
+    upload_private(rec, &init, sizeof(init), "initialising the error flag");
   } catch (...) {
     cudaFree(rec);
     throw;
   }
-  st.num_sms.store(sms, std::memory_order_relaxed);
   st.err.store(rec, std::memory_order_release);
   return st;
 }
 
-// inv_freq[i] = fp32(base ** (-2i/R)) in double, as the CPU backend; cached
-// per thread for the last (base, R): pow() per call would cost more than a
-// decode step's launch.
-const float* inv_freq_table(double rope_base, int64_t rotary_dim) {
-  thread_local std::array<float, detail::kMaxTable> table{};
-  thread_local double base_seen = -1.0;
-  thread_local int64_t dim_seen = -1;
-  if (base_seen != rope_base || dim_seen != rotary_dim) {
-    table.fill(0.0f);
-    const int64_t half = std::min<int64_t>(rotary_dim / 2, detail::kMaxTable);
-    for (int64_t i = 0; i < half; ++i)
-      table[i] = static_cast<float>(
-          std::pow(rope_base, -2.0 * static_cast<double>(i) / static_cast<double>(rotary_dim)));
-    base_seen = rope_base;
-    dim_seen = rotary_dim;
+// inv_freq[i] = fp32(base ** (-2i/R)) in double, as the CPU backend, in
+// device memory: one small table per (device, rope_base, rotary_dim), made on
+// first use (like the error flag: capture-safe) and kept for the process.
+// The kernel's parameters stay small, and a call only looks the table up.
+struct FreqTable {
+  int device;
+  double base;
+  int64_t rotary_dim;
+  float* data;
+};
+std::mutex g_table_mutex;
+std::vector<FreqTable> g_tables;
+
+const float* device_inv_freq(int device, double rope_base, int64_t rotary_dim) {
+  thread_local FreqTable last{-1, 0.0, 0, nullptr};
+  if (last.data && last.device == device && last.base == rope_base &&
+      last.rotary_dim == rotary_dim)
+    return last.data;
+  std::lock_guard<std::mutex> lock(g_table_mutex);
+  for (const FreqTable& f : g_tables) {
+    if (f.device == device && f.base == rope_base && f.rotary_dim == rotary_dim) {
+      last = f;
+      return f.data;
+    }
   }
-  return table.data();
+  const int64_t half = rotary_dim / 2;
+  std::vector<float> host(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i)
+    host[i] = static_cast<float>(
+        std::pow(rope_base, -2.0 * static_cast<double>(i) / static_cast<double>(rotary_dim)));
+  RelaxedCapture relaxed;
+  float* dev = nullptr;
+  check(cudaMalloc(&dev, host.size() * sizeof(float)), "allocating the inv_freq table");
+  try {
+    upload_private(dev, host.data(), host.size() * sizeof(float), "uploading the inv_freq table");
+  } catch (...) {
+    cudaFree(dev);
+    throw;
+  }
+  g_tables.push_back(FreqTable{device, rope_base, rotary_dim, dev});
+  last = g_tables.back();
+  return dev;
 }
 
 Tensor3 tensor3(const View3& v) {
@@ -172,32 +199,34 @@ bool vector_ok(const Problem& p, int64_t vec, int64_t esize) {
   return true;
 }
 
-template <class T, int N, bool kContig, bool kLazy = false>
-void launch_as(const Params& prm, long long blocks, cudaStream_t stream) {
+struct Launch {
+  long long blocks;
+  int threads;
+  size_t smem;
+};
+
+template <class T, int N, bool kContig>
+void launch_as(const Params& prm, const Launch& l, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned int>(blocks));
-  cfg.blockDim = dim3(detail::kBlock);
+  cfg.gridDim = dim3(static_cast<unsigned int>(l.blocks));
+  cfg.blockDim = dim3(static_cast<unsigned int>(l.threads));
+  cfg.dynamicSmemBytes = l.smem;
   cfg.stream = stream;
-  check(cudaLaunchKernelEx(&cfg, detail::rope_pool_kernel<T, N, kContig, kLazy>, prm),
+  check(cudaLaunchKernelEx(&cfg, detail::rope_pool_kernel<T, N, kContig>, prm),
         "launching the rope_pool kernel");
 }
 
-// `lazy`: the 16-byte kernel that computes cos/sin after issuing its first
-// loads (shorter critical path, for grids that fit in one wave); otherwise
-// cos/sin come first and the kernel needs fewer registers (more warps).
 template <class T>
-void launch_typed(const Params& prm, int vec, bool contig, bool lazy, long long blocks,
+void launch_typed(const Params& prm, int vec, bool contig, const Launch& l,
                   cudaStream_t stream) {
-  if (!contig) return launch_as<T, 1, false>(prm, blocks, stream);
+  if (!contig) return launch_as<T, 1, false>(prm, l, stream);
   if constexpr (sizeof(T) == 4) {
-    if (vec == 4 && lazy) return launch_as<T, 4, true, true>(prm, blocks, stream);
-    if (vec == 4) return launch_as<T, 4, true>(prm, blocks, stream);
-    return launch_as<T, 2, true>(prm, blocks, stream);
+    if (vec == 4) return launch_as<T, 4, true>(prm, l, stream);
+    return launch_as<T, 2, true>(prm, l, stream);
   } else {
-    if (vec == 8 && lazy) return launch_as<T, 8, true, true>(prm, blocks, stream);
-    if (vec == 8) return launch_as<T, 8, true>(prm, blocks, stream);
-    if (vec == 4) return launch_as<T, 4, true>(prm, blocks, stream);
-    return launch_as<T, 2, true>(prm, blocks, stream);
+    if (vec == 8) return launch_as<T, 8, true>(prm, l, stream);
+    if (vec == 4) return launch_as<T, 4, true>(prm, l, stream);
+    return launch_as<T, 2, true>(prm, l, stream);
   }
 }
 
@@ -264,19 +293,17 @@ void run(const Problem& p, const ExecOptions& options) {
   prm.v_pool = tensor3(p.v_pool);
   prm.positions = p.positions.data;
   prm.slots = p.slots.data;
+  prm.inv_freq = device_inv_freq(device, p.rope_base, p.rotary_dim);
+  prm.err = st.err.load(std::memory_order_relaxed);
   prm.pos_stride = p.positions.stride;
   prm.slot_stride = p.slots.stride;
-  prm.num_tokens = p.num_tokens;
   prm.pool_size = p.pool_size;
-  prm.err = st.err.load(std::memory_order_relaxed);
-  prm.rope_base = p.rope_base;
   prm.num_qo_heads = static_cast<int>(p.num_qo_heads);
   prm.num_kv_heads = static_cast<int>(p.num_kv_heads);
   prm.half = static_cast<int>(p.rotary_dim / 2);
   prm.rotary_dim = static_cast<int>(p.rotary_dim);
   prm.pos64 = p.pos_type == IndexType::kI64;
   prm.slot64 = p.slot_type == IndexType::kI64;
-  std::memcpy(prm.inv_freq, inv_freq_table(p.rope_base, p.rotary_dim), sizeof(prm.inv_freq));
 
   const int64_t esize = element_size(p.dtype);
   bool contig = true;
@@ -291,7 +318,8 @@ void run(const Problem& p, const ExecOptions& options) {
   }
   if (vec == 1) contig = false;
 
-  // Items per head: CH pairs of rotated vectors + the unrotated tail.
+  // Items per head: CH pairs of rotated vectors + the unrotated tail; a team
+  // is one warp holding HP heads, or up to kMaxBlock lanes for wide heads.
   const int64_t pairs = p.rotary_dim / 2 / vec;
   const int64_t items = pairs + (p.head_dim - p.rotary_dim) / vec;
   int64_t heads_par, lanes;
@@ -301,36 +329,37 @@ void run(const Problem& p, const ExecOptions& options) {
   } else {
     heads_par = 1;
     lanes = 64;
-    while (lanes < items && lanes < detail::kBlock) lanes *= 2;
+    while (lanes < items && lanes < detail::kMaxBlock) lanes *= 2;
   }
   const int64_t heads = p.num_qo_heads + 2 * p.num_kv_heads;
-  if (heads > INT_MAX / 2 || p.head_dim > INT_MAX / 2)
-    throw Error("num_qo_heads + 2*num_kv_heads and head_dim must fit in 31 bits");
-  // As few groups per token as fill every multiprocessor's thread slots once.
-  const int64_t want_threads = static_cast<int64_t>(st.num_sms.load()) * 2048;
-  const int64_t max_groups = ceil_div(heads, heads_par);
-  int64_t groups = ceil_div(want_threads, p.num_tokens * lanes);
-  groups = std::max<int64_t>(1, std::min(groups, max_groups));
-  int64_t group_heads = ceil_div(ceil_div(heads, groups), heads_par) * heads_par;
-  groups = ceil_div(heads, group_heads);
-
-  prm.groups = static_cast<int>(groups);
-  prm.group_heads = static_cast<int>(group_heads);
+  if (heads > INT_MAX / 4 || p.head_dim > INT_MAX / 4)
+    throw Error("num_qo_heads + 2*num_kv_heads and head_dim must fit in 29 bits");
+  const int64_t batches = ceil_div(ceil_div(heads, heads_par), detail::kUnroll);
+  // The teams of one token share a block (and its cos/sin) when they fit.
+  int64_t per_block = std::max<int64_t>(1, std::min(batches, detail::kMaxBlock / lanes));
+  const int64_t blocks_per_token = ceil_div(batches, per_block);
+  per_block = ceil_div(batches, blocks_per_token);
+  const size_t smem = static_cast<size_t>(p.rotary_dim) * sizeof(float);  // cos + sin
+  if (smem > 48 * 1024)
+    throw Error("rotary dimension " + std::to_string(p.rotary_dim) +
+                " is too large for the CUDA backend (at most 12288)");
   prm.pair_items = static_cast<int>(pairs);
   prm.items = static_cast<int>(items);
   prm.heads_par = static_cast<int>(heads_par);
   prm.team_lanes = static_cast<int>(lanes);
-  prm.num_teams = p.num_tokens * groups;
-  const int64_t teams_per_block = detail::kBlock / lanes;
-  const int64_t blocks = ceil_div(prm.num_teams, teams_per_block);
-  if (blocks > INT_MAX) throw Error("too many tokens for one launch");
+  prm.teams_per_block = static_cast<int>(per_block);
+  prm.blocks_per_token = static_cast<int>(blocks_per_token);
+  prm.num_batches = static_cast<int>(batches);
+  Launch l;
+  l.blocks = p.num_tokens * blocks_per_token;
+  l.threads = static_cast<int>(per_block * lanes);
+  l.smem = smem;
+  if (l.blocks > INT_MAX) throw Error("too many tokens for one launch");
 
-  const bool lazy = prm.num_teams * lanes <= want_threads;
   switch (p.dtype) {
-    case FloatType::kF32: return launch_typed<float>(prm, vec, contig, lazy, blocks, stream);
-    case FloatType::kF16: return launch_typed<__half>(prm, vec, contig, lazy, blocks, stream);
-    case FloatType::kBF16:
-      return launch_typed<__nv_bfloat16>(prm, vec, contig, lazy, blocks, stream);
+    case FloatType::kF32: return launch_typed<float>(prm, vec, contig, l, stream);
+    case FloatType::kF16: return launch_typed<__half>(prm, vec, contig, l, stream);
+    case FloatType::kBF16: return launch_typed<__nv_bfloat16>(prm, vec, contig, l, stream);
   }
 }
 

@@ -3,23 +3,24 @@
 //
 // Work decomposition. The heads of one token are laid end to end as
 // "virtual heads" vh in [0, Hq + 2*Hk): q heads, then k heads, then v heads.
-// A *team* of TL lanes (32, or 64/128 for very wide heads) owns one token t
-// and one contiguous range of virtual heads (a *group*). Inside a team, lane
-// l owns the vector chunk c = l % items of a head and the head offset
-// hp = l / items; the team walks its head range HP heads at a time.
+// Inside a *team* of TL lanes (one warp, or 2-8 warps for very wide heads),
+// lane l owns the vector chunk c = l % items of a head and the head offset
+// hp = l / items, so the team covers HP = TL / items heads per step:
 //
-//   chunk c < CH (= half / VEC): the pair of VEC-element vectors at
-//            x[c*VEC ...] and x[half + c*VEC ...] (rotated together);
-//   chunk c >= CH:               one vector of the unrotated tail [R, D).
+//   chunk c < CH (= half / N): the pair of N-element vectors at x[c*N ...]
+//                              and x[half + c*N ...] (rotated together);
+//   chunk c >= CH:             one vector of the unrotated tail [R, D).
 //
-// So a lane always touches the same frequencies i = c*VEC .. c*VEC+VEC-1: it
-// computes their cos/sin once, in registers, and reuses them for every head
-// of its group (q and k alike). No shared memory, no barriers. Each lane
-// issues the loads of U heads before it waits on any of them, and the first
-// batch of loads is in flight while the cos/sin are computed.
+// A team owns one *batch* of kUnroll steps (kUnroll * HP virtual heads, of
+// any kinds: the kind is chosen per lane), and issues all of its loads at
+// once. A block holds the teams of one token (one block per token unless the
+// token has more batches than a block has teams). Its threads compute the
+// token's cos/sin once, one frequency per thread, into shared memory, while
+// the data loads are in flight; after one barrier every lane reads the
+// cos/sin of its chunk and rotates every head of its batch with them.
 //
 // Out-of-range slots (>= pool_size) are never written: the token's pool
-// writes are skipped and one lane per token records it in the per-device
+// writes are skipped and one thread per token records it in the per-device
 // ErrorRecord that check_errors reads.
 #pragma once
 
@@ -35,9 +36,8 @@ namespace ropekv {
 namespace cuda {
 namespace detail {
 
-constexpr int kBlock = 128;     // threads per block
-constexpr int kMaxTable = 256;  // inv_freq entries passed as kernel parameters
-constexpr int kUnroll = 4;      // heads per lane whose loads are in flight together
+constexpr int kMaxBlock = 256;  // threads per block, at most
+constexpr int kUnroll = 4;      // steps (of HP heads) per team, loads in flight together
 
 struct Tensor3 {
   void* data;
@@ -58,22 +58,20 @@ struct Params {
   Tensor3 q, k, v, q_rot, k_rot, k_pool, v_pool;
   const void* positions;
   const void* slots;
-  long long pos_stride, slot_stride;
-  long long num_tokens;
-  long long pool_size;
-  long long num_teams;  // num_tokens * groups
+  const float* inv_freq;  // [half], fp32(base ** (-2i/R)), made on the host
   ErrorRecord* err;
-  double rope_base;
+  long long pos_stride, slot_stride;
+  long long pool_size;
   int num_qo_heads, num_kv_heads;
   int half, rotary_dim;
   int pos64, slot64;
-  int groups;       // teams per token
-  int group_heads;  // virtual heads per group (a multiple of heads_par)
-  int pair_items;   // CH
-  int items;        // CH + tail vectors
-  int heads_par;    // HP
-  int team_lanes;   // TL, a power of two <= kBlock
-  float inv_freq[kMaxTable];
+  int pair_items;        // CH
+  int items;             // CH + tail vectors
+  int heads_par;         // HP
+  int team_lanes;        // TL, a power of two
+  int teams_per_block;
+  int blocks_per_token;
+  int num_batches;       // batches per token
 };
 
 // ------------------------------------------------------------------ vectors
@@ -227,138 +225,135 @@ __device__ __noinline__ void report_bad_slot(ErrorRecord* e, long long t, long l
   atomicExch(&e->lock, 0);
 }
 
-// inv_freq[i] for i >= kMaxTable (head_dim > 512), computed on the device.
-__device__ __noinline__ float inv_freq_slow(const Params& p, int i) {
-  return static_cast<float>(pow(p.rope_base, -2.0 * i / p.rotary_dim));
+// Virtual head vh -> kind (0 q, 1 k, 2 v) and the head index within it.
+__device__ __forceinline__ int kind_of(int vh, int Hq, int Hk, int* h) {
+  if (vh < Hq) {
+    *h = vh;
+    return 0;
+  }
+  if (vh < Hq + Hk) {
+    *h = vh - Hq;
+    return 1;
+  }
+  *h = vh - Hq - Hk;
+  return 2;
 }
 
-// cos/sin of the N frequencies i = c*N .. c*N+N-1 of one lane, at `pos`.
-template <int N>
-__device__ __forceinline__ void compute_cs(const Params& p, int c, float pos, float (&cs_c)[N],
-                                           float (&cs_s)[N]) {
+template <class T>
+__device__ __forceinline__ T* at(const Tensor3& a, long long row, int h) {
+  return static_cast<T*>(a.data) + row * a.s0 + h * a.s1;
+}
+
+// One chunk of one team: the loads of its kUnroll steps.
+template <class T, int N, bool kContig>
+__device__ __forceinline__ void load_batch(const Params& p, long long t, int first_vh, int hp,
+                                           int c, Vec<T, N> (&a)[kUnroll],
+                                           Vec<T, N> (&b)[kUnroll]) {
+  const int Hq = p.num_qo_heads, Hk = p.num_kv_heads, HP = p.heads_par;
+  const bool pair = c < p.pair_items;
+  const int off1 = pair ? c * N : p.rotary_dim + (c - p.pair_items) * N;
+  const int off2 = p.half + c * N;
 #pragma unroll
-  for (int j = 0; j < N; ++j) {
-    const int i = c * N + j;
-    const float f = i < kMaxTable ? p.inv_freq[i] : inv_freq_slow(p, i);
-    sincos_device(__fmul_rn(pos, f), &cs_s[j], &cs_c[j]);  // theta = fp32(pos * inv_freq)
+  for (int u = 0; u < kUnroll; ++u) {
+    const int vh = first_vh + u * HP + hp;
+    if (vh < Hq + 2 * Hk) {
+      int h;
+      const int kind = kind_of(vh, Hq, Hk, &h);
+      const Tensor3& x = kind == 0 ? p.q : (kind == 1 ? p.k : p.v);
+      const T* src = at<T>(x, t, h);
+      const long long s2 = kContig ? 1 : x.s2;
+      a[u] = load_vec<T, N, kContig>(src + off1 * s2);
+      if (pair) b[u] = load_vec<T, N, kContig>(src + off2 * s2);
+    }
   }
 }
 
-// One kind of head over [h_begin, h_end) (indices within that kind):
-// kKind 0 = q (rotate into q_rot), 1 = k (rotate into k_rot and, with
-// `pool_row`, into the pool), 2 = v (copy into the pool row).
-template <class T, int N, bool kContig, bool kLazy, int kKind>
-__device__ __forceinline__ void process_heads(
-    const Tensor3& src, const Tensor3& dst, const Tensor3& pool, long long t,
-    long long pool_row, int h_begin, int h_end, int hp, int HP, bool pair, int off1, int off2,
-    float (&cs_c)[N], float (&cs_s)[N], bool& cs_ready, float pos, int c, const Params& p) {
-  const T* __restrict__ s_base = static_cast<const T*>(src.data) + t * src.s0;
-  T* d_base;
-  long long d_s1, d_s2;
-  if constexpr (kKind == 2) {
-    d_base = static_cast<T*>(pool.data) + pool_row * pool.s0;
-    d_s1 = pool.s1;
-    d_s2 = pool.s2;
-  } else {
-    d_base = static_cast<T*>(dst.data) + t * dst.s0;
-    d_s1 = dst.s1;
-    d_s2 = dst.s2;
+// Rotates (q, k) or copies (v) the loaded batch and stores it.
+template <class T, int N, bool kContig>
+__device__ __forceinline__ void store_batch(const Params& p, long long t, long long row,
+                                            int first_vh, int hp, int c, const float* cs_smem,
+                                            Vec<T, N> (&a)[kUnroll],
+                                            Vec<T, N> (&b)[kUnroll]) {
+  const int Hq = p.num_qo_heads, Hk = p.num_kv_heads, HP = p.heads_par;
+  const bool pair = c < p.pair_items;
+  const int off1 = pair ? c * N : p.rotary_dim + (c - p.pair_items) * N;
+  const int off2 = p.half + c * N;
+  float cs_c[N], cs_s[N];
+  if (pair) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      cs_c[j] = cs_smem[c * N + j];
+      cs_s[j] = cs_smem[p.half + c * N + j];
+    }
   }
-  const bool to_pool = kKind == 1 && pool_row >= 0;
-  T* p_base = static_cast<T*>(pool.data) + (to_pool ? pool_row * pool.s0 : 0);
-  const long long ss2 = kContig ? 1 : src.s2;
-  const long long ds2 = kContig ? 1 : d_s2;
-  const long long ps2 = kContig ? 1 : pool.s2;
-
-  for (int h = h_begin + hp; h < h_end; h += kUnroll * HP) {
-    Vec<T, N> a[kUnroll], b[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int hh = h + u * HP;
-      if (hh < h_end) {
-        const T* x = s_base + hh * src.s1;
-        a[u] = load_vec<T, N, kContig>(x + off1 * ss2);
-        if (pair) b[u] = load_vec<T, N, kContig>(x + off2 * ss2);
-      }
-    }
-    if (kLazy && kKind != 2 && pair && !cs_ready) {
-      compute_cs<N>(p, c, pos, cs_c, cs_s);
-      cs_ready = true;
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int hh = h + u * HP;
-      if (hh < h_end) {
-        if (kKind != 2 && pair) rotate<T, N>(a[u], b[u], cs_c, cs_s);
-        T* y = d_base + hh * d_s1;
-        store_vec<T, N, kContig>(y + off1 * ds2, a[u]);
-        if (pair) store_vec<T, N, kContig>(y + off2 * ds2, b[u]);
-        if (to_pool) {
-          T* z = p_base + hh * pool.s1;
-          store_vec<T, N, kContig>(z + off1 * ps2, a[u]);
-          if (pair) store_vec<T, N, kContig>(z + off2 * ps2, b[u]);
-        }
-      }
+  for (int u = 0; u < kUnroll; ++u) {
+    const int vh = first_vh + u * HP + hp;
+    if (vh >= Hq + 2 * Hk) continue;
+    int h;
+    const int kind = kind_of(vh, Hq, Hk, &h);
+    if (kind != 2 && pair) rotate<T, N>(a[u], b[u], cs_c, cs_s);
+    const Tensor3& y = kind == 0 ? p.q_rot : (kind == 1 ? p.k_rot : p.v_pool);
+    if (kind == 2 && row < 0) continue;
+    T* dst = at<T>(y, kind == 2 ? row : t, h);
+    const long long s2 = kContig ? 1 : y.s2;
+    store_vec<T, N, kContig>(dst + off1 * s2, a[u]);
+    if (pair) store_vec<T, N, kContig>(dst + off2 * s2, b[u]);
+    if (kind == 1 && row >= 0) {
+      T* z = at<T>(p.k_pool, row, h);
+      const long long z2 = kContig ? 1 : p.k_pool.s2;
+      store_vec<T, N, kContig>(z + off1 * z2, a[u]);
+      if (pair) store_vec<T, N, kContig>(z + off2 * z2, b[u]);
     }
   }
 }
 
 // T: float, __half or __nv_bfloat16. N: elements per vector (N = 1 when
-// !kContig: any element strides).
-template <class T, int N, bool kContig, bool kLazy>
-__global__ void __launch_bounds__(kBlock) rope_pool_kernel(const __grid_constant__ Params p) {
-  const int TL = p.team_lanes;
-  const int lane = threadIdx.x & (TL - 1);
-  const long long team =
-      static_cast<long long>(blockIdx.x) * (kBlock / TL) + threadIdx.x / TL;
-  if (team >= p.num_teams) return;
-  long long t;
-  int g;
-  if (p.num_teams < 0x7FFFFFFFLL) {
-    const unsigned int tm = static_cast<unsigned int>(team);
-    t = tm / static_cast<unsigned int>(p.groups);
-    g = static_cast<int>(tm - static_cast<unsigned int>(t) * p.groups);
-  } else {
-    t = team / p.groups;
-    g = static_cast<int>(team - t * p.groups);
+// !kContig: any element strides). Dynamic shared memory: 2 * half floats.
+template <class T, int N, bool kContig>
+__global__ void __launch_bounds__(kMaxBlock) rope_pool_kernel(const __grid_constant__ Params p) {
+  extern __shared__ float cs_smem[];  // cos[half], then sin[half]
+  const int tid = threadIdx.x;
+  long long t = blockIdx.x;
+  int j = 0;
+  if (p.blocks_per_token > 1) {
+    t = blockIdx.x / p.blocks_per_token;
+    j = static_cast<int>(blockIdx.x - t * p.blocks_per_token);
   }
-
-  const int items = p.items, HP = p.heads_par;
+  const int TL = p.team_lanes, items = p.items, HP = p.heads_par;
+  const int lane = tid & (TL - 1);
+  const int batch = j * p.teams_per_block + tid / TL;
   const int hp = HP > 1 ? lane / items : 0;
-  if (hp >= HP) return;  // idle lanes of a team whose heads do not fill it
   const int c0 = HP > 1 ? lane - hp * items : lane;
+  // No early return: every thread reaches the barrier.
+  const bool active = hp < HP && batch < p.num_batches && c0 < items;
+  const int first_vh = batch * kUnroll * HP;
 
-  // Index loads first: their latency overlaps the first data loads.
   const long long slot = load_index(p.slots, p.slot_stride, p.slot64, t);
   const long long position = load_index(p.positions, p.pos_stride, p.pos64, t);
+
+  // The first chunk's loads go out before the cos/sin are computed.
+  Vec<T, N> a[kUnroll], b[kUnroll];
+  if (active) load_batch<T, N, kContig>(p, t, first_vh, hp, c0, a, b);
+
+  // cos/sin of the token, one frequency per thread: theta = fp32(pos * inv_freq).
   const float pos = static_cast<float>(position);
-  const bool slot_ok = slot >= 0 && slot < p.pool_size;
-  if (slot >= p.pool_size && g == 0 && lane == 0) report_bad_slot(p.err, t, slot, p.pool_size);
-  const long long row = slot_ok ? slot : -1;
+  for (int i = tid; i < p.half; i += blockDim.x) {
+    float s, c;
+    sincos_device(__fmul_rn(pos, __ldg(p.inv_freq + i)), &s, &c);
+    cs_smem[i] = c;
+    cs_smem[p.half + i] = s;
+  }
+  if (slot >= p.pool_size && j == 0 && tid == 0) report_bad_slot(p.err, t, slot, p.pool_size);
+  __syncthreads();
+  if (!active) return;
 
-  const int Hq = p.num_qo_heads, Hk = p.num_kv_heads;
-  const int vh0 = g * p.group_heads;
-  const int vh1 = min(vh0 + p.group_heads, Hq + 2 * Hk);
-  const int q0 = min(vh0, Hq), q1 = min(vh1, Hq);
-  const int k0 = min(max(vh0 - Hq, 0), Hk), k1 = min(max(vh1 - Hq, 0), Hk);
-  const int v0 = min(max(vh0 - Hq - Hk, 0), Hk), v1 = min(max(vh1 - Hq - Hk, 0), Hk);
-
-  for (int c = c0; c < items; c += TL) {
-    const bool pair = c < p.pair_items;
-    const int off1 = pair ? c * N : p.rotary_dim + (c - p.pair_items) * N;
-    const int off2 = p.half + c * N;
-    float cs_c[N], cs_s[N];
-    bool cs_ready = false;
-    if (!kLazy && pair && (q0 < q1 || k0 < k1)) compute_cs<N>(p, c, pos, cs_c, cs_s);
-    if (q0 < q1)
-      process_heads<T, N, kContig, kLazy, 0>(p.q, p.q_rot, p.k_pool, t, -1, q0, q1, hp, HP, pair,
-                                      off1, off2, cs_c, cs_s, cs_ready, pos, c, p);
-    if (k0 < k1)
-      process_heads<T, N, kContig, kLazy, 1>(p.k, p.k_rot, p.k_pool, t, row, k0, k1, hp, HP, pair,
-                                      off1, off2, cs_c, cs_s, cs_ready, pos, c, p);
-    if (v0 < v1 && row >= 0)
-      process_heads<T, N, kContig, kLazy, 2>(p.v, p.v_pool, p.v_pool, t, row, v0, v1, hp, HP, pair,
-                                      off1, off2, cs_c, cs_s, cs_ready, pos, c, p);
+  const long long row = slot >= 0 && slot < p.pool_size ? slot : -1;
+  for (int c = c0;;) {
+    store_batch<T, N, kContig>(p, t, row, first_vh, hp, c, cs_smem, a, b);
+    c += TL;
+    if (c >= items) break;
+    load_batch<T, N, kContig>(p, t, first_vh, hp, c, a, b);
   }
 }
 

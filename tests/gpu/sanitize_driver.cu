@@ -2,8 +2,9 @@
 // racecheck) and ncu: no Python, no framework, every kernel variant once.
 //
 //   sanitize_driver            small cases of every variant; exit 0 if all right
-//   sanitize_driver --large    one Llama-3.1-8B bf16 call of T = 8192 tokens,
-//                              three times (for ncu)
+//   sanitize_driver --profile  Llama-3.1-8B bf16 calls of T = 1, 64, 8192 (for ncu)
+//   sanitize_driver --latency  per-call time of T = 1..512 in CUDA graphs, and
+//                              of an empty kernel (the launch floor)
 //
 // Built by scripts/gpu-check.sh against the library the Python build made.
 #include <cuda_bf16.h>
@@ -204,50 +205,114 @@ void run_case(const char* name, int T, int Hq, int Hk, int D, DLDataType dt, boo
   if (!ok) ++g_failures;
 }
 
-void large() {
-  const int T = 8192, Hq = 32, Hk = 8, D = 128;
-  const int64_t P = 1 << 19;
-  const DLDataType dt{kDLBfloat, 16, 1};
-  Buf q(size_t(T) * Hq * D * 2), k(size_t(T) * Hk * D * 2), v(size_t(T) * Hk * D * 2);
-  Buf qr(q.bytes), kr(k.bytes), kp(size_t(P) * Hk * D * 2), vp(kp.bytes);
-  Buf dpos(T * 4), dslot(T * 4);
-  CK(cudaMemset(q.ptr, 0x3c, q.bytes));
-  CK(cudaMemset(k.ptr, 0x3c, k.bytes));
-  CK(cudaMemset(v.ptr, 0x3c, v.bytes));
-  std::vector<int32_t> pos(T), slot(T);
-  std::mt19937 rng(7);
-  std::vector<int32_t> perm(P);
-  for (int i = 0; i < P; ++i) perm[i] = i;
-  std::shuffle(perm.begin(), perm.end(), rng);
-  for (int t = 0; t < T; ++t) {
-    pos[t] = t + 1000;
-    slot[t] = perm[t];
-  }
-  CK(cudaMemcpy(dpos.ptr, pos.data(), dpos.bytes, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(dslot.ptr, slot.data(), dslot.bytes, cudaMemcpyHostToDevice));
-  int64_t sq[3] = {T, Hq, D}, sk[3] = {T, Hk, D}, sp[3] = {P, Hk, D}, s1[1] = {T};
-  DLDataType it{kDLInt, 32, 1};
-  ropekv::RopePoolTensors t{view(q.ptr, dt, 3, sq, nullptr),  view(k.ptr, dt, 3, sk, nullptr),
-                            view(v.ptr, dt, 3, sk, nullptr),  view(dpos.ptr, it, 1, s1, nullptr),
-                            view(dslot.ptr, it, 1, s1, nullptr), view(kp.ptr, dt, 3, sp, nullptr),
-                            view(vp.ptr, dt, 3, sp, nullptr), view(qr.ptr, dt, 3, sq, nullptr),
-                            view(kr.ptr, dt, 3, sk, nullptr)};
+// Llama-3.1-8B bf16 buffers for T tokens (pool of 2^19 rows, random slots).
+struct LlamaCall {
+  static constexpr int Hq = 32, Hk = 8, D = 128;
+  static constexpr int64_t P = 1 << 19;
+  int T;
+  Buf q, k, v, qr, kr, kp, vp, dpos, dslot;
+  int64_t sq[3], sk[3], sp[3], s1[1];
+  ropekv::RopePoolTensors t;
   ropekv::RopeConfig cfg;
-  cfg.head_dim = D;
-  cfg.num_qo_heads = Hq;
-  cfg.num_kv_heads = Hk;
-  cfg.rope_base = 500000.0;
-  for (int i = 0; i < 3; ++i) ropekv::rope_pool_fused(t, cfg);
+  explicit LlamaCall(int T_)
+      : T(T_), q(size_t(T_) * Hq * D * 2), k(size_t(T_) * Hk * D * 2), v(k.bytes), qr(q.bytes),
+        kr(k.bytes), kp(size_t(P) * Hk * D * 2), vp(kp.bytes), dpos(T_ * 4), dslot(T_ * 4),
+        sq{T_, Hq, D}, sk{T_, Hk, D}, sp{P, Hk, D}, s1{T_} {
+    CK(cudaMemset(q.ptr, 0x3c, q.bytes));
+    CK(cudaMemset(k.ptr, 0x3c, k.bytes));
+    CK(cudaMemset(v.ptr, 0x3c, v.bytes));
+    std::vector<int32_t> pos(T), slot(T);
+    std::mt19937 rng(7);
+    for (int i = 0; i < T; ++i) {
+      pos[i] = i + 1000;
+      slot[i] = static_cast<int32_t>((static_cast<int64_t>(i) * 7919 + 13) % P);
+    }
+    CK(cudaMemcpy(dpos.ptr, pos.data(), dpos.bytes, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dslot.ptr, slot.data(), dslot.bytes, cudaMemcpyHostToDevice));
+    const DLDataType dt{kDLBfloat, 16, 1}, it{kDLInt, 32, 1};
+    t = ropekv::RopePoolTensors{view(q.ptr, dt, 3, sq, nullptr),  view(k.ptr, dt, 3, sk, nullptr),
+                                view(v.ptr, dt, 3, sk, nullptr),  view(dpos.ptr, it, 1, s1, nullptr),
+                                view(dslot.ptr, it, 1, s1, nullptr), view(kp.ptr, dt, 3, sp, nullptr),
+                                view(vp.ptr, dt, 3, sp, nullptr), view(qr.ptr, dt, 3, sq, nullptr),
+                                view(kr.ptr, dt, 3, sk, nullptr)};
+    cfg.head_dim = D;
+    cfg.num_qo_heads = Hq;
+    cfg.num_kv_heads = Hk;
+    cfg.rope_base = 500000.0;
+  }
+  void run(cudaStream_t s = nullptr) {
+    ropekv::ExecOptions o;
+    o.stream = s;
+    ropekv::rope_pool_fused(t, cfg, o);
+  }
+};
+
+// For ncu: T = 1, 64 and 8192, two calls each.
+void profile() {
+  for (int T : {1, 64, 8192}) {
+    LlamaCall c(T);
+    c.run();
+    c.run();
+    CK(cudaDeviceSynchronize());
+  }
   ropekv::check_device_errors(0, nullptr);
-  CK(cudaDeviceSynchronize());
-  std::printf("large case done\n");
+  std::printf("profile cases done\n");
+}
+
+__global__ void empty_kernel(int) {}
+
+// Per-call time of 50 back-to-back calls captured in one CUDA graph (inputs
+// L2-warm), next to 50 empty kernels: the launch floor of the machine.
+void latency() {
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  auto time_graph = [&](auto&& body) {
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    for (int i = 0; i < 50; ++i) body();
+    CK(cudaStreamEndCapture(s, &g));
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    for (int i = 0; i < 5; ++i) CK(cudaGraphLaunch(ge, s));
+    std::vector<float> ms;
+    for (int r = 0; r < 9; ++r) {
+      CK(cudaEventRecord(e0, s));
+      for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, s));
+      CK(cudaEventRecord(e1, s));
+      CK(cudaEventSynchronize(e1));
+      float m;
+      CK(cudaEventElapsedTime(&m, e0, e1));
+      ms.push_back(m);
+    }
+    std::sort(ms.begin(), ms.end());
+    CK(cudaGraphExecDestroy(ge));
+    CK(cudaGraphDestroy(g));
+    return ms[ms.size() / 2] * 1e3 / (20 * 50);
+  };
+  std::printf("latency (CUDA graph of 50 calls, median per call):\n");
+  std::printf("  empty kernel            %6.2f us\n",
+              time_graph([&] { empty_kernel<<<1, 32, 0, s>>>(0); }));
+  for (int T : {1, 8, 32, 64, 512}) {
+    LlamaCall c(T);
+    c.run(s);
+    CK(cudaStreamSynchronize(s));
+    std::printf("  ropekv Llama bf16 T=%-4d %6.2f us\n", T, time_graph([&] { c.run(s); }));
+  }
+  ropekv::check_device_errors(0, s);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc > 1 && std::string(argv[1]) == "--large") {
-    large();
+  if (argc > 1 && std::string(argv[1]) == "--profile") {
+    profile();
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "--latency") {
+    latency();
     return 0;
   }
   const DLDataType bf16{kDLBfloat, 16, 1}, f16{kDLFloat, 16, 1}, f32{kDLFloat, 32, 1};

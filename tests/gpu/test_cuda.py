@@ -349,23 +349,27 @@ def test_out_of_range_only_token_leaves_pool_unchanged():
 
 
 @cuda_only
-def test_out_of_range_unchecked_is_reported_by_check_device_errors():
+def test_out_of_range_unchecked_is_reported_by_the_next_checked_call():
     ropekv.set_checked(False)
     q, k, v, pos, slots, kp, vp = make(6, 4, 2, 64, 20, torch.float32, skip_every=0)
     k0 = kp.clone()
     slots[4] = 20
     slots[2] = 25
     call(q, k, v, pos, slots, kp, vp, 1e4)  # no raise: no sync in unchecked mode
-    stream = torch.cuda.current_stream().cuda_stream
-    with pytest.raises(ValueError, match=r"^slots\[2\] = 25 is out of range for a pool of 20 "
-                                         r"rows.* 2 token"):
-        ropekv._ext.check_device_errors(0, stream)
-    ropekv._ext.check_device_errors(0, stream)  # cleared
+    torch.cuda.synchronize()
     s = slots.long().cpu()
     good = s[(s >= 0) & (s < 20)]
     rest = torch.ones(20, dtype=torch.bool)
     rest[good] = False
     assert same_bits(kp[rest.to(DEV)], k0[rest.to(DEV)])
+    # The device flag holds the skipped tokens until a check reads it: the
+    # next checked call (here a valid one) raises them, then it is clear.
+    ropekv.set_checked(True)
+    q2, k2, v2, pos2, slots2, kp2, vp2 = make(2, 4, 2, 64, 8, torch.float32)
+    with pytest.raises(ValueError, match=r"^slots\[2\] = 25 is out of range for a pool of 20 "
+                                         r"rows.* 2 token"):
+        call(q2, k2, v2, pos2, slots2, kp2, vp2, 1e4)
+    call(q2, k2, v2, pos2, slots2, kp2, vp2, 1e4)
 
 
 # ---------------------------------------------------------------- 64-bit pool
@@ -466,8 +470,10 @@ def test_first_call_of_the_process_inside_a_capture():
         assert torch.equal(kp[3:7], ko) and torch.equal(vp[3:7], v)
         slots[1] = 99
         g.replay()
-        try:
-            ropekv._ext.check_device_errors(0, torch.cuda.current_stream().cuda_stream)
+        try:  # the next checked call outside the capture reports it
+            ropekv.rope_pool_fused(q, k, v, pos, torch.full_like(slots, -1), kp, vp,
+                                   head_dim=D, num_qo_heads=H, num_kv_heads=H, rope_base=1e4,
+                                   q_out=qo, k_out=ko)
         except ValueError as e:
             assert "slots[1] = 99" in str(e), e
         else:
