@@ -88,6 +88,17 @@ class Timer:
                 fn(i)
         torch.cuda.current_stream().wait_stream(s)
         torch.cuda.synchronize()
+        # A slow implementation (say, one that copies the whole pool per call)
+        # gets fewer calls, so that the run stays within its time.
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn(0)
+        e1.record()
+        e1.synchronize()
+        est_us = e0.elapsed_time(e1) * 1e3
+        if est_us * n_calls > 300_000:
+            n_calls = max(1, int(300_000 // est_us))
+            calls_per_graph = min(calls_per_graph, n_calls)
         pool = torch.cuda.graph_pool_handle()
         graphs = []
         for g0 in range(0, n_calls, calls_per_graph):
@@ -182,7 +193,8 @@ def bench_config(model, dtype_name, T, pool, timer, compiled, args, log):
             res["torch_compile"] = timer.run(f_compiled, n_calls, calls_per_graph)
         except Exception as e:  # noqa: BLE001  (report, keep benchmarking)
             log(f"  torch.compile failed for {name} {dtype_name} T={T}: {type(e).__name__}: "
-                f"{str(e)[:200]}")
+                f"{str(e)[:300]}")
+            args.compile_failed = True
     del q, k, v, q_out, k_out, src, dst
     return res
 
@@ -286,6 +298,7 @@ def main():
                     help="skip torch.compile once the run has taken this long")
     ap.add_argument("--max-graphs", type=int, default=64)
     args = ap.parse_args()
+    args.compile_failed = False
     ropekv.set_checked(False)
     t0 = time.time()
     log = lambda s: print(s, flush=True)  # noqa: E731
@@ -316,12 +329,14 @@ def main():
             k_pool = torch.empty(POOL_ROWS, Hk, D, device="cuda", dtype=dt)
             v_pool = torch.empty_like(k_pool)
             compiled = None
-            if dtype_name in args.compile_dtypes.split(",") and time.time() - t0 < args.budget_s:
+            if (dtype_name in args.compile_dtypes.split(",") and time.time() - t0 < args.budget_s
+                    and not args.compile_failed):
                 torch._dynamo.reset()
                 compiled = torch.compile(torch_rope_pool, dynamic=True)
             for T in tokens:
-                if compiled is not None and time.time() - t0 > args.budget_s:
-                    log("  (time budget spent: no more torch.compile)")
+                if compiled is not None and (time.time() - t0 > args.budget_s or
+                                             args.compile_failed):
+                    log("  (time budget spent or a failure: no more torch.compile)")
                     compiled = None
                 r = bench_config(model, dtype_name, T, (k_pool, v_pool), timer, compiled, args,
                                  log)

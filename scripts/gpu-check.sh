@@ -139,7 +139,7 @@ do_cputest() {
 }
 
 do_bench() {
-  (cd /tmp && timeout 560 $PY "$ROOT/bench/gpu_bench.py" --out "$OUT" ${BENCH_ARGS:-})
+  (cd /tmp && timeout "${BENCH_TIMEOUT:-560}" $PY "$ROOT/bench/gpu_bench.py" --out "$OUT" ${BENCH_ARGS:-})
 }
 
 for s in "${STEPS[@]}"; do
