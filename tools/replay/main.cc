@@ -163,6 +163,15 @@ std::string human_bytes(double b) {
   return buf;
 }
 
+/// The 1-minute load average (Linux), or -1: other work on the machine
+/// slows OpenMP calls down, so the summary says how busy it was.
+double load_average() {
+  std::ifstream f("/proc/loadavg");
+  double l = -1;
+  if (!(f >> l)) return -1;
+  return l;
+}
+
 std::string utc_now() {
   const std::time_t t = std::time(nullptr);
   char buf[32];
@@ -293,6 +302,7 @@ int main(int argc, char** argv) {
     }
     std::fflush(stdout);
 
+    const double load_before = load_average();
     ReplayResult r;
     bool verified = true;
     std::string failure;
@@ -364,6 +374,9 @@ int main(int argc, char** argv) {
                 "checked, %lld untouched rows\n",
                 static_cast<long long>(r.spot_checked_heads), opt.check_all ? " (+ all, --check-all)" : "",
                 static_cast<long long>(r.pool_rows_checked), static_cast<long long>(r.untouched_rows_checked));
+    if (load_before >= 0)
+      std::printf("  machine         load average %.2f at the start, %.2f at the end (%d CPUs online)\n",
+                  load_before, load_average(), static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)));
     std::printf("verified\n");
     std::fflush(stdout);
 
@@ -415,6 +428,7 @@ int main(int argc, char** argv) {
                      {"best_gbps", mc.best_gbps},
                      {"median_gbps", mc.median_gbps}};
       j["ratio_to_memcpy"] = ratio;
+      j["loadavg_1min_start"] = load_before;
       j["checks"] = {{"spot_checked_heads", r.spot_checked_heads},
                      {"check_all", opt.check_all},
                      {"pool_rows_checked", r.pool_rows_checked},
