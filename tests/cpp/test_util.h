@@ -838,6 +838,13 @@ void for_each_target(F&& f) {
   hwy::SetSupportedTargetsForTest(0);
   const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
   ASSERT_FALSE(targets.empty());
+  static bool printed = false;
+  if (!printed) {
+    printed = true;
+    std::string names;
+    for (int64_t t : targets) names += std::string(names.empty() ? "" : " ") + hwy::TargetName(t);
+    std::printf("[ targets ] every check runs on: %s\n", names.c_str());
+  }
   for (int64_t target : targets) {
     hwy::SetSupportedTargetsForTest(target);
     SCOPED_TRACE(std::string("Highway target ") + hwy::TargetName(target));
