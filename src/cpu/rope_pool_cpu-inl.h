@@ -28,11 +28,36 @@ using DU32 = hn::RebindToUnsigned<DF>;
 using DI32 = hn::RebindToSigned<DF>;
 using VF = hn::Vec<DF>;
 
+using VU16 = hn::Vec<DU16>;
+
+// Each storage type: Load (to fp32), Pack (fp32 to the storage vector,
+// rounded), Put (store a packed vector; kStream = non-temporal, the address
+// aligned to the vector), Store = Put(Pack(v)).
 struct F32 {
   using T = float;
+  using V = VF;
   static HWY_INLINE VF Load(const T* p) { return hn::LoadU(DF(), p); }
-  static HWY_INLINE void Store(VF v, T* p) { hn::StoreU(v, DF(), p); }
+  static HWY_INLINE VF Pack(VF v) { return v; }
+  template <bool kStream>
+  static HWY_INLINE void Put(VF v, T* p) {
+    if (kStream) {
+      hn::Stream(v, DF(), p);
+    } else {
+      hn::StoreU(v, DF(), p);
+    }
+  }
+  static HWY_INLINE void Store(VF v, T* p) { Put<false>(v, p); }
 };
+
+// Store of a packed 16-bit vector.
+template <bool kStream>
+HWY_INLINE void Put16(VU16 v, uint16_t* p) {
+  if (kStream) {
+    hn::Stream(v, DU16(), p);
+  } else {
+    hn::StoreU(v, DU16(), p);
+  }
+}
 
 struct BF16 {
   using T = uint16_t;  // bf16 bits
@@ -42,7 +67,7 @@ struct BF16 {
   }
   // Round to nearest even, explicitly: Highway's DemoteTo to bf16 truncates
   // on some targets. NaN stays a (quiet) NaN.
-  static HWY_INLINE void Store(VF v, T* p) {
+  static HWY_INLINE VU16 Pack(VF v) {
     const DU32 du32;
     const auto u = hn::BitCast(du32, v);
     const auto lsb = hn::And(hn::ShiftRight<16>(u), hn::Set(du32, 1u));
@@ -50,8 +75,12 @@ struct BF16 {
     const auto nan = hn::Or(hn::ShiftRight<16>(u), hn::Set(du32, 0x40u));
     const auto is_nan = hn::RebindMask(du32, hn::Ne(v, v));
     const auto r = hn::IfThenElse(is_nan, nan, rounded);
-    hn::StoreU(hn::DemoteTo(DU16(), hn::BitCast(DI32(), r)), DU16(), p);
+    return hn::DemoteTo(DU16(), hn::BitCast(DI32(), r));
   }
+  using V = VU16;
+  template <bool kStream>
+  static HWY_INLINE void Put(VU16 v, T* p) { Put16<kStream>(v, p); }
+  static HWY_INLINE void Store(VF v, T* p) { Put16<false>(Pack(v), p); }
 };
 
 struct F16 {
@@ -84,7 +113,7 @@ struct F16 {
   // Round to nearest even on every target, subnormals and overflow to Inf
   // included (the rounding trick of F. Giesen's float_to_half_fast3_rtne:
   // integer rounding for normals, an fp32 add for subnormals).
-  static HWY_INLINE void Store(VF v, T* p) {
+  static HWY_INLINE VU16 Pack(VF v) {
     const DI32 di;
     const DF df;
     const auto u = hn::BitCast(di, v);
@@ -101,8 +130,12 @@ struct F16 {
     auto r = hn::IfThenElse(hn::Lt(a, hn::Set(di, 113 << 23)), sub, norm);
     r = hn::IfThenElse(hn::Lt(a, hn::Set(di, 143 << 23)), r, inf_or_nan);
     r = hn::Or(r, hn::BitCast(di, hn::ShiftRight<16>(hn::BitCast(DU32(), sign))));
-    hn::StoreU(hn::DemoteTo(DU16(), hn::And(r, hn::Set(di, 0xFFFF))), DU16(), p);
+    return hn::DemoteTo(DU16(), hn::And(r, hn::Set(di, 0xFFFF)));
   }
+  using V = VU16;
+  template <bool kStream>
+  static HWY_INLINE void Put(VU16 v, T* p) { Put16<kStream>(v, p); }
+  static HWY_INLINE void Store(VF v, T* p) { Put16<false>(Pack(v), p); }
 };
 
 // sin/cos of `count` fp32 angles (count a multiple of Lanes(DF)), the vector

@@ -1,8 +1,8 @@
 // CPU backend: one pass over memory, Highway SIMD with runtime dispatch,
 // OpenMP threads over (token, head-range) units.
 //
-// Per unit: the cos/sin of the token's angles are computed once and reused
-// by every head of the unit; each q head is rotated into q_rot, each k head
+// Per token: the cos/sin of the token's angles are computed once and reused
+// by every head; each q head is rotated into q_rot, each k head
 // into k_rot and (when the token has a slot) the same registers into k_pool;
 // v is copied into v_pool. Rows whose last dimension is not contiguous are
 // gathered into a scratch row first, so one SIMD routine serves every layout.
@@ -21,6 +21,7 @@
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/rope_pool_cpu.cc"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/cache_control.h>
 #include <hwy/highway.h>
 
 #include "cpu/rope_pool_cpu-inl.h"
@@ -32,8 +33,10 @@ namespace cpu {
 namespace HWY_NAMESPACE {
 
 // Rotates one contiguous head: out[0:R) = rope(x[0:R)), out[R:D) = x[R:D).
-// `out2`, when not null, receives the same values (the pool row).
-template <class Ops>
+// `out2`, when not null, receives the same values (the pool row). With
+// kStream the stores are non-temporal: the caller has checked that every
+// store address is aligned to the vector and that there is no tail.
+template <class Ops, bool kStream>
 HWY_INLINE void RotateRow(const typename Ops::T* HWY_RESTRICT x, typename Ops::T* out,
                           typename Ops::T* out2, const float* HWY_RESTRICT c,
                           const float* HWY_RESTRICT s, int64_t half, int64_t rotary_dim,
@@ -44,13 +47,13 @@ HWY_INLINE void RotateRow(const typename Ops::T* HWY_RESTRICT x, typename Ops::T
   for (; i + n <= half; i += n) {
     const VF x1 = Ops::Load(x + i), x2 = Ops::Load(x + half + i);
     const VF cv = hn::LoadU(DF(), c + i), sv = hn::LoadU(DF(), s + i);
-    const VF o1 = hn::MulSub(x1, cv, hn::Mul(x2, sv));
-    const VF o2 = hn::MulAdd(x2, cv, hn::Mul(x1, sv));
-    Ops::Store(o1, out + i);
-    Ops::Store(o2, out + half + i);
+    const auto o1 = Ops::Pack(hn::MulSub(x1, cv, hn::Mul(x2, sv)));
+    const auto o2 = Ops::Pack(hn::MulAdd(x2, cv, hn::Mul(x1, sv)));
+    Ops::template Put<kStream>(o1, out + i);
+    Ops::template Put<kStream>(o2, out + half + i);
     if (out2) {
-      Ops::Store(o1, out2 + i);
-      Ops::Store(o2, out2 + half + i);
+      Ops::template Put<kStream>(o1, out2 + i);
+      Ops::template Put<kStream>(o2, out2 + half + i);
     }
   }
   if (i < half) {  // tail: one padded vector through a small buffer
@@ -76,6 +79,20 @@ HWY_INLINE void RotateRow(const typename Ops::T* HWY_RESTRICT x, typename Ops::T
   }
 }
 
+// Copies one contiguous row of `count` elements with non-temporal stores
+// (count a whole number of vectors, dst aligned).
+template <class Ops>
+HWY_INLINE void StreamCopy(const typename Ops::T* HWY_RESTRICT src, typename Ops::T* dst,
+                           int64_t count) {
+  using T = typename Ops::T;
+  const hn::ScalableTag<uint8_t> d8;
+  const int64_t bytes = count * static_cast<int64_t>(sizeof(T));
+  const int64_t n = static_cast<int64_t>(hn::Lanes(d8));
+  const uint8_t* s = reinterpret_cast<const uint8_t*>(src);
+  uint8_t* d = reinterpret_cast<uint8_t*>(dst);
+  for (int64_t i = 0; i < bytes; i += n) hn::Stream(hn::LoadU(d8, s + i), d8, d + i);
+}
+
 template <class T>
 HWY_INLINE T* Row(const View3& a, int64_t r, int64_t h) {
   return static_cast<T*>(a.data) + r * a.stride[0] + h * a.stride[1];
@@ -91,70 +108,148 @@ void Scatter(const T* src, int64_t n, T* dst, int64_t stride) {
   for (int64_t d = 0; d < n; ++d) dst[d * stride] = src[d];
 }
 
-// One head of q or k: rotate x into out (and into pool_row if not null).
+// One head of q or k whose rows are not all contiguous: gathered into a
+// scratch row, rotated, scattered.
 template <class Ops>
-HWY_INLINE void RotateHead(const View3& in, const View3& out, const View3* pool, int64_t t,
-                           int64_t h, int64_t slot, const Problem& p, const Scratch& sc) {
+HWY_NOINLINE void RotateHeadStrided(const View3& in, const View3& out, const View3* pool,
+                                    int64_t t, int64_t h, int64_t slot, const Problem& p,
+                                    const float* c, const float* s, const Scratch& sc) {
   using T = typename Ops::T;
   const int64_t D = p.head_dim, half = p.rotary_dim / 2;
-  const T* x = Row<T>(in, t, h);
-  T* o = Row<T>(out, t, h);
-  T* o2 = pool ? Row<T>(*pool, slot, h) : nullptr;
-  const bool contiguous =
-      in.stride[2] == 1 && out.stride[2] == 1 && (!pool || pool->stride[2] == 1);
-  if (contiguous) {
-    RotateRow<Ops>(x, o, o2, sc.cos, sc.sin, half, p.rotary_dim, D);
-    return;
-  }
   T* a = static_cast<T*>(sc.row_in);
   T* b = static_cast<T*>(sc.row_out);
-  Gather(x, in.stride[2], D, a);
-  RotateRow<Ops>(a, b, nullptr, sc.cos, sc.sin, half, p.rotary_dim, D);
-  Scatter(b, D, o, out.stride[2]);
-  if (o2) Scatter(b, D, o2, pool->stride[2]);
+  Gather(Row<T>(in, t, h), in.stride[2], D, a);
+  RotateRow<Ops, false>(a, b, nullptr, c, s, half, p.rotary_dim, D);
+  Scatter(b, D, Row<T>(out, t, h), out.stride[2]);
+  if (pool) Scatter(b, D, Row<T>(*pool, slot, h), pool->stride[2]);
 }
 
-template <class Ops>
-void ProcessUnitT(const Problem& p, const float* inv_freq, int64_t t, int64_t h_begin,
-                  int64_t h_end, const Scratch& sc) {
+// Heads [h_begin, h_end) of token t (q heads first, then k/v heads), with
+// the token's cos/sin in c/s.
+template <class Ops, bool kStream>
+HWY_INLINE void TokenHeads(const Problem& p, int64_t t, int64_t h_begin, int64_t h_end,
+                           const float* HWY_RESTRICT c, const float* HWY_RESTRICT s,
+                           bool contiguous, const Scratch& sc) {
   using T = typename Ops::T;
-  const int64_t half = p.rotary_dim / 2;
-  const int64_t n = static_cast<int64_t>(hn::Lanes(DF()));
-  const int64_t half_padded = (half + n - 1) / n * n;
-
-  // theta = fp32(fp32(pos) * inv_freq[i]): an fp32 multiply, rounded once.
-  const float pos = static_cast<float>(load_index(p.positions, p.pos_type, t));
-  const VF pv = hn::Set(DF(), pos);
-  for (int64_t i = 0; i < half_padded; i += n)
-    hn::StoreU(hn::Mul(pv, hn::LoadU(DF(), inv_freq + i)), DF(), sc.theta + i);
-  SinCos(sc.theta, sc.sin, sc.cos, static_cast<size_t>(half_padded));
-
-  const int64_t slot = load_index(p.slots, p.slot_type, t);
+  const int64_t D = p.head_dim, R = p.rotary_dim, half = R / 2;
   const int64_t Hq = p.num_qo_heads;
-  for (int64_t h = h_begin; h < h_end; ++h) {
-    if (h < Hq) {
-      RotateHead<Ops>(p.q, p.q_rot, nullptr, t, h, 0, p, sc);
-      continue;
+  const int64_t slot = load_index(p.slots, p.slot_type, t);
+  const int64_t hq_end = std::min(h_end, Hq);
+  for (int64_t h = h_begin; h < hq_end; ++h) {
+    if (contiguous) {
+      RotateRow<Ops, kStream>(Row<T>(p.q, t, h), Row<T>(p.q_rot, t, h), nullptr, c, s, half, R, D);
+    } else {
+      RotateHeadStrided<Ops>(p.q, p.q_rot, nullptr, t, h, 0, p, c, s, sc);
     }
-    const int64_t hk = h - Hq;
-    RotateHead<Ops>(p.k, p.k_rot, slot >= 0 ? &p.k_pool : nullptr, t, hk, slot, p, sc);
+  }
+  for (int64_t hk = std::max(h_begin, Hq) - Hq; hk < h_end - Hq; ++hk) {
+    T* pool_row = slot >= 0 ? Row<T>(p.k_pool, slot, hk) : nullptr;
+    if (contiguous) {
+      RotateRow<Ops, kStream>(Row<T>(p.k, t, hk), Row<T>(p.k_rot, t, hk), pool_row, c, s, half,
+                              R, D);
+    } else {
+      RotateHeadStrided<Ops>(p.k, p.k_rot, slot >= 0 ? &p.k_pool : nullptr, t, hk, slot, p, c, s,
+                             sc);
+    }
     if (slot < 0) continue;
     const T* vs = Row<T>(p.v, t, hk);
     T* vd = Row<T>(p.v_pool, slot, hk);
     if (p.v.stride[2] == 1 && p.v_pool.stride[2] == 1) {
-      std::memcpy(vd, vs, p.head_dim * sizeof(T));
+      if (kStream) {
+        StreamCopy<Ops>(vs, vd, D);
+      } else {
+        std::memcpy(vd, vs, D * sizeof(T));
+      }
     } else {
-      for (int64_t d = 0; d < p.head_dim; ++d) vd[d * p.v_pool.stride[2]] = vs[d * p.v.stride[2]];
+      for (int64_t d = 0; d < D; ++d) vd[d * p.v_pool.stride[2]] = vs[d * p.v.stride[2]];
     }
   }
 }
 
-void ProcessUnit(const Problem& p, const float* inv_freq, int64_t t, int64_t h_begin,
-                 int64_t h_end, const Scratch& sc) {
+// cos/sin of token t's angles into c/s (each half padded to whole vectors).
+// theta = fp32(fp32(pos) * inv_freq[i]): an fp32 multiply, rounded once.
+HWY_INLINE void TokenSinCos(const Problem& p, const float* inv_freq, int64_t t, float* c, float* s,
+                            float* theta) {
+  const int64_t half = p.rotary_dim / 2;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(DF()));
+  const int64_t half_padded = (half + n - 1) / n * n;
+  const float pos = static_cast<float>(load_index(p.positions, p.pos_type, t));
+  const VF pv = hn::Set(DF(), pos);
+  for (int64_t i = 0; i < half_padded; i += n)
+    hn::StoreU(hn::Mul(pv, hn::LoadU(DF(), inv_freq + i)), DF(), theta + i);
+  SinCos(theta, s, c, static_cast<size_t>(half_padded));
+}
+
+// Whether every store of a call can be a non-temporal vector store: rows
+// contiguous and whole vectors, every output row aligned to the vector.
+template <class Ops>
+bool CanStream(const Problem& p) {
+  using T = typename Ops::T;
+  const int64_t vec_bytes = static_cast<int64_t>(hn::Lanes(DF()) * sizeof(T));
+  const int64_t half = p.rotary_dim / 2;
+  if (p.rotary_dim != p.head_dim || (half * static_cast<int64_t>(sizeof(T))) % vec_bytes != 0)
+    return false;
+  auto aligned = [&](const View3& a) {
+    if (a.stride[2] != 1) return false;
+    if (reinterpret_cast<uintptr_t>(a.data) % vec_bytes != 0) return false;
+    for (int i = 0; i < 2; ++i)
+      if ((a.stride[i] * static_cast<int64_t>(sizeof(T))) % vec_bytes != 0) return false;
+    return true;
+  };
+  return aligned(p.q_rot) && aligned(p.k_rot) && aligned(p.k_pool) && aligned(p.v_pool) &&
+         p.q.stride[2] == 1 && p.k.stride[2] == 1 && p.v.stride[2] == 1;
+}
+
+bool Contiguous(const Problem& p) {
+  return p.q.stride[2] == 1 && p.k.stride[2] == 1 && p.q_rot.stride[2] == 1 &&
+         p.k_rot.stride[2] == 1 && p.k_pool.stride[2] == 1;
+}
+
+// Whole tokens [t0, t1): the cos/sin of each token computed once, reused by
+// all its heads.
+template <class Ops, bool kStream>
+void TokensT(const Problem& p, const float* inv_freq, int64_t t0, int64_t t1, const Scratch& sc) {
+  const bool contiguous = Contiguous(p);
+  const int64_t heads = p.num_qo_heads + p.num_kv_heads;
+  for (int64_t t = t0; t < t1; ++t) {
+    TokenSinCos(p, inv_freq, t, sc.cos, sc.sin, sc.theta);
+    TokenHeads<Ops, kStream>(p, t, 0, heads, sc.cos, sc.sin, contiguous, sc);
+  }
+  if (kStream) hwy::FlushStream();
+}
+
+template <class Ops>
+void TokensDtype(const Problem& p, const float* inv_freq, int64_t t0, int64_t t1, bool stream,
+                 const Scratch& sc) {
+  if (stream && CanStream<Ops>(p)) return TokensT<Ops, true>(p, inv_freq, t0, t1, sc);
+  TokensT<Ops, false>(p, inv_freq, t0, t1, sc);
+}
+
+void ProcessTokens(const Problem& p, const float* inv_freq, int64_t t0, int64_t t1, bool stream,
+                   const Scratch& sc) {
   switch (p.dtype) {
-    case FloatType::kF32: return ProcessUnitT<F32>(p, inv_freq, t, h_begin, h_end, sc);
-    case FloatType::kF16: return ProcessUnitT<F16>(p, inv_freq, t, h_begin, h_end, sc);
-    case FloatType::kBF16: return ProcessUnitT<BF16>(p, inv_freq, t, h_begin, h_end, sc);
+    case FloatType::kF32: return TokensDtype<F32>(p, inv_freq, t0, t1, stream, sc);
+    case FloatType::kF16: return TokensDtype<F16>(p, inv_freq, t0, t1, stream, sc);
+    case FloatType::kBF16: return TokensDtype<BF16>(p, inv_freq, t0, t1, stream, sc);
+  }
+}
+
+// cos/sin of tokens [0, T) into `table`: token t's cos at t * stride, its
+// sin at t * stride + stride / 2.
+void SinCosTable(const Problem& p, const float* inv_freq, float* table, int64_t stride,
+                 float* theta) {
+  for (int64_t t = 0; t < p.num_tokens; ++t)
+    TokenSinCos(p, inv_freq, t, table + t * stride, table + t * stride + stride / 2, theta);
+}
+
+// Heads [h0, h1) of token t, its cos/sin given.
+void ProcessHeads(const Problem& p, const float* c, const float* s, int64_t t, int64_t h0,
+                  int64_t h1, const Scratch& sc) {
+  const bool contiguous = Contiguous(p);
+  switch (p.dtype) {
+    case FloatType::kF32: return TokenHeads<F32, false>(p, t, h0, h1, c, s, contiguous, sc);
+    case FloatType::kF16: return TokenHeads<F16, false>(p, t, h0, h1, c, s, contiguous, sc);
+    case FloatType::kBF16: return TokenHeads<BF16, false>(p, t, h0, h1, c, s, contiguous, sc);
   }
 }
 
@@ -169,13 +264,21 @@ HWY_AFTER_NAMESPACE();
 namespace ropekv {
 namespace cpu {
 
-HWY_EXPORT(ProcessUnit);
+HWY_EXPORT(ProcessTokens);
+HWY_EXPORT(SinCosTable);
+HWY_EXPORT(ProcessHeads);
 HWY_EXPORT(TargetName);
 
 namespace {
 
 // Below this many bytes per call, a thread team costs more than it saves.
 constexpr int64_t kMinBytesPerThread = 64 * 1024;
+
+// From this many bytes written per call on, outputs are stored non-temporally
+// (as glibc's memcpy does above a fraction of the last-level cache): they
+// would evict each other before use, and streaming skips reading every
+// output line before writing it.
+constexpr int64_t kStreamMinBytes = 8 << 20;
 
 // Largest vector of any compiled target, in fp32 lanes: scratch is padded to it.
 constexpr int64_t kPad = HWY_MAX_BYTES / sizeof(float) > 16 ? HWY_MAX_BYTES / sizeof(float) : 16;
@@ -217,11 +320,18 @@ int64_t bytes_moved(const Problem& p) {
   return e * p.num_tokens * p.head_dim * (2 * p.num_qo_heads + 5 * p.num_kv_heads);
 }
 
+int64_t bytes_written(const Problem& p) {
+  const int64_t e = element_size(p.dtype);
+  return e * p.num_tokens * p.head_dim * (p.num_qo_heads + 3 * p.num_kv_heads);
+}
+
 }  // namespace
 
 void run(const Problem& p, const ExecOptions& options) {
   const float* inv_freq = inv_freq_table(p.rope_base, p.rotary_dim);
+  const int64_t T = p.num_tokens;
   const int64_t heads = p.num_qo_heads + p.num_kv_heads;
+  const bool stream = bytes_written(p) >= kStreamMinBytes;
 
   int threads = 1;
 #ifdef _OPENMP
@@ -230,27 +340,39 @@ void run(const Problem& p, const ExecOptions& options) {
   const int64_t by_size = std::max<int64_t>(1, bytes_moved(p) / kMinBytesPerThread);
   threads = static_cast<int>(std::min<int64_t>(threads, by_size));
 
-  // Units: whole tokens when there are enough of them, else each token's
-  // heads split into groups so that every thread has work.
-  const int64_t groups =
-      std::min<int64_t>(heads, std::max<int64_t>(1, (2 * threads + p.num_tokens - 1) / p.num_tokens));
-  const int64_t heads_per_group = (heads + groups - 1) / groups;
-  const int64_t units = p.num_tokens * groups;
-
-  auto body = [&](int64_t u) {
-    const int64_t t = u / groups, g = u % groups;
-    const int64_t h0 = g * heads_per_group;
-    const int64_t h1 = std::min(heads, h0 + heads_per_group);
-    if (h0 < h1) HWY_DYNAMIC_DISPATCH(ProcessUnit)(p, inv_freq, t, h0, h1, thread_scratch(p));
-  };
-
   if (threads <= 1) {
-    for (int64_t u = 0; u < units; ++u) body(u);
+    HWY_DYNAMIC_DISPATCH(ProcessTokens)(p, inv_freq, 0, T, stream, thread_scratch(p));
     return;
   }
 #ifdef _OPENMP
+  if (T >= 2 * threads) {
+    // Contiguous ranges of whole tokens, one per thread, one dispatch each.
+#pragma omp parallel num_threads(threads)
+    {
+      const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
+      const int64_t t0 = T * i / n, t1 = T * (i + 1) / n;
+      if (t0 < t1) HWY_DYNAMIC_DISPATCH(ProcessTokens)(p, inv_freq, t0, t1, stream, thread_scratch(p));
+    }
+    return;
+  }
+  // Few large tokens: their cos/sin once, here; then (token, head-group)
+  // units so that every thread has work.
+  thread_local std::vector<float> table;
+  const int64_t stride = 2 * round_up(p.rotary_dim / 2, kPad);
+  if (table.size() < static_cast<size_t>(T * stride)) table.resize(T * stride);
+  HWY_DYNAMIC_DISPATCH(SinCosTable)(p, inv_freq, table.data(), stride, thread_scratch(p).theta);
+  const float* tab = table.data();
+  const int64_t groups = std::min<int64_t>(heads, (2 * threads + T - 1) / T);
+  const int64_t heads_per_group = (heads + groups - 1) / groups;
+  const int64_t units = T * groups;
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t u = 0; u < units; ++u) body(u);
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t t = u / groups, g = u % groups;
+    const int64_t h0 = g * heads_per_group, h1 = std::min(heads, h0 + heads_per_group);
+    if (h0 < h1)
+      HWY_DYNAMIC_DISPATCH(ProcessHeads)(p, tab + t * stride, tab + t * stride + stride / 2, t,
+                                         h0, h1, thread_scratch(p));
+  }
 #endif
 }
 
