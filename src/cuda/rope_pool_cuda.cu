@@ -19,6 +19,7 @@
 #include <atomic>
 #include <climits>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
@@ -205,29 +206,56 @@ struct Launch {
   size_t smem;
 };
 
-template <class T, int N, bool kContig>
+template <class T, int N, bool kContig, int U>
 void launch_as(const Params& prm, const Launch& l, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned int>(l.blocks));
   cfg.blockDim = dim3(static_cast<unsigned int>(l.threads));
   cfg.dynamicSmemBytes = l.smem;
   cfg.stream = stream;
-  check(cudaLaunchKernelEx(&cfg, detail::rope_pool_kernel<T, N, kContig>, prm),
+  check(cudaLaunchKernelEx(&cfg, detail::rope_pool_kernel<T, N, kContig, U>, prm),
         "launching the rope_pool kernel");
 }
 
-template <class T>
-void launch_typed(const Params& prm, int vec, bool contig, const Launch& l,
-                  cudaStream_t stream) {
-  if (!contig) return launch_as<T, 1, false>(prm, l, stream);
-  if constexpr (sizeof(T) == 4) {
-    if (vec == 4) return launch_as<T, 4, true>(prm, l, stream);
-    return launch_as<T, 2, true>(prm, l, stream);
-  } else {
-    if (vec == 8) return launch_as<T, 8, true>(prm, l, stream);
-    if (vec == 4) return launch_as<T, 4, true>(prm, l, stream);
-    return launch_as<T, 2, true>(prm, l, stream);
+// The 16-byte kernels come in U = 1, 2, 4, 8 steps per team; the narrower
+// and strided ones (rare layouts) only in U = 4.
+template <class T, int N>
+void launch_unrolled(const Params& prm, int unroll, const Launch& l, cudaStream_t stream) {
+  switch (unroll) {
+    case 1: return launch_as<T, N, true, 1>(prm, l, stream);
+    case 2: return launch_as<T, N, true, 2>(prm, l, stream);
+    case 8: return launch_as<T, N, true, 8>(prm, l, stream);
+    default: return launch_as<T, N, true, 4>(prm, l, stream);
   }
+}
+
+template <class T>
+void launch_typed(const Params& prm, int vec, bool contig, int unroll, const Launch& l,
+                  cudaStream_t stream) {
+  if (!contig) return launch_as<T, 1, false, 4>(prm, l, stream);
+  if constexpr (sizeof(T) == 4) {
+    if (vec == 4) return launch_unrolled<T, 4>(prm, unroll, l, stream);
+    return launch_as<T, 2, true, 4>(prm, l, stream);
+  } else {
+    if (vec == 8) return launch_unrolled<T, 8>(prm, unroll, l, stream);
+    if (vec == 4) return launch_as<T, 4, true, 4>(prm, l, stream);
+    return launch_as<T, 2, true, 4>(prm, l, stream);
+  }
+}
+
+// Steps per team. Small calls (about one wave even with one step per team)
+// take U = 1: more warps in parallel and a shorter instruction path; large
+// calls U = 4: more bytes in flight per warp. ROPEKV_CUDA_UNROLL=1|2|4|8
+// forces a value for the 16-byte kernels (for tuning; read once).
+int choose_unroll(int64_t tokens, int64_t steps, int64_t vec_bytes) {
+  static const int forced = [] {
+    const char* e = std::getenv("ROPEKV_CUDA_UNROLL");
+    const int v = e ? std::atoi(e) : 0;
+    return (v == 1 || v == 2 || v == 4 || v == 8) ? v : 0;
+  }();
+  if (vec_bytes != 16) return 4;  // only the 16-byte kernels have other U
+  if (forced) return forced;
+  return tokens * steps <= 4096 ? 1 : 4;
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -334,7 +362,9 @@ void run(const Problem& p, const ExecOptions& options) {
   const int64_t heads = p.num_qo_heads + 2 * p.num_kv_heads;
   if (heads > INT_MAX / 4 || p.head_dim > INT_MAX / 4)
     throw Error("num_qo_heads + 2*num_kv_heads and head_dim must fit in 29 bits");
-  const int64_t batches = ceil_div(ceil_div(heads, heads_par), detail::kUnroll);
+  const int64_t steps = ceil_div(heads, heads_par);
+  const int unroll = contig ? choose_unroll(p.num_tokens, steps, vec * esize) : 4;
+  const int64_t batches = ceil_div(steps, unroll);
   // The teams of one token share a block (and its cos/sin) when they fit.
   int64_t per_block = std::max<int64_t>(1, std::min(batches, detail::kMaxBlock / lanes));
   const int64_t blocks_per_token = ceil_div(batches, per_block);
@@ -357,9 +387,10 @@ void run(const Problem& p, const ExecOptions& options) {
   if (l.blocks > INT_MAX) throw Error("too many tokens for one launch");
 
   switch (p.dtype) {
-    case FloatType::kF32: return launch_typed<float>(prm, vec, contig, l, stream);
-    case FloatType::kF16: return launch_typed<__half>(prm, vec, contig, l, stream);
-    case FloatType::kBF16: return launch_typed<__nv_bfloat16>(prm, vec, contig, l, stream);
+    case FloatType::kF32: return launch_typed<float>(prm, vec, contig, unroll, l, stream);
+    case FloatType::kF16: return launch_typed<__half>(prm, vec, contig, unroll, l, stream);
+    case FloatType::kBF16:
+      return launch_typed<__nv_bfloat16>(prm, vec, contig, unroll, l, stream);
   }
 }
 

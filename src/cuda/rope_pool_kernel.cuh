@@ -11,7 +11,7 @@
 //                              and x[half + c*N ...] (rotated together);
 //   chunk c >= CH:             one vector of the unrotated tail [R, D).
 //
-// A team owns one *batch* of kUnroll steps (kUnroll * HP virtual heads, of
+// A team owns one *batch* of U steps (U * HP virtual heads, of
 // any kinds: the kind is chosen per lane), and issues all of its loads at
 // once. A block holds the teams of one token (one block per token unless the
 // token has more batches than a block has teams). Its threads compute the
@@ -36,8 +36,7 @@ namespace ropekv {
 namespace cuda {
 namespace detail {
 
-constexpr int kMaxBlock = 256;  // threads per block, at most
-constexpr int kUnroll = 4;      // steps (of HP heads) per team, loads in flight together
+constexpr int kMaxBlock = 512;  // threads per block, at most
 
 struct Tensor3 {
   void* data;
@@ -244,17 +243,16 @@ __device__ __forceinline__ T* at(const Tensor3& a, long long row, int h) {
   return static_cast<T*>(a.data) + row * a.s0 + h * a.s1;
 }
 
-// One chunk of one team: the loads of its kUnroll steps.
-template <class T, int N, bool kContig>
+// One chunk of one team: the loads of its U steps.
+template <class T, int N, bool kContig, int U>
 __device__ __forceinline__ void load_batch(const Params& p, long long t, int first_vh, int hp,
-                                           int c, Vec<T, N> (&a)[kUnroll],
-                                           Vec<T, N> (&b)[kUnroll]) {
+                                           int c, Vec<T, N> (&a)[U], Vec<T, N> (&b)[U]) {
   const int Hq = p.num_qo_heads, Hk = p.num_kv_heads, HP = p.heads_par;
   const bool pair = c < p.pair_items;
   const int off1 = pair ? c * N : p.rotary_dim + (c - p.pair_items) * N;
   const int off2 = p.half + c * N;
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
+  for (int u = 0; u < U; ++u) {
     const int vh = first_vh + u * HP + hp;
     if (vh < Hq + 2 * Hk) {
       int h;
@@ -269,11 +267,10 @@ __device__ __forceinline__ void load_batch(const Params& p, long long t, int fir
 }
 
 // Rotates (q, k) or copies (v) the loaded batch and stores it.
-template <class T, int N, bool kContig>
+template <class T, int N, bool kContig, int U>
 __device__ __forceinline__ void store_batch(const Params& p, long long t, long long row,
                                             int first_vh, int hp, int c, const float* cs_smem,
-                                            Vec<T, N> (&a)[kUnroll],
-                                            Vec<T, N> (&b)[kUnroll]) {
+                                            Vec<T, N> (&a)[U], Vec<T, N> (&b)[U]) {
   const int Hq = p.num_qo_heads, Hk = p.num_kv_heads, HP = p.heads_par;
   const bool pair = c < p.pair_items;
   const int off1 = pair ? c * N : p.rotary_dim + (c - p.pair_items) * N;
@@ -287,7 +284,7 @@ __device__ __forceinline__ void store_batch(const Params& p, long long t, long l
     }
   }
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
+  for (int u = 0; u < U; ++u) {
     const int vh = first_vh + u * HP + hp;
     if (vh >= Hq + 2 * Hk) continue;
     int h;
@@ -310,7 +307,9 @@ __device__ __forceinline__ void store_batch(const Params& p, long long t, long l
 
 // T: float, __half or __nv_bfloat16. N: elements per vector (N = 1 when
 // !kContig: any element strides). Dynamic shared memory: 2 * half floats.
-template <class T, int N, bool kContig>
+// U: steps per team (1 for small calls: more warps, shorter code; 4 for
+// large ones: more bytes in flight per warp).
+template <class T, int N, bool kContig, int U>
 __global__ void __launch_bounds__(kMaxBlock) rope_pool_kernel(const __grid_constant__ Params p) {
   extern __shared__ float cs_smem[];  // cos[half], then sin[half]
   const int tid = threadIdx.x;
@@ -327,14 +326,14 @@ __global__ void __launch_bounds__(kMaxBlock) rope_pool_kernel(const __grid_const
   const int c0 = HP > 1 ? lane - hp * items : lane;
   // No early return: every thread reaches the barrier.
   const bool active = hp < HP && batch < p.num_batches && c0 < items;
-  const int first_vh = batch * kUnroll * HP;
+  const int first_vh = batch * U * HP;
 
   const long long slot = load_index(p.slots, p.slot_stride, p.slot64, t);
   const long long position = load_index(p.positions, p.pos_stride, p.pos64, t);
 
   // The first chunk's loads go out before the cos/sin are computed.
-  Vec<T, N> a[kUnroll], b[kUnroll];
-  if (active) load_batch<T, N, kContig>(p, t, first_vh, hp, c0, a, b);
+  Vec<T, N> a[U], b[U];
+  if (active) load_batch<T, N, kContig, U>(p, t, first_vh, hp, c0, a, b);
 
   // cos/sin of the token, one frequency per thread: theta = fp32(pos * inv_freq).
   const float pos = static_cast<float>(position);
@@ -350,10 +349,10 @@ __global__ void __launch_bounds__(kMaxBlock) rope_pool_kernel(const __grid_const
 
   const long long row = slot >= 0 && slot < p.pool_size ? slot : -1;
   for (int c = c0;;) {
-    store_batch<T, N, kContig>(p, t, row, first_vh, hp, c, cs_smem, a, b);
+    store_batch<T, N, kContig, U>(p, t, row, first_vh, hp, c, cs_smem, a, b);
     c += TL;
     if (c >= items) break;
-    load_batch<T, N, kContig>(p, t, first_vh, hp, c, a, b);
+    load_batch<T, N, kContig, U>(p, t, first_vh, hp, c, a, b);
   }
 }
 

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -261,14 +262,30 @@ void profile() {
 
 __global__ void empty_kernel(int) {}
 
-// Per-call time of 50 back-to-back calls captured in one CUDA graph (inputs
-// L2-warm), next to 50 empty kernels: the launch floor of the machine.
+// Per-call time of small calls, 50 back-to-back in one CUDA graph (inputs
+// L2-warm), next to 50 empty kernels (the launch floor of the machine); and
+// of large calls, plain launches timed with events. One line; run it with
+// ROPEKV_CUDA_UNROLL=1|2|4|8 to compare the kernel's steps per team.
 void latency() {
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
+  auto median_us = [&](auto&& launch, int per_rep) {
+    std::vector<float> ms;
+    for (int r = 0; r < 9; ++r) {
+      CK(cudaEventRecord(e0, s));
+      launch();
+      CK(cudaEventRecord(e1, s));
+      CK(cudaEventSynchronize(e1));
+      float m;
+      CK(cudaEventElapsedTime(&m, e0, e1));
+      ms.push_back(m);
+    }
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2] * 1e3 / per_rep;
+  };
   auto time_graph = [&](auto&& body) {
     cudaGraph_t g;
     cudaGraphExec_t ge;
@@ -277,30 +294,36 @@ void latency() {
     CK(cudaStreamEndCapture(s, &g));
     CK(cudaGraphInstantiate(&ge, g, 0));
     for (int i = 0; i < 5; ++i) CK(cudaGraphLaunch(ge, s));
-    std::vector<float> ms;
-    for (int r = 0; r < 9; ++r) {
-      CK(cudaEventRecord(e0, s));
-      for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, s));
-      CK(cudaEventRecord(e1, s));
-      CK(cudaEventSynchronize(e1));
-      float m;
-      CK(cudaEventElapsedTime(&m, e0, e1));
-      ms.push_back(m);
-    }
-    std::sort(ms.begin(), ms.end());
+    const double us = median_us(
+        [&] {
+          for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, s));
+        },
+        20 * 50);
     CK(cudaGraphExecDestroy(ge));
     CK(cudaGraphDestroy(g));
-    return ms[ms.size() / 2] * 1e3 / (20 * 50);
+    return us;
   };
-  std::printf("latency (CUDA graph of 50 calls, median per call):\n");
-  std::printf("  empty kernel            %6.2f us\n",
+  const char* u = std::getenv("ROPEKV_CUDA_UNROLL");
+  std::printf("U=%s graph us/call: empty %.2f", u ? u : "auto",
               time_graph([&] { empty_kernel<<<1, 32, 0, s>>>(0); }));
-  for (int T : {1, 8, 32, 64, 512}) {
+  for (int T : {1, 8, 64, 512}) {
     LlamaCall c(T);
     c.run(s);
     CK(cudaStreamSynchronize(s));
-    std::printf("  ropekv Llama bf16 T=%-4d %6.2f us\n", T, time_graph([&] { c.run(s); }));
+    std::printf(" | T=%d %.2f", T, time_graph([&] { c.run(s); }));
   }
+  for (int T : {2048, 8192, 32768}) {
+    LlamaCall c(T);
+    for (int i = 0; i < 3; ++i) c.run(s);
+    const double us = median_us(
+        [&] {
+          for (int i = 0; i < 10; ++i) c.run(s);
+        },
+        10);
+    const double bytes = 2.0 * (2.0 * T * 32 * 128 + 5.0 * T * 8 * 128) + 8.0 * T;
+    std::printf(" | T=%d %.1f us %.0f GB/s", T, us, bytes / us / 1e3);
+  }
+  std::printf("\n");
   ropekv::check_device_errors(0, s);
 }
 

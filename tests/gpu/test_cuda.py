@@ -556,3 +556,33 @@ def test_second_device_if_present():
     with torch.cuda.device(1):
         args = make(10, 8, 2, 128, 30, torch.bfloat16, device="cuda:1")
     run_and_check(*args, 1e4)  # current device is 0: the backend must switch
+
+
+@cuda_only
+@pytest.mark.parametrize("unroll", [1, 2, 4, 8])
+def test_every_steps_per_team_variant(unroll):
+    """The 16-byte kernels come in 1, 2, 4 and 8 steps per team (the library
+    picks by size; ROPEKV_CUDA_UNROLL forces one): each against the CPU."""
+    code = textwrap.dedent("""
+        import sys, torch, ropekv
+        sys.path.insert(0, %r)
+        import test_cuda as tc
+        ropekv.set_checked(True)
+        for dtype in (torch.bfloat16, torch.float32, torch.float16):
+            for (T, Hq, Hk, D) in ((37, 32, 8, 128), (5, 28, 4, 128), (9, 32, 32, 96)):
+                args = tc.make(T, Hq, Hk, D, 3 * T, dtype, seed=T)
+                cpu = [a.cpu() for a in args]
+                k0, v0 = cpu[5].clone(), cpu[6].clone()
+                gq, gk, gkp, gvp = tc.call(*args, 500000.0)
+                cq, ck, ckp, cvp = tc.call(*cpu, 500000.0)
+                for g, c, x in ((gq, cq, cpu[0]), (gk, ck, cpu[1])):
+                    ref = tc.f64(c)
+                    mag = abs(ref) + abs(tc.f64(x)).max(axis=-1, keepdims=True)
+                    tc.assert_close(g, ref, mag, f"U={%d} {dtype} T={T}")
+                tc.check_pools(cpu[4], gk.cpu(), cpu[2], gkp.cpu(), gvp.cpu(), k0, v0)
+        print("OK")
+    """) % (os.path.dirname(os.path.abspath(__file__)), unroll)
+    env = dict(os.environ, ROPEKV_CUDA_UNROLL=str(unroll))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
