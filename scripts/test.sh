@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Sets everything up (scripts/setup.sh), then runs every test: the C++ suite
 # through ctest (GoogleTest, the replay runs, the example consumer) and the
-# Python suite through pytest. GPU tests run on a GPU machine: scripts/gpu-check.sh.
+# Python suite through pytest, then the C++ suite again under ASan+UBSan and
+# TSan, and the fuzz target for a bounded time (scripts/sanitize.sh).
+# GPU tests run on a GPU machine: scripts/gpu-check.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 ctest --test-dir build --output-on-failure -j"$(nproc)"
 .venv/bin/python -m pytest tests/python -q
+scripts/sanitize.sh
