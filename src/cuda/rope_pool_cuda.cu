@@ -347,7 +347,7 @@ void run(const Problem& p, const ExecOptions& options) {
   if (vec == 1) contig = false;
 
   // Items per head: CH pairs of rotated vectors + the unrotated tail; a team
-  // is one warp holding HP heads, or up to kMaxBlock lanes for wide heads.
+  // is one warp holding HP heads, or up to kMaxTeam lanes for wide heads.
   const int64_t pairs = p.rotary_dim / 2 / vec;
   const int64_t items = pairs + (p.head_dim - p.rotary_dim) / vec;
   int64_t heads_par, lanes;
@@ -357,7 +357,7 @@ void run(const Problem& p, const ExecOptions& options) {
   } else {
     heads_par = 1;
     lanes = 64;
-    while (lanes < items && lanes < detail::kMaxBlock) lanes *= 2;
+    while (lanes < items && lanes < detail::kMaxTeam) lanes *= 2;
   }
   const int64_t heads = p.num_qo_heads + 2 * p.num_kv_heads;
   if (heads > INT_MAX / 4 || p.head_dim > INT_MAX / 4)
@@ -366,7 +366,8 @@ void run(const Problem& p, const ExecOptions& options) {
   const int unroll = contig ? choose_unroll(p.num_tokens, steps, vec * esize) : 4;
   const int64_t batches = ceil_div(steps, unroll);
   // The teams of one token share a block (and its cos/sin) when they fit.
-  int64_t per_block = std::max<int64_t>(1, std::min(batches, detail::kMaxBlock / lanes));
+  int64_t per_block =
+      std::max<int64_t>(1, std::min(batches, detail::max_block(unroll) / lanes));
   const int64_t blocks_per_token = ceil_div(batches, per_block);
   per_block = ceil_div(batches, blocks_per_token);
   const size_t smem = static_cast<size_t>(p.rotary_dim) * sizeof(float);  // cos + sin

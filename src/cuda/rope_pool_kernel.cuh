@@ -36,7 +36,12 @@ namespace ropekv {
 namespace cuda {
 namespace detail {
 
-constexpr int kMaxBlock = 512;  // threads per block, at most
+constexpr int kMaxTeam = 256;  // lanes of one team (wide heads), at most
+
+/// Threads per block, at most: 512 for one step per team (small calls: all
+/// teams of a token in one block), 256 otherwise (which keeps the register
+/// allocation of the U = 4 kernel at 80, 8 blocks of 3 warps per SM).
+constexpr int max_block(int U) { return U == 1 ? 512 : 256; }
 
 struct Tensor3 {
   void* data;
@@ -310,7 +315,7 @@ __device__ __forceinline__ void store_batch(const Params& p, long long t, long l
 // U: steps per team (1 for small calls: more warps, shorter code; 4 for
 // large ones: more bytes in flight per warp).
 template <class T, int N, bool kContig, int U>
-__global__ void __launch_bounds__(kMaxBlock) rope_pool_kernel(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(max_block(U)) rope_pool_kernel(const __grid_constant__ Params p) {
   extern __shared__ float cs_smem[];  // cos[half], then sin[half]
   const int tid = threadIdx.x;
   long long t = blockIdx.x;

@@ -240,6 +240,10 @@ struct LlamaCall {
     cfg.num_qo_heads = Hq;
     cfg.num_kv_heads = Hk;
     cfg.rope_base = 500000.0;
+    // The uploads above ran on the legacy stream (a pageable cudaMemcpy may
+    // return before its DMA lands): finish them before a non-blocking stream
+    // reads the buffers.
+    CK(cudaDeviceSynchronize());
   }
   void run(cudaStream_t s = nullptr) {
     ropekv::ExecOptions o;
