@@ -209,7 +209,12 @@ def peak_copy_gbps(timer):
 
 
 def write_outputs(rows, peak, args, meta):
+    """peak: the 1 GiB copy; the ceiling drawn and printed is the best copy
+    rate of the run (on the H200 here, copies of 600 MB and more ran at only
+    ~2.75 TB/s, smaller ones at ~4.25 TB/s)."""
     os.makedirs(args.out, exist_ok=True)
+    meta["copy_1GiB_GBps"] = peak
+    peak = max([peak] + [r["bytes"] / (r["copy"] * 1e-6) / 1e9 for r in rows])
     with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
         json.dump({"meta": meta, "peak_copy_GBps": peak, "rows": rows}, f, indent=1)
     hdr = ["model", "dtype", "T", "bytes"]
@@ -226,7 +231,8 @@ def write_outputs(rows, peak, args, meta):
                              [f"{ratio:.3f}"]) + "\n")
     lines = [
         f"GPU: {meta['gpu']}; torch {meta['torch']}; CUDA {meta['cuda']}; {meta['date']}",
-        f"Peak device-to-device copy (1 GiB, read + write): {peak:.0f} GB/s",
+        f"Best device-to-device copy rate of the run (read + write): {peak:.0f} GB/s "
+        f"(1 GiB copy: {meta['copy_1GiB_GBps']:.0f} GB/s)",
         "",
         "| model | dtype | T | ropekv µs | ropekv GB/s | copy GB/s (same bytes) | "
         "ropekv / copy | eager µs | compile µs | speed-up vs eager | vs compile |",
