@@ -3,7 +3,7 @@
 # CuPy, nanobind and scikit-build-core (no network needed):
 #
 #   build     the Python package with the CUDA backend (pip, no build isolation)
-#   test      tests/gpu (pytest, CUDA) and the host test of the kernel's sincos
+#   test      tests/gpu (pytest, CUDA)
 #   sanitize  compute-sanitizer memcheck, racecheck, initcheck and synccheck on
 #             small cases of every kernel variant (tests/gpu/sanitize_driver.cu)
 #   ncu       Nsight Compute on Llama-3.1-8B bf16 calls of T = 1, 64 and 8192
@@ -89,8 +89,6 @@ do_build() {
     "${CMAKE_DEFS[@]}" || return 1
   (cd /tmp && $PY -c "import ropekv; assert ropekv.has_cuda(), 'built without CUDA'; \
                       print('ropekv', ropekv.__version__, 'CUDA', ropekv.has_cuda())") || return 1
-  g++ -O2 -std=c++17 -Wall -Wextra -Isrc -Iinclude tests/gpu/test_sincos_device.cc \
-    -o build/gpu-sincos-test || return 1
   local lib
   lib=$(ls "$BUILD_DIR"/libropekv.a) || return 1
   timeout 120 nvcc -O2 -std=c++17 -arch=sm_"$ARCH" -Iinclude "${INC_DEPS[@]}" tests/gpu/sanitize_driver.cu \
@@ -98,7 +96,6 @@ do_build() {
 }
 
 do_test() {
-  build/gpu-sincos-test || return 1
   (cd /tmp && timeout 300 $PY -m pytest -q -p no:cacheprovider -rs "$ROOT/tests/gpu")
 }
 

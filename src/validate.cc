@@ -2,7 +2,7 @@
 // contract gives, before any backend runs. Backends trust the Problem.
 #include <algorithm>
 #include <cmath>
-#include <sstream>
+#include <cstdio>
 #include <utility>
 #include <vector>
 #include <string>
@@ -15,17 +15,16 @@ namespace {
 
 [[noreturn]] void fail(const std::string& message) { throw Error(message); }
 
-// Shapes print as Python tuples: (4, 8, 128), (4,), ().
+// Shapes print as Python tuples: (4, 8, 128), (4,), (). (No iostreams here:
+// messages are built from std::to_string only, so no locale is involved.)
 std::string shape_str(const DLTensor& t) {
-  std::ostringstream s;
-  s << "(";
+  std::string s = "(";
   for (int i = 0; i < t.ndim; ++i) {
-    if (i) s << ", ";
-    s << t.shape[i];
+    if (i) s += ", ";
+    s += std::to_string(t.shape[i]);
   }
-  if (t.ndim == 1) s << ",";
-  s << ")";
-  return s.str();
+  if (t.ndim == 1) s += ",";
+  return s + ")";
 }
 
 std::string dtype_str(DLDataType d) {
@@ -235,9 +234,9 @@ Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
   if (Hq < 1) fail("num_qo_heads must be >= 1, got " + std::to_string(Hq));
   if (Hk < 1) fail("num_kv_heads must be >= 1, got " + std::to_string(Hk));
   if (!std::isfinite(cfg.rope_base) || cfg.rope_base <= 0.0) {
-    std::ostringstream s;
-    s << "rope_base must be finite and > 0, got " << cfg.rope_base;
-    fail(s.str());
+    char value[32];
+    std::snprintf(value, sizeof(value), "%g", cfg.rope_base);
+    fail(std::string("rope_base must be finite and > 0, got ") + value);
   }
 
   const std::pair<const char*, const DLTensor*> all[] = {

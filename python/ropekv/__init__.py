@@ -29,6 +29,7 @@ __all__ = [
     "rope_pool_fused",
     "set_checked",
     "is_checked",
+    "check_device_errors",
     "has_cuda",
     "cpu_target",
     "__version__",
@@ -60,6 +61,19 @@ def set_checked(enabled: bool) -> None:
 def is_checked() -> bool:
     """Whether calls run in checked mode (see :func:`set_checked`)."""
     return _checked
+
+
+def check_device_errors(device: int = 0, stream: Optional[Any] = None) -> None:
+    """Raises for out-of-range slots that CUDA calls on ``device`` skipped.
+
+    For unchecked CUDA calls (see :func:`set_checked`): synchronises
+    ``stream`` (a ``torch.cuda.Stream``, ``cupy.cuda.Stream`` or raw
+    ``cudaStream_t``; default the legacy default stream), reads and clears
+    the device's error flag, and raises the CPU's ``ValueError``
+    (``slots[i] = s is out of range for a pool of P rows ...``) if a call
+    since the last check skipped a token. A no-op in a build without CUDA.
+    """
+    _ext.check_device_errors(_int_arg(device, "device"), _stream_handle(stream))
 
 
 def has_cuda() -> bool:

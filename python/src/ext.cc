@@ -94,8 +94,12 @@ NB_MODULE(_ext, m) {
         nb::arg("readonly_mask"), nb::arg("stream"), nb::arg("num_threads"),
         nb::arg("checked"), nb::call_guard<nb::gil_scoped_release>(),
         "Runs ropekv::rope_pool_fused on DLPack arrays (see ropekv.rope_pool_fused).");
-  m.def("check_device_errors", &ropekv::check_device_errors, nb::arg("device_id"),
-        nb::arg("stream"), nb::call_guard<nb::gil_scoped_release>());
+  m.def(
+      "check_device_errors",
+      [](int device_id, uintptr_t stream) {
+        ropekv::check_device_errors(device_id, reinterpret_cast<void*>(stream));
+      },
+      nb::arg("device_id"), nb::arg("stream"), nb::call_guard<nb::gil_scoped_release>());
   m.def("has_cuda", &ropekv::has_cuda);
   m.def("cpu_target", &ropekv::cpu_target);
   m.attr("__version__") = ropekv::version();

@@ -30,7 +30,7 @@
 
 #include <cstdint>
 
-#include "cuda/sincos_device.cuh"
+#include "common/sincos.h"
 
 namespace ropekv {
 namespace cuda {
@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(max_block(U)) rope_pool_kernel(const __grid_co
   const float pos = static_cast<float>(position);
   for (int i = tid; i < p.half; i += blockDim.x) {
     float s, c;
-    sincos_device(__fmul_rn(pos, __ldg(p.inv_freq + i)), &s, &c);
+    sincos_fp32(__fmul_rn(pos, __ldg(p.inv_freq + i)), &s, &c);
     cs_smem[i] = c;
     cs_smem[p.half + i] = s;
   }
