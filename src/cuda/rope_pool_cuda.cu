@@ -243,9 +243,9 @@ void launch_typed(const Params& prm, int vec, bool contig, int unroll, const Lau
   }
 }
 
-// Steps per team. Small calls (about one wave even with one step per team)
-// take U = 1: more warps in parallel and a shorter instruction path; large
-// calls U = 4: more bytes in flight per warp. ROPEKV_CUDA_UNROLL=1|2|4|8
+// Steps per team. Small calls (about one wave) take U = 2 and large calls
+// U = 4, the fastest of 1, 2, 4 and 8 on an H200 for Llama-3.1-8B bf16 from
+// T = 1 to 32768 (docs/performance.md, "latency" step of gpu-check.sh). ROPEKV_CUDA_UNROLL=1|2|4|8
 // forces a value for the 16-byte kernels (for tuning; read once).
 int choose_unroll(int64_t tokens, int64_t steps, int64_t vec_bytes) {
   static const int forced = [] {
@@ -255,7 +255,7 @@ int choose_unroll(int64_t tokens, int64_t steps, int64_t vec_bytes) {
   }();
   if (vec_bytes != 16) return 4;  // only the 16-byte kernels have other U
   if (forced) return forced;
-  return tokens * steps <= 4096 ? 1 : 4;
+  return tokens * steps <= 4096 ? 2 : 4;
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
