@@ -1,7 +1,9 @@
 // The backends' entry points. Each takes a validated Problem and trusts it.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "problem.h"
 
@@ -23,5 +25,8 @@ void check_addressable(const RopePoolTensors& t);
 void run(const Problem& p, const ExecOptions& options);
 /// See ropekv::check_device_errors.
 void check_errors(int device_id, void* stream);
+/// Copies the problem's slots to the host (synchronising `stream`), for the
+/// checked mode's duplicate check.
+std::vector<int64_t> read_slots(const Problem& p, void* stream);
 }  // namespace cuda
 }  // namespace ropekv

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "ropekv/ropekv.h"
 
@@ -57,5 +58,9 @@ inline int64_t load_index(const View1& a, IndexType t, int64_t i) {
 /// rejects two tokens naming the same non-negative slot.
 Problem make_problem(const RopePoolTensors& t, const RopeConfig& config,
                      bool check_index_values, bool check_duplicates = false);
+
+/// Throws Error if two tokens name the same non-negative slot (`slots` read
+/// on the host, one per token).
+void check_unique_slots(const std::vector<int64_t>& slots);
 
 }  // namespace ropekv

@@ -17,7 +17,12 @@ void rope_pool_fused(const RopePoolTensors& tensors, const RopeConfig& config,
     return;
   }
   cuda::run(p, options);
-  if (options.checked) cuda::check_errors(p.device.device_id, options.stream);
+  if (options.checked) {
+    // A GPU reports after the launch (reading slots first would cost the same
+    // sync before every call): skipped out-of-range slots, then duplicates.
+    cuda::check_errors(p.device.device_id, options.stream);
+    check_unique_slots(cuda::read_slots(p, options.stream));
+  }
 }
 
 void check_device_errors(int device_id, void* stream) {

@@ -132,25 +132,6 @@ void check_no_self_overlap(const DLTensor& t, const char* name) {
   }
 }
 
-// Two tokens naming one pool row race (which one lands depends on the
-// schedule): an error in checked mode.
-void check_unique_slots(const Problem& p) {
-  std::vector<std::pair<int64_t, int64_t>> named;  // (slot, token)
-  named.reserve(static_cast<size_t>(p.num_tokens));
-  for (int64_t i = 0; i < p.num_tokens; ++i) {
-    const int64_t s = load_index(p.slots, p.slot_type, i);
-    if (s >= 0) named.emplace_back(s, i);
-  }
-  std::sort(named.begin(), named.end());
-  for (size_t j = 1; j < named.size(); ++j)
-    if (named[j].first == named[j - 1].first)
-      fail("slots[" + std::to_string(named[j].second) + "] = " +
-           std::to_string(named[j].first) + " repeats slots[" +
-           std::to_string(named[j - 1].second) +
-           "]: two tokens would race for one pool row (checked mode); nothing was "
-           "written");
-}
-
 }  // namespace
 
 Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
@@ -293,9 +274,29 @@ Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
              " is out of range for a pool of " + std::to_string(p.pool_size) +
              " rows (k_pool.shape[0]); nothing was written");
     }
-    if (check_duplicates) check_unique_slots(p);
+    if (check_duplicates) {
+      std::vector<int64_t> slots(static_cast<size_t>(T));
+      for (int64_t i = 0; i < T; ++i) slots[i] = load_index(p.slots, p.slot_type, i);
+      check_unique_slots(slots);
+    }
   }
   return p;
+}
+
+// Two tokens naming one pool row race (which one lands depends on the
+// schedule): an error in checked mode.
+void check_unique_slots(const std::vector<int64_t>& slots) {
+  std::vector<std::pair<int64_t, int64_t>> named;  // (slot, token)
+  named.reserve(slots.size());
+  for (size_t i = 0; i < slots.size(); ++i)
+    if (slots[i] >= 0) named.emplace_back(slots[i], static_cast<int64_t>(i));
+  std::sort(named.begin(), named.end());
+  for (size_t j = 1; j < named.size(); ++j)
+    if (named[j].first == named[j - 1].first)
+      fail("slots[" + std::to_string(named[j].second) + "] = " +
+           std::to_string(named[j].first) + " repeats slots[" +
+           std::to_string(named[j - 1].second) +
+           "]: two tokens would race for one pool row (checked mode)");
 }
 
 void validate(const RopePoolTensors& tensors, const RopeConfig& config) {

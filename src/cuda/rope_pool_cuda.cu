@@ -395,6 +395,26 @@ void run(const Problem& p, const ExecOptions& options) {
   }
 }
 
+std::vector<int64_t> read_slots(const Problem& p, void* stream_ptr) {
+  DeviceGuard guard(p.device.device_id);
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing");
+  if (capturing != cudaStreamCaptureStatusNone) return {};  // cannot sync inside a capture
+  const int64_t esize = element_size(p.slot_type);
+  const int64_t n = p.num_tokens;
+  std::vector<char> raw(static_cast<size_t>(n * esize));
+  // One strided 2-D copy: n rows of one element, `stride` elements apart.
+  check(cudaMemcpy2DAsync(raw.data(), esize, p.slots.data, p.slots.stride * esize, esize, n,
+                          cudaMemcpyDeviceToHost, stream),
+        "reading slots for the checked mode");
+  check(cudaStreamSynchronize(stream), "reading slots for the checked mode");
+  std::vector<int64_t> out(static_cast<size_t>(n));
+  const View1 host{raw.data(), 1};
+  for (int64_t i = 0; i < n; ++i) out[i] = load_index(host, p.slot_type, i);
+  return out;
+}
+
 void check_errors(int device_id, void* stream_ptr) {
   if (device_id < 0 || device_id >= kMaxDevices) return;
   ErrorRecord* rec = g_devices[device_id].err.load(std::memory_order_acquire);

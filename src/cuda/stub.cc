@@ -9,6 +9,7 @@ void check_addressable(const RopePoolTensors&) {
   throw Error("this build of ropekv has no CUDA backend (rebuild with nvcc on PATH)");
 }
 void check_errors(int, void*) {}
+std::vector<int64_t> read_slots(const Problem&, void*) { return {}; }
 void run(const Problem&, const ExecOptions&) {
   throw Error("this build of ropekv has no CUDA backend (rebuild with nvcc on PATH)");
 }

@@ -586,3 +586,35 @@ def test_every_steps_per_team_variant(unroll):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=300, env=env)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+
+
+@cuda_only
+def test_duplicate_slots_raise_in_checked_mode(checked):
+    q, k, v, pos, slots, kp, vp = make(16, 8, 2, 128, 64, torch.bfloat16, skip_every=0)
+    slots[9] = slots[3]
+    with pytest.raises(ValueError, match=r"^slots\[9\] = \d+ repeats slots\[3\]: two tokens"):
+        call(q, k, v, pos, slots, kp, vp, 1e4)
+
+
+@cuda_only
+def test_two_streams_at_once_give_exact_results():
+    """Calls on two CUDA streams at once, each with its own pools, many calls
+    each, interleaved on the host: every result exact."""
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    cases = [make(257, 32, 8, 128, 4096, torch.bfloat16, seed=s) for s in (1, 2)]
+    snapshots = [(c[5].clone(), c[6].clone()) for c in cases]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    outs = [[], []]
+    for rep in range(20):
+        for i, (s, c) in enumerate(zip(streams, cases)):
+            with torch.cuda.stream(s):
+                outs[i].append(call(*c, 5e5)[:2])
+    torch.cuda.synchronize()
+    for i, c in enumerate(cases):
+        q, k, v, pos, slots, kp, vp = c
+        ref, mag = ref_rope(f64(q), pos.cpu().numpy(), 5e5)
+        for q_rot, k_rot in outs[i]:
+            assert_close(q_rot, ref, mag, f"q_rot on stream {i}")
+            assert same_bits(k_rot, outs[i][0][1])
+        check_pools(slots, outs[i][0][1], v, kp, vp, *snapshots[i])
