@@ -618,3 +618,34 @@ def test_two_streams_at_once_give_exact_results():
             assert_close(q_rot, ref, mag, f"q_rot on stream {i}")
             assert same_bits(k_rot, outs[i][0][1])
         check_pools(slots, outs[i][0][1], v, kp, vp, *snapshots[i])
+
+
+@cuda_only
+def test_torch_custom_op_compiled_and_in_a_cuda_graph():
+    """torch.ops.ropekv.rope_pool_fused under torch.compile(fullgraph=True) and
+    captured in a CUDA graph: same bits as the direct call."""
+    import ropekv.ops  # noqa: F401
+
+    ropekv.set_checked(False)  # checked mode syncs, which a capture forbids
+    q, k, v, pos, slots, kp, vp = make(33, 32, 8, 128, 512, torch.bfloat16)
+    cfg = dict(head_dim=128, num_qo_heads=32, num_kv_heads=8, rope_base=5e5)
+    kp_ref, vp_ref = kp.clone(), vp.clone()
+    want = call(q, k, v, pos, slots, kp_ref, vp_ref, 5e5)
+
+    def f(q, k, v, pos, slots, kp, vp):
+        return torch.ops.ropekv.rope_pool_fused(q, k, v, pos, slots, kp, vp, **cfg)
+
+    got = torch.compile(f, fullgraph=True)(q, k, v, pos, slots, kp, vp)
+    assert same_bits(got[0], want[0]) and same_bits(got[1], want[1])
+    assert same_bits(kp, kp_ref) and same_bits(vp, vp_ref)
+
+    kp2, vp2 = kp.clone(), vp.clone()
+    f(q, k, v, pos, slots, kp2, vp2)  # warm-up outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = f(q, k, v, pos, slots, kp2, vp2)
+    kp2.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert same_bits(out[0], want[0]) and same_bits(kp2[slots[slots >= 0].long()],
+                                                     want[1][slots >= 0])

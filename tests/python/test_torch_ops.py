@@ -1,0 +1,74 @@
+"""torch.ops.ropekv.rope_pool_fused: the torch.library custom op, its fake
+implementation (opcheck), and torch.compile with no graph break."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import ropekv
+import ropekv.ops  # noqa: F401  (registers torch.ops.ropekv.rope_pool_fused)
+from reference import assert_close, rope
+
+CFG = dict(head_dim=64, num_qo_heads=8, num_kv_heads=2, rope_base=500000.0)
+
+
+def make(T=11, P=32, dtype=torch.float32):
+    q = torch.randn(T, 8, 64).to(dtype)
+    k = torch.randn(T, 2, 64).to(dtype)
+    v = torch.randn(T, 2, 64).to(dtype)
+    pos = torch.randint(0, 1 << 20, (T,))
+    slots = torch.randperm(P)[:T]
+    return q, k, v, pos, slots, torch.randn(P, 2, 64).to(dtype), torch.randn(P, 2, 64).to(dtype)
+
+
+def test_op_matches_the_python_call_and_mutates_the_pools():
+    q, k, v, pos, slots, kp, vp = make()
+    kp2, vp2 = kp.clone(), vp.clone()
+    q_rot, k_rot = torch.ops.ropekv.rope_pool_fused(q, k, v, pos, slots, kp, vp, **CFG)
+    want = ropekv.rope_pool_fused(q, k, v, pos, slots, kp2, vp2, **CFG)
+    assert torch.equal(q_rot, want[0]) and torch.equal(k_rot, want[1])
+    assert torch.equal(kp, kp2) and torch.equal(vp, vp2)
+    assert torch.equal(kp[slots], k_rot)
+
+
+def test_opcheck():
+    """Schema, fake implementation, declared mutations and autograd
+    registration are consistent (torch.library.opcheck)."""
+    q, k, v, pos, slots, kp, vp = make(T=5, P=8)
+    torch.library.opcheck(torch.ops.ropekv.rope_pool_fused.default,
+                          (q, k, v, pos, slots, kp, vp), CFG)
+
+
+def test_errors_are_value_errors():
+    q, k, v, pos, slots, kp, vp = make()
+    with pytest.raises(ValueError, match="^rope_pool_fused expects q/k/v to be 3-D"):
+        torch.ops.ropekv.rope_pool_fused(q[0], k, v, pos, slots, kp, vp, **CFG)
+
+
+def test_torch_compile_fullgraph():
+    """Inside a compiled function with other ops around it: one graph
+    (fullgraph=True fails on any break), results exact, pools mutated."""
+
+    def layer(x, w, pos, slots, kp, vp):
+        qkv = (x @ w).view(x.shape[0], 12, 64)
+        q, k, v = qkv[:, :8], qkv[:, 8:10], qkv[:, 10:]
+        q_rot, k_rot = torch.ops.ropekv.rope_pool_fused(q, k, v, pos, slots, kp, vp, **CFG)
+        return q_rot * 2.0, k_rot
+
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    T, P = 7, 16
+    x, w = torch.randn(T, 96), torch.randn(96, 12 * 64)
+    pos, slots = torch.randint(0, 4096, (T,)), torch.randperm(P)[:T]
+    kp, vp = torch.zeros(P, 2, 64), torch.zeros(P, 2, 64)
+    kp_e, vp_e = kp.clone(), vp.clone()
+    got = compiled(x, w, pos, slots, kp, vp)
+    want = layer(x, w, pos, slots, kp_e, vp_e)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    assert torch.equal(kp, kp_e) and torch.equal(vp, vp_e)
+    qkv = (x @ w).view(T, 12, 64)
+    ref, mag = rope(qkv[:, :8].numpy(), pos.numpy(), CFG["rope_base"])
+    assert_close((got[0] / 2.0).numpy(), ref, mag, "compiled q_rot")
+    assert torch.equal(kp[slots], got[1]) and torch.equal(vp[slots], qkv[:, 10:])
+    assert np.count_nonzero(np.delete(kp.numpy(), slots.numpy(), 0)) == 0
