@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""Plots the CPU benchmarks into docs/cpu_bandwidth.png.
+
+Inputs:
+  --cpp    JSON files of bench/cpu_bench.cc (--benchmark_out=FILE
+           --benchmark_out_format=json): ropekv through the C++ API and the
+           memcpy reference at the same thread count (cold family); with
+           several files or repetitions, the best run of each benchmark counts
+           (the machine is shared: slower runs are other processes' noise);
+  --peers  CSV of bench/cpu_peers.py: ropekv through Python, PyTorch eager,
+           MLX, and (merged) ggml.
+
+One panel per (model, dtype, threads): effective bandwidth (SPEC section 7
+bytes / time) against the token count T.
+
+Usage:
+  .venv/bin/python bench/plot_cpu.py --cpp build-bench/cpu_bench.json \
+      --peers build-bench/cpu_peers.csv --out docs/cpu_bandwidth.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+from collections import defaultdict
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker as mticker  # noqa: E402
+
+MODELS = ["Llama-3.1-8B", "Qwen2.5-7B", "Gemma-2-9B"]
+STYLE = {
+    "ropekv (C++)": dict(color="tab:blue", marker="o", lw=2),
+    "ropekv (Python)": dict(color="tab:blue", marker="o", ls="--", lw=1),
+    "memcpy (C++, same threads)": dict(color="black", ls=":", lw=1.5),
+    "PyTorch eager": dict(color="tab:red", marker="s"),
+    "MLX CPU": dict(color="tab:green", marker="^"),
+    "ggml": dict(color="tab:orange", marker="D"),
+}
+
+
+def best_cpp_rows(paths):
+    """Rows of the C++ benchmark JSON files, the best repetition of each
+    benchmark over all files (highest GB/s; the memcpy reference also its best)."""
+    benchmarks, context = [], {}
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        benchmarks += data["benchmarks"]
+        context = data.get("context", context)
+    best = {}
+    for b in benchmarks:
+        if b.get("run_type") == "aggregate":
+            continue
+        m = re.match(r"(cold|warm)/([^/]+)/([^/]+)/threads:(\d+)/T:(\d+)", b["name"])
+        if not m:
+            continue
+        key = (m.group(1), m.group(2), m.group(3), int(m.group(4)), int(m.group(5)))
+        row = best.setdefault(key, dict(us=1e30, gbps=0.0, mc=0.0, reps=0))
+        row["reps"] += 1
+        if b["GB/s"] > row["gbps"]:
+            row["gbps"], row["us"] = b["GB/s"], b["us_per_call"]
+        row["mc"] = max(row["mc"], b["memcpy_GB/s"])
+    return best, context
+
+
+def load_cpp(path):
+    """{(model, dtype, threads): {"ropekv (C++)": {T: GB/s}, "memcpy ...": {...}}}"""
+    out = defaultdict(lambda: defaultdict(dict))
+    best, _ = best_cpp_rows(path)
+    for (fam, model, dtype, th, T), r in best.items():
+        if fam != "cold":
+            continue
+        out[(model, dtype, th)]["ropekv (C++)"][T] = r["gbps"]
+        out[(model, dtype, th)]["memcpy (C++, same threads)"][T] = r["mc"]
+    return out
+
+
+def markdown(cpp_path, peers_path):
+    """Markdown tables for docs/performance.md."""
+    best, ctx = best_cpp_rows(cpp_path)
+    lines = [f"C++ API (`bench/cpu_bench.cc`), best of {min(r['reps'] for r in best.values())} to "
+             f"{max(r['reps'] for r in best.values())} runs; memcpy = same traffic, same threads, "
+             f"measured right after, best of the same runs.", ""]
+    lines.append("| shape | dtype | thr | T | cache | µs/call | µs/token | GB/s | memcpy GB/s | vs memcpy |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    for (fam, model, dtype, th, T), r in sorted(
+            best.items(), key=lambda kv: (MODELS.index(kv[0][1]), kv[0][2] != "f32", kv[0][3],
+                                          kv[0][0] != "cold", kv[0][4])):
+        lines.append(f"| {model} | {dtype} | {th} | {T} | {fam} | {r['us']:.2f} | {r['us'] / T:.3f} | "
+                     f"{r['gbps']:.1f} | {r['mc']:.1f} | {r['gbps'] / r['mc']:.2f} |")
+    if peers_path:
+        rows = defaultdict(dict)
+        with open(peers_path) as f:
+            for r in csv.DictReader(f):
+                rows[(r["model"], r["dtype"], int(r["T"]), int(r["threads"]))][r["impl"]] = float(r["us_per_call"])
+        lines += ["", "Peers (`bench/cpu_peers.py`, Python level; ggml from its C harness), µs per call; "
+                  "x = peer time / ropekv time (ropekv through Python; the C++ column for reference).", ""]
+        lines.append("| shape | dtype | T | thr | ropekv C++ | ropekv Python | PyTorch eager | x | MLX CPU | x | "
+                     "ggml | x (vs C++) |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for (model, dtype, T, th), r in sorted(
+                rows.items(), key=lambda kv: (MODELS.index(kv[0][0]) if kv[0][0] in MODELS else 9,
+                                              kv[0][1] != "f32", kv[0][3], kv[0][2])):
+            if th == 0 or "ropekv" not in r:
+                continue
+            mlx = rows.get((model, dtype, T, 0), {}).get("mlx")
+            c = best.get(("cold", model, dtype, th, T))
+            rp = r["ropekv"]
+
+            def x(v, ref=rp):
+                return f"{v:.1f} | {v / ref:.1f}" if v else "- | -"
+
+            lines.append(f"| {model} | {dtype} | {T} | {th} | {c['us'] if c else float('nan'):.2f} | "
+                         f"{rp:.2f} | {x(r.get('torch'))} | {x(mlx)} | "
+                         f"{x(r.get('ggml'), c['us'] if c else rp)} |")
+    return "\n".join(lines)
+
+
+def load_peers(path, out):
+    names = {"ropekv": "ropekv (Python)", "torch": "PyTorch eager", "mlx": "MLX CPU", "ggml": "ggml"}
+    with open(path) as f:
+        for r in csv.DictReader(f):
+            name = names.get(r["impl"])
+            if name is None or not r["gbps"]:
+                continue
+            th = int(r["threads"])
+            for t in ([1, 2] if th == 0 else [th]):  # MLX: one run, both panels
+                out[(r["model"], r["dtype"], t)][name][int(r["T"])] = float(r["gbps"])
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cpp", required=True, nargs="+", help="one or more JSON files (best of all)")
+    ap.add_argument("--peers", default=None)
+    ap.add_argument("--out", default="docs/cpu_bandwidth.png")
+    ap.add_argument("--title", default="")
+    ap.add_argument("--markdown", action="store_true", help="also print tables for docs/performance.md")
+    args = ap.parse_args()
+    if args.markdown:
+        print(markdown(args.cpp, args.peers))
+    data = load_cpp(args.cpp)
+    if args.peers:
+        load_peers(args.peers, data)
+
+    cols = [("f32", 1), ("f32", 2), ("bf16", 1), ("bf16", 2)]
+    fig, axes = plt.subplots(len(MODELS), len(cols), figsize=(16, 10), sharex=True, squeeze=False)
+    for i, model in enumerate(MODELS):
+        for j, (dtype, th) in enumerate(cols):
+            ax = axes[i][j]
+            series = data.get((model, dtype, th), {})
+            for name, style in STYLE.items():
+                pts = series.get(name)
+                if not pts:
+                    continue
+                xs = sorted(pts)
+                ax.plot(xs, [pts[x] for x in xs], label=name, **style)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks([1, 16, 128, 1024, 8192])
+            ax.xaxis.set_major_formatter(mticker.FormatStrFormatter("%d"))
+            ax.yaxis.set_major_locator(mticker.FixedLocator([0.1, 0.2, 0.5, 1, 2, 3, 5, 7, 10, 15, 20, 30, 40, 50, 70, 100]))
+            ax.yaxis.set_major_formatter(mticker.FormatStrFormatter("%g"))
+            ax.yaxis.set_minor_formatter(mticker.NullFormatter())
+            ax.grid(True, which="both", alpha=0.3)
+            ax.set_title(f"{model} {dtype}, {th} thread{'s' if th > 1 else ''}", fontsize=9)
+            if j == 0:
+                ax.set_ylabel("effective GB/s")
+            if i == len(MODELS) - 1:
+                ax.set_xlabel("tokens per call (T)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9)
+    fig.suptitle(args.title or "ropekv CPU: fused RoPE + KV scatter, cold caches (ggml: f16 for bf16)",
+                 fontsize=11)
+    fig.tight_layout(rect=(0, 0.04, 1, 0.97))
+    fig.savefig(args.out, dpi=110)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
