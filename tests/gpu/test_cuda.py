@@ -1,18 +1,10 @@
-"""The CUDA backend against a float64 reference and against the CPU backend.
+"""The CUDA backend against the float64 reference and against the CPU backend.
 
 Runs on a machine with an NVIDIA GPU, PyTorch with CUDA, and a ropekv built
-with nvcc (scripts/gpu-check.sh does all three); skipped elsewhere.
-
-The reference below is SPEC section 2 in float64 numpy, written here again on
-purpose (it shares no code with the kernels or with tests/python):
-
-    inv_freq[i] = fp32(base ** (-2i / D))           in double, rounded once
-    theta       = fp32(fp32(pos) * inv_freq[i])
-    out[i]      = x[i] cos(theta) - x[i + D/2] sin(theta)
-    out[i+D/2]  = x[i + D/2] cos(theta) + x[i] sin(theta)
-
-An output passes when it is within one rounding of its dtype of the float64
-value (plus the few-ulp bound of fp32 arithmetic before that rounding).
+with nvcc (scripts/gpu-check.sh does all three); skipped elsewhere. The
+reference, its tolerance (one rounding of the output dtype plus the bound of
+the fp32 arithmetic) and the model configs are those of the CPU suite,
+tests/python/reference.py, which the golden vectors check.
 """
 
 from __future__ import annotations
@@ -38,49 +30,29 @@ cuda_only = pytest.mark.skipif(DEV != "cuda", reason="CUDA-specific behaviour")
 
 # ---------------------------------------------------------------- reference
 
-MANTISSA = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
-MIN_EXP = {torch.float32: -126, torch.float16: -14, torch.bfloat16: -126}
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
+import reference  # noqa: E402  (tests/python/reference.py)
 
-
-def ref_angles(positions: np.ndarray, D: int, base: float) -> np.ndarray:
-    i = np.arange(D // 2, dtype=np.float64)
-    inv_freq = np.power(np.float64(base), -2.0 * i / D).astype(np.float32)
-    pos = np.asarray(positions).astype(np.float32)
-    return (pos[:, None] * inv_freq[None, :]).astype(np.float32).astype(np.float64)
-
-
-def ref_rope(x: np.ndarray, positions: np.ndarray, base: float):
-    """float64 NeoX RoPE of x [T, H, D]; also |x1 c| + |x2 s| (error bound)."""
-    D = x.shape[-1]
-    half = D // 2
-    th = ref_angles(positions, D, base)[:, None, :]
-    c, s = np.cos(th), np.sin(th)
-    x1, x2 = x[..., :half], x[..., half:]
-    out = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-    mag = np.concatenate([np.abs(x1 * c) + np.abs(x2 * s), np.abs(x2 * c) + np.abs(x1 * s)],
-                         axis=-1)
-    return out, mag
-
-
-def tolerance(dtype, ref: np.ndarray, mag: np.ndarray) -> np.ndarray:
-    a = np.abs(ref)
-    e = np.floor(np.log2(np.where(a > 0, a, 1.0)))
-    e = np.maximum(e, MIN_EXP[dtype])
-    return np.ldexp(1.0, (e - MANTISSA[dtype]).astype(np.int64)) + 4.0 * 2.0**-24 * mag
+ref_rope = reference.rope
+MODELS = reference.MODELS
+NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16,
+                torch.bfloat16: reference.BF16}
 
 
 def f64(t) -> np.ndarray:
     return t.detach().float().cpu().numpy().astype(np.float64)
 
 
+def as_numpy(t) -> np.ndarray:
+    """The tensor's values in numpy, in the same dtype (bf16 via ml_dtypes)."""
+    t = t.detach().contiguous().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(reference.BF16)
+    return t.numpy()
+
+
 def assert_close(got, ref: np.ndarray, mag: np.ndarray, what: str) -> None:
-    g = f64(got)
-    err = np.abs(g - ref)
-    bad = ~(err <= tolerance(got.dtype, ref, mag))
-    if bad.any():
-        idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.size} elements off; first at "
-                             f"{idx}: got {g[idx]!r}, want {ref[idx]!r}")
+    reference.assert_close(as_numpy(got), ref, mag, what)
 
 
 def bits(t):
@@ -96,16 +68,6 @@ def same_bits(a, b) -> bool:
 # ---------------------------------------------------------------- helpers
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-MODELS = [  # SPEC section 6: (name, Hq, Hk, D, rope_theta)
-    ("Llama-3.1-8B", 32, 8, 128, 500000.0),
-    ("Llama-3.2-1B", 32, 8, 64, 500000.0),
-    ("Llama-2-7B", 32, 32, 128, 10000.0),
-    ("Mistral-7B-v0.3", 32, 8, 128, 1000000.0),
-    ("Qwen2.5-7B", 28, 4, 128, 1000000.0),
-    ("Qwen3-8B", 32, 8, 128, 1000000.0),
-    ("Gemma-2-9B", 16, 8, 256, 10000.0),
-    ("Phi-3-mini-4k", 32, 32, 96, 10000.0),
-]
 
 def make(T, Hq, Hk, D, P, dtype, idx=torch.int32, seed=0, device=DEV, skip_every=5):
     g = torch.Generator().manual_seed(seed)
