@@ -5,7 +5,9 @@ For each model shape (Llama-3.1-8B, Qwen2.5-7B, Gemma-2-9B), dtype (f32,
 bf16), token count T and thread count, times one call of:
 
   ropekv     ropekv.rope_pool_fused on PyTorch CPU tensors (the drop-in call:
-             it allocates q_rot/k_rot, validates, releases the GIL);
+             it allocates q_rot/k_rot, validates, releases the GIL); also
+             with q_out/k_out given (preallocated outputs, no allocation:
+             a fresh output of 100+ MB costs its page faults on every call);
   torch      PyTorch eager, the same math as Hugging Face's
              apply_rotary_pos_emb: cos/sin from positions x inv_freq (fp32, cast
              to the dtype), q*cos + rotate_half(q)*sin in the dtype, then
@@ -222,13 +224,31 @@ def bench_memcpy(n_bytes: int, min_time: float) -> float:
 
 
 def python_overhead(min_time: float) -> list[dict]:
-    """ropekv.rope_pool_fused at T = 1, warm inputs, Llama-3.1-8B shapes."""
+    """ropekv.rope_pool_fused at T = 1, warm inputs, Llama-3.1-8B shapes, and
+    where the time goes: the binding alone (ropekv._ext.run, the nanobind
+    call that imports the 9 arrays and runs the C++ op) with PyTorch tensors
+    and with numpy arrays of the same data."""
+    from ropekv import _ext
+
     rows = []
     for dtype in ("bf16", "f32"):
         c = Case("Llama-3.1-8B", dtype, 1, warm=True)
         t_alloc = bench_ropekv(c, 1, min_time)
         t_out = bench_ropekv(c, 1, min_time, out_given=True)
-        rows.append(dict(dtype=dtype, us_default=t_alloc * 1e6, us_out_given=t_out * 1e6))
+        q, k, v, pos, qo, ko = c.sets[0]
+        args_t = (q, k, v, pos, c.slots[0], c.k_pool, c.v_pool, qo, ko)
+        bf16 = dtype == "bf16"
+
+        def np_view(t):
+            return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+        args_n = tuple(np_view(t) for t in args_t)
+        mask = 0b111100111 if bf16 else 0  # the float arrays, passed as int16 views
+        tail = (c.d, c.hq, c.hk, c.base)
+        t_ext_torch = time_calls(lambda i: _ext.run(*args_t, *tail, 0, 0, 0, 1, False), 1, min_time)
+        t_ext_np = time_calls(lambda i: _ext.run(*args_n, *tail, mask, 0, 0, 1, False), 1, min_time)
+        rows.append(dict(dtype=dtype, us_default=t_alloc * 1e6, us_out_given=t_out * 1e6,
+                         us_ext_torch=t_ext_torch * 1e6, us_ext_numpy=t_ext_np * 1e6))
     return rows
 
 
@@ -253,8 +273,14 @@ def main() -> int:
     rows = []
     over = python_overhead(args.min_time)
     for r in over:
-        print(f"ropekv.rope_pool_fused T=1 Llama-3.1-8B {r['dtype']}: {r['us_default']:.2f} us/call "
-              f"(q_out/k_out given: {r['us_out_given']:.2f} us)")
+        print(f"ropekv.rope_pool_fused T=1 Llama-3.1-8B {r['dtype']} (torch tensors, warm): "
+              f"{r['us_default']:.2f} us/call; q_out/k_out given: {r['us_out_given']:.2f} us; "
+              f"binding alone (_ext.run): {r['us_ext_torch']:.2f} us with torch tensors, "
+              f"{r['us_ext_numpy']:.2f} us with numpy arrays")
+        for key, name in (("us_ext_torch", "ropekv-ext-run-torch-T1-warm"),
+                          ("us_ext_numpy", "ropekv-ext-run-numpy-T1-warm")):
+            rows.append(dict(impl=name, model="Llama-3.1-8B", dtype=r["dtype"], T=1, threads=1,
+                             us_per_call=r[key], gbps=""))
         rows.append(dict(impl="ropekv-python-T1-warm", model="Llama-3.1-8B", dtype=r["dtype"], T=1,
                          threads=1, us_per_call=r["us_default"], gbps=""))
         rows.append(dict(impl="ropekv-python-T1-warm-out-given", model="Llama-3.1-8B", dtype=r["dtype"],
@@ -271,7 +297,8 @@ def main() -> int:
                 dt = "bf16" if dt == "f16" else dt  # ggml has no bf16 rope: f16, same bytes
                 ggml[(model, dt, int(T), int(th))] = (float(us), float(gbps))
 
-    hdr = (f"{'model':<13} {'dtype':<5} {'T':>5} {'thr':>3} | {'ropekv us':>10} {'GB/s':>6} | "
+    hdr = (f"{'model':<13} {'dtype':<5} {'T':>5} {'thr':>3} | {'ropekv us':>10} {'GB/s':>6} "
+           f"{'out-given':>10} | "
            f"{'torch us':>10} {'x':>6} | {'mlx us':>10} {'x':>6} | {'ggml us':>10} {'x':>6} | "
            f"{'memcpy GB/s':>11} {'ropekv/memcpy':>13}")
     print(hdr)
@@ -290,8 +317,10 @@ def main() -> int:
                                      us_per_call=mlx_t * 1e6, gbps=c.bytes / mlx_t * 1e-9))
                 for th in args.threads:
                     r_t = bench_ropekv(c, th, args.min_time) if "ropekv" in args.impls else None
+                    r_o = (bench_ropekv(c, th, args.min_time, out_given=True)
+                           if "ropekv" in args.impls else None)
                     t_t = bench_torch(c, th, args.min_time) if "torch" in args.impls else None
-                    for name, t in (("ropekv", r_t), ("torch", t_t)):
+                    for name, t in (("ropekv", r_t), ("ropekv-out-given", r_o), ("torch", t_t)):
                         if t is not None:
                             rows.append(dict(impl=name, model=model, dtype=dtype, T=T, threads=th,
                                              us_per_call=t * 1e6, gbps=c.bytes / t * 1e-9))
@@ -306,7 +335,8 @@ def main() -> int:
                         return f"{t * 1e6:>10.2f} {t / r_t:>6.1f}"
 
                     print(f"{model:<13} {dtype:<5} {T:>5} {th:>3} | "
-                          f"{(r_t or 0) * 1e6:>10.2f} {c.bytes / r_t * 1e-9 if r_t else 0:>6.1f} | "
+                          f"{(r_t or 0) * 1e6:>10.2f} {c.bytes / r_t * 1e-9 if r_t else 0:>6.1f} "
+                          f"{(r_o or 0) * 1e6:>10.2f} | "
                           f"{cell(t_t)} | {cell(mlx_t)} | "
                           f"{cell(g[0] * 1e-6 if g else None)} | "
                           f"{2 * (c.bytes // 2) / mc * 1e-9 if mc else 0:>11.1f} "

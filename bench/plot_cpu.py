@@ -95,14 +95,13 @@ def markdown(cpp_path, peers_path):
                      f"{r['gbps']:.1f} | {r['mc']:.1f} | {r['gbps'] / r['mc']:.2f} |")
     if peers_path:
         rows = defaultdict(dict)
-        with open(peers_path) as f:
-            for r in csv.DictReader(f):
-                rows[(r["model"], r["dtype"], int(r["T"]), int(r["threads"]))][r["impl"]] = float(r["us_per_call"])
+        for (impl, model, dtype, T, th), r in best_peer_rows(peers_path).items():
+            rows[(model, dtype, T, th)][impl] = float(r["us_per_call"])
         lines += ["", "Peers (`bench/cpu_peers.py`, Python level; ggml from its C harness), µs per call; "
                   "x = peer time / ropekv time (ropekv through Python; the C++ column for reference).", ""]
-        lines.append("| shape | dtype | T | thr | ropekv C++ | ropekv Python | PyTorch eager | x | MLX CPU | x | "
-                     "ggml | x (vs C++) |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        lines.append("| shape | dtype | T | thr | ropekv C++ | ropekv Python | Python, outputs given | "
+                     "PyTorch eager | x | MLX CPU | x | ggml | x (vs C++) |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for (model, dtype, T, th), r in sorted(
                 rows.items(), key=lambda kv: (MODELS.index(kv[0][0]) if kv[0][0] in MODELS else 9,
                                               kv[0][1] != "f32", kv[0][3], kv[0][2])):
@@ -115,29 +114,41 @@ def markdown(cpp_path, peers_path):
             def x(v, ref=rp):
                 return f"{v:.1f} | {v / ref:.1f}" if v else "- | -"
 
+            ro = r.get("ropekv-out-given")
             lines.append(f"| {model} | {dtype} | {T} | {th} | {c['us'] if c else float('nan'):.2f} | "
-                         f"{rp:.2f} | {x(r.get('torch'))} | {x(mlx)} | "
+                         f"{rp:.2f} | {f'{ro:.2f}' if ro else '-'} | {x(r.get('torch'))} | {x(mlx)} | "
                          f"{x(r.get('ggml'), c['us'] if c else rp)} |")
     return "\n".join(lines)
 
 
-def load_peers(path, out):
+def best_peer_rows(paths):
+    """Rows of the cpu_peers.py CSV files, the fastest run of each
+    (impl, model, dtype, T, threads) over all files."""
+    best = {}
+    for path in paths:
+        with open(path) as f:
+            for r in csv.DictReader(f):
+                key = (r["impl"], r["model"], r["dtype"], int(r["T"]), int(r["threads"]))
+                if key not in best or float(r["us_per_call"]) < float(best[key]["us_per_call"]):
+                    best[key] = r
+    return best
+
+
+def load_peers(paths, out):
     names = {"ropekv": "ropekv (Python)", "torch": "PyTorch eager", "mlx": "MLX CPU", "ggml": "ggml"}
-    with open(path) as f:
-        for r in csv.DictReader(f):
-            name = names.get(r["impl"])
-            if name is None or not r["gbps"]:
-                continue
-            th = int(r["threads"])
-            for t in ([1, 2] if th == 0 else [th]):  # MLX: one run, both panels
-                out[(r["model"], r["dtype"], t)][name][int(r["T"])] = float(r["gbps"])
+    for (impl, model, dtype, T, th), r in best_peer_rows(paths).items():
+        name = names.get(impl)
+        if name is None or not r["gbps"]:
+            continue
+        for t in ([1, 2] if th == 0 else [th]):  # MLX: one run, both panels
+            out[(model, dtype, t)][name][T] = float(r["gbps"])
     return out
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cpp", required=True, nargs="+", help="one or more JSON files (best of all)")
-    ap.add_argument("--peers", default=None)
+    ap.add_argument("--peers", default=None, nargs="+", help="one or more CSV files (fastest of all)")
     ap.add_argument("--out", default="docs/cpu_bandwidth.png")
     ap.add_argument("--title", default="")
     ap.add_argument("--markdown", action="store_true", help="also print tables for docs/performance.md")
