@@ -24,7 +24,8 @@
 //
 // The "warm" family (T = 1 and 16) is the decode case: q, k, v and the
 // outputs reused (in cache, as right after the QKV projection), the pool rows
-// still cold. Its memcpy reference copies one hot buffer.
+// still cold. The "hot" family (T = 1) has everything in cache: compute and
+// call overhead alone. Their memcpy reference copies one hot buffer.
 //
 // Run:  build-bench/bench/ropekv_cpu_bench --benchmark_counters_tabular=true
 #include <benchmark/benchmark.h>
@@ -155,10 +156,15 @@ double memcpy_seconds_per_call(size_t n, int threads, int64_t sets, double min_s
   return best;
 }
 
-// `warm`: q, k, v, positions and the outputs are one set reused by every
-// iteration (in cache, as right after the QKV projection of a decode step);
-// the slots still name fresh random pool rows each call (the pool is cold).
-void BM_RopePool(benchmark::State& state, Model m, bool bf16, int threads, bool warm) {
+// Cache states. kWarm: q, k, v, positions and the outputs are one set
+// reused by every iteration (in cache, as right after the QKV projection of
+// a decode step); the slots still name fresh random pool rows each call (the
+// pool is cold). kHot: the slots too are one set (everything in cache: the
+// compute and call overhead alone).
+enum Cache { kCold, kWarm, kHot };
+
+void BM_RopePool(benchmark::State& state, Model m, bool bf16, int threads, Cache cache) {
+  const bool warm = cache != kCold;
   const int64_t T = state.range(0);
   const int64_t E = bf16 ? 2 : 4;
   const DLDataType dt = bf16 ? DLDataType{kDLBfloat, 16, 1} : DLDataType{kDLFloat, 32, 1};
@@ -176,7 +182,9 @@ void BM_RopePool(benchmark::State& state, Model m, bool bf16, int threads, bool 
   const int64_t in_sets =
       warm ? 1 : std::clamp<int64_t>((2 * llc + set_bytes - 1) / set_bytes, 1, 8192);
   const int64_t slot_sets =
-      std::clamp<int64_t>((2 * llc + 2 * T * row_bytes - 1) / (2 * T * row_bytes), 1, 8192);
+      cache == kHot
+          ? 1
+          : std::clamp<int64_t>((2 * llc + 2 * T * row_bytes - 1) / (2 * T * row_bytes), 1, 8192);
   const int64_t sets = std::max(in_sets, slot_sets);
   Buffer q(in_sets * q_elems * E), k(in_sets * k_elems * E), v(in_sets * k_elems * E);
   Buffer q_rot(in_sets * q_elems * E), k_rot(in_sets * k_elems * E);
@@ -269,17 +277,20 @@ void register_all() {
   for (const Model& m : kModels) {
     for (bool bf16 : {false, true}) {
       for (int threads : {1, 2}) {
-        for (bool warm : {false, true}) {
-          const std::string name = std::string(warm ? "warm/" : "cold/") + m.name + "/" +
+        for (Cache cache : {kCold, kWarm, kHot}) {
+          const char* family = cache == kCold ? "cold/" : cache == kWarm ? "warm/" : "hot/";
+          const std::string name = std::string(family) + m.name + "/" +
                                    (bf16 ? "bf16" : "f32") + "/threads:" +
                                    std::to_string(threads);
           auto* b =
-              benchmark::RegisterBenchmark(name.c_str(), BM_RopePool, m, bf16, threads, warm);
+              benchmark::RegisterBenchmark(name.c_str(), BM_RopePool, m, bf16, threads, cache);
           b->ArgName("T")->UseRealTime()->Unit(benchmark::kMicrosecond);
-          if (warm)
+          if (cache == kCold)
+            b->Arg(1)->Arg(16)->Arg(128)->Arg(1024)->Arg(8192);
+          else if (cache == kWarm)
             b->Arg(1)->Arg(16);
           else
-            b->Arg(1)->Arg(16)->Arg(128)->Arg(1024)->Arg(8192);
+            b->Arg(1);
         }
       }
     }

@@ -56,7 +56,7 @@ def best_cpp_rows(paths):
     for b in benchmarks:
         if b.get("run_type") == "aggregate":
             continue
-        m = re.match(r"(cold|warm)/([^/]+)/([^/]+)/threads:(\d+)/T:(\d+)", b["name"])
+        m = re.match(r"(cold|warm|hot)/([^/]+)/([^/]+)/threads:(\d+)/T:(\d+)", b["name"])
         if not m:
             continue
         key = (m.group(1), m.group(2), m.group(3), int(m.group(4)), int(m.group(5)))
@@ -90,7 +90,7 @@ def markdown(cpp_path, peers_path):
     lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for (fam, model, dtype, th, T), r in sorted(
             best.items(), key=lambda kv: (MODELS.index(kv[0][1]), kv[0][2] != "f32", kv[0][3],
-                                          kv[0][0] != "cold", kv[0][4])):
+                                          ["cold", "warm", "hot"].index(kv[0][0]), kv[0][4])):
         lines.append(f"| {model} | {dtype} | {th} | {T} | {fam} | {r['us']:.2f} | {r['us'] / T:.3f} | "
                      f"{r['gbps']:.1f} | {r['mc']:.1f} | {r['gbps'] / r['mc']:.2f} |")
     if peers_path:
