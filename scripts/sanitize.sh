@@ -28,7 +28,7 @@ echo "== ASan + UBSan"
 cmake -S . -B build-asan "${common[@]}" -DROPEKV_SANITIZE=address,undefined >/dev/null
 cmake --build build-asan -j"$jobs"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  ctest --test-dir build-asan --output-on-failure -j"$jobs"
+  ctest --test-dir build-asan --output-on-failure -j"$jobs" -LE long
 
 echo "== TSan (threaded CPU path)"
 archer=$(ls /usr/lib/llvm-*/lib/libarcher.so 2>/dev/null | head -1)

@@ -236,6 +236,9 @@ int main(int argc, char** argv) {
   app.add_flag("--ignore-rope-scaling", ignore_scaling,
                "replay any rope_scaling type as default RoPE (llama3 and yarn always are)");
   app.add_option("--json", json_out, "write the summary as JSON to FILE");
+  double max_rss_growth_mb = -1;
+  app.add_option("--max-rss-growth-mb", max_rss_growth_mb,
+                 "fail if resident memory grows by more than N MB between warm-up and the end");
   app.add_flag("--progress", progress, "progress bar on stderr even when it is not a terminal");
   app.add_flag("--no-progress", no_progress, "no progress bar");
   app.add_option("--inject-fault", fault, "testing: corrupt one result to prove the checks fail")
@@ -374,9 +377,16 @@ int main(int argc, char** argv) {
                 "checked, %lld untouched rows\n",
                 static_cast<long long>(r.spot_checked_heads), opt.check_all ? " (+ all, --check-all)" : "",
                 static_cast<long long>(r.pool_rows_checked), static_cast<long long>(r.untouched_rows_checked));
+    std::printf("  memory          %.1f MB resident after warm-up, %.1f MB at the end\n", r.rss_warm_mb,
+                r.rss_end_mb);
     if (load_before >= 0)
       std::printf("  machine         load average %.2f at the start, %.2f at the end (%d CPUs online)\n",
                   load_before, load_average(), static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)));
+    if (max_rss_growth_mb >= 0 && r.rss_end_mb - r.rss_warm_mb > max_rss_growth_mb) {
+      std::fprintf(stderr, "ropekv-replay: resident memory grew by %.1f MB after warm-up (limit %.1f MB)\n",
+                   r.rss_end_mb - r.rss_warm_mb, max_rss_growth_mb);
+      return 1;
+    }
     std::printf("verified\n");
     std::fflush(stdout);
 
@@ -429,6 +439,7 @@ int main(int argc, char** argv) {
                      {"median_gbps", mc.median_gbps}};
       j["ratio_to_memcpy"] = ratio;
       j["loadavg_1min_start"] = load_before;
+      j["rss_mb"] = {{"after_warmup", r.rss_warm_mb}, {"end", r.rss_end_mb}};
       j["checks"] = {{"spot_checked_heads", r.spot_checked_heads},
                      {"check_all", opt.check_all},
                      {"pool_rows_checked", r.pool_rows_checked},

@@ -4,6 +4,7 @@
 // inputs. What each call wrote is checked after it, each request's cache is
 // checked when it finishes (before its slots are freed and reused), and the
 // whole pool is checked at the end.
+#include <unistd.h>
 #include "replay.h"
 
 #include <ropekv/reference.h>
@@ -927,8 +928,10 @@ ReplayResult Engine::run() {
     }
     finish_step();
     progress(false);
+    if (res_.rss_warm_mb == 0 && finished_ * 10 >= res_.requests) res_.rss_warm_mb = resident_mb();
   }
   progress(true);
+  res_.rss_end_mb = resident_mb();
   verify_pool_end();
   res_.wall_seconds = seconds_since(wall0);
   if (!o_.inject_fault.empty() && !res_.fault_injected)
@@ -938,6 +941,17 @@ ReplayResult Engine::run() {
 }
 
 }  // namespace
+
+double resident_mb() {
+  // Linux: /proc/self/statm, second field = resident pages.
+  std::FILE* f = std::fopen("/proc/self/statm", "r");
+  if (!f) return -1;
+  long long size = 0, resident = 0;
+  const int n = std::fscanf(f, "%lld %lld", &size, &resident);
+  std::fclose(f);
+  if (n != 2) return -1;
+  return static_cast<double>(resident) * static_cast<double>(sysconf(_SC_PAGESIZE)) / 1e6;
+}
 
 double call_bytes(const ModelConfig& m, Dtype t, int64_t tokens, int64_t written) {
   const double E = elem_size(t);

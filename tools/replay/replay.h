@@ -56,6 +56,9 @@ struct ReplayResult {
   std::vector<double> call_us;  ///< every call's time, microseconds
   int64_t spot_checked_heads = 0, pool_rows_checked = 0, untouched_rows_checked = 0;
   bool fault_injected = false;
+  /// Resident memory (MB) after the first tenth of the steps (warm-up) and
+  /// at the end of the run: flat across calls when nothing leaks or grows.
+  double rss_warm_mb = 0, rss_end_mb = 0;
 };
 
 /// Runs the workload through the op. Throws VerifyError on the first mismatch
@@ -64,6 +67,9 @@ ReplayResult run_replay(const ModelConfig& model, const Workload& workload, cons
 
 /// True when this build's ropekv::RopeConfig has a rotary_dim (partial rotary).
 bool library_has_rotary_dim();
+
+/// This process's resident memory in MB (Linux), or -1.
+double resident_mb();
 
 /// Bytes moved by one call (SPEC section 7), int32 positions and slots.
 double call_bytes(const ModelConfig& m, Dtype t, int64_t tokens, int64_t written);
