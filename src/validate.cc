@@ -212,6 +212,10 @@ Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
     fail("q/k/v dtype must be float16, bfloat16 or float32, got " + dtype_str(t.q.dtype));
   if (D < 2 || D % 2 != 0)
     fail("head_dim must be even and >= 2, got " + std::to_string(D));
+  const int64_t R = cfg.rotary_dim == 0 ? D : cfg.rotary_dim;
+  if (R < 2 || R % 2 != 0 || R > D)
+    fail("rotary_dim must be even and in [2, head_dim], got " + std::to_string(R) +
+         " for head_dim " + std::to_string(D));
   if (Hq < 1) fail("num_qo_heads must be >= 1, got " + std::to_string(Hq));
   if (Hk < 1) fail("num_kv_heads must be >= 1, got " + std::to_string(Hk));
   if (!std::isfinite(cfg.rope_base) || cfg.rope_base <= 0.0) {
@@ -252,7 +256,7 @@ Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
   p.num_qo_heads = Hq;
   p.num_kv_heads = Hk;
   p.head_dim = D;
-  p.rotary_dim = D;
+  p.rotary_dim = R;
   p.pool_size = t.k_pool.shape[0];
   p.rope_base = cfg.rope_base;
   p.device = dev;

@@ -15,7 +15,8 @@
 //   k_pool, v_pool [P, Hk, D]     (one layer's cache, updated in place)
 //
 // The math (NeoX / rotate-half RoPE, Su et al. 2021, "RoFormer", as in
-// GPT-NeoX, Hugging Face transformers and vLLM). R = rotary_dim, half = R/2,
+// GPT-NeoX, Hugging Face transformers and vLLM). R = rotary_dim (default
+// head_dim), half = R/2,
 // for i in [0, half):
 //
 //   inv_freq[i] = fp32(rope_base ** (-2i / R))       evaluated in double
@@ -55,6 +56,10 @@ struct RopeConfig {
   int64_t num_qo_heads = 0;  ///< Hq, query heads per token; >= 1
   int64_t num_kv_heads = 0;  ///< Hk, key/value heads per token; >= 1
   double rope_base = 10000.0;  ///< RoPE theta; finite, > 0
+  /// R, the leading dimensions of each head that rotate (partial rotary:
+  /// Phi-2 rotates 32 of 80, GPT-NeoX 24 of 96); the rest are copied. Even,
+  /// 2 <= R <= head_dim; 0 means head_dim.
+  int64_t rotary_dim = 0;
 };
 
 /// How the op runs. Does not change the results.

@@ -180,6 +180,7 @@ def rope_pool_fused(
     num_qo_heads: int,
     num_kv_heads: int,
     rope_base: float,
+    rotary_dim: Optional[int] = None,
     q_out: Optional[Any] = None,
     k_out: Optional[Any] = None,
     stream: Optional[Any] = None,
@@ -210,6 +211,10 @@ def rope_pool_fused(
         num_qo_heads: number of query heads.
         num_kv_heads: number of key/value heads.
         rope_base: RoPE theta (10000, 500000, 1e6, ...), finite and > 0.
+        rotary_dim: R, the leading dimensions of each head that rotate
+            (partial rotary: Phi-2 32 of 80, GPT-NeoX 24 of 96); dimensions
+            R..head_dim-1 are copied. Even, 2 <= R <= head_dim; default
+            head_dim. The angles use base ** (-2i / R).
         q_out: optional preallocated ``[T, num_qo_heads, head_dim]`` output
             for the rotated queries (else a new array is made).
         k_out: optional preallocated output for the rotated keys.
@@ -232,7 +237,7 @@ def rope_pool_fused(
         ValueError: for any input that breaks the contract, with the message
             of SPEC section 3 (wrong rank or shape, mismatched dtypes, a
             dtype other than f16/bf16/f32, non-integer positions/slots, odd
-            head_dim, bad rope_base, mixed devices, read-only pools, a slot
+            head_dim or rotary_dim, bad rope_base, mixed devices, read-only pools, a slot
             ``>= P``). Everything is checked before the first write: a call
             that raises leaves every array as it was. On a GPU, an
             out-of-range slot is skipped and raised only in checked mode
@@ -268,6 +273,7 @@ def rope_pool_fused(
         _int_arg(num_qo_heads, "num_qo_heads"),
         _int_arg(num_kv_heads, "num_kv_heads"),
         float(rope_base),
+        0 if rotary_dim is None else _int_arg(rotary_dim, "rotary_dim"),
         bf16_mask,
         readonly_mask,
         handle,

@@ -44,7 +44,7 @@ void run(const Array& q, const Array& k, const Array& v, const Array& positions,
          const Array& slots, const Array& k_pool, const Array& v_pool,
          const std::optional<Array>& q_rot, const std::optional<Array>& k_rot,
          int64_t head_dim, int64_t num_qo_heads, int64_t num_kv_heads, double rope_base,
-         uint32_t bf16_mask, uint32_t readonly_mask, uintptr_t stream, int num_threads,
+         int64_t rotary_dim, uint32_t bf16_mask, uint32_t readonly_mask, uintptr_t stream, int num_threads,
          bool checked) {
   const Array* arrays[] = {&q, &k, &v, &positions, &slots, &k_pool, &v_pool,
                            q_rot ? &*q_rot : nullptr, k_rot ? &*k_rot : nullptr};
@@ -59,6 +59,7 @@ void run(const Array& q, const Array& k, const Array& v, const Array& positions,
   cfg.num_qo_heads = num_qo_heads;
   cfg.num_kv_heads = num_kv_heads;
   cfg.rope_base = rope_base;
+  cfg.rotary_dim = rotary_dim;
   if (readonly_mask) {
     ropekv::validate(t, cfg);  // the contract's messages come first
     for (int i = 5; i < 9; ++i)
@@ -90,7 +91,7 @@ NB_MODULE(_ext, m) {
         nb::arg("slots").noconvert(), nb::arg("k_pool").noconvert(),
         nb::arg("v_pool").noconvert(), nb::arg("q_rot").noconvert().none(),
         nb::arg("k_rot").noconvert().none(), nb::arg("head_dim"), nb::arg("num_qo_heads"),
-        nb::arg("num_kv_heads"), nb::arg("rope_base"), nb::arg("bf16_mask"),
+        nb::arg("num_kv_heads"), nb::arg("rope_base"), nb::arg("rotary_dim"), nb::arg("bf16_mask"),
         nb::arg("readonly_mask"), nb::arg("stream"), nb::arg("num_threads"),
         nb::arg("checked"), nb::call_guard<nb::gil_scoped_release>(),
         "Runs ropekv::rope_pool_fused on DLPack arrays (see ropekv.rope_pool_fused).");

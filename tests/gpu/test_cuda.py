@@ -611,3 +611,21 @@ def test_torch_custom_op_compiled_and_in_a_cuda_graph():
     torch.cuda.synchronize()
     assert same_bits(out[0], want[0]) and same_bits(kp2[slots[slots >= 0].long()],
                                                      want[1][slots >= 0])
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("shape", [(32, 32, 80, 32), (64, 64, 96, 24), (3, 1, 34, 10)],
+                         ids=["Phi-2", "GPT-NeoX-20B", "odd-tail"])
+def test_partial_rotary(shape, dtype):
+    Hq, Hk, D, R = shape
+    q, k, v, pos, slots, kp, vp = make(37, Hq, Hk, D, 80, DTYPES[dtype])
+    k0, v0 = kp.clone(), vp.clone()
+    q_rot, k_rot, _, _ = call(q, k, v, pos, slots, kp, vp, 1e4, rotary_dim=R,
+                              q_out=poisoned(q), k_out=poisoned(k))
+    p = pos.cpu().numpy()
+    ref, mag = ref_rope(f64(q), p, 1e4, rotary_dim=R)
+    assert_close(q_rot, ref, mag, "q_rot")
+    ref, mag = ref_rope(f64(k), p, 1e4, rotary_dim=R)
+    assert_close(k_rot, ref, mag, "k_rot")
+    assert same_bits(q_rot[..., R:], q[..., R:])
+    check_pools(slots, k_rot, v, kp, vp, k0, v0)

@@ -274,3 +274,10 @@ def test_duplicate_slots_pass_unchecked(rng):
     call(arrays, kw)
     untouched = np.setdiff1d(np.arange(P), arrays["slots"])
     assert bits(arrays["k_pool"][untouched]) == bits(before[untouched])
+
+
+@pytest.mark.parametrize("rotary_dim", [7, 0 - 2, D + 2])
+def test_bad_rotary_dim(rng, rotary_dim):
+    arrays, kw = make_call(rng)
+    kw["rotary_dim"] = rotary_dim
+    expect_error(arrays, kw, f"rotary_dim must be even and in [2, head_dim], got {rotary_dim}")

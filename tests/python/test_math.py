@@ -243,3 +243,44 @@ def test_default_outputs_are_new_arrays():
                                                 num_kv_heads=Hk, rope_base=1e4)
     assert isinstance(q_rot, np.ndarray) and q_rot.dtype == q.dtype
     assert not np.shares_memory(q_rot, q) and not np.shares_memory(k_rot, k)
+
+
+PARTIAL = [  # SPEC section 6: (name, Hq, Hk, D, rotary_dim, base)
+    ("Phi-2", 32, 32, 80, 32, 10000.0),
+    ("GPT-NeoX-20B", 64, 64, 96, 24, 10000.0),
+    ("odd-tail", 3, 1, 34, 10, 500000.0),
+]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("model", PARTIAL, ids=[m[0] for m in PARTIAL])
+def test_partial_rotary(model, dtype):
+    """The first R dims rotate with base ** (-2i / R); R..D-1 are copied."""
+    _, Hq, Hk, D, R, base = model
+    dt = DTYPES[dtype]
+    T, P = 19, 40
+    q, k, v = randn((T, Hq, D), dt), randn((T, Hk, D), dt), randn((T, Hk, D), dt)
+    pos, slots = random_positions(T), RNG.permutation(P)[:T].astype(np.int32)
+    kp, vp = randn((P, Hk, D), dt), randn((P, Hk, D), dt)
+    q_out, k_out = poison(q.shape, dt), poison(k.shape, dt)
+    ropekv.rope_pool_fused(q, k, v, pos, slots, kp, vp, head_dim=D, num_qo_heads=Hq,
+                           num_kv_heads=Hk, rope_base=base, rotary_dim=R, q_out=q_out,
+                           k_out=k_out)
+    q_ref, q_mag = rope(q, pos, base, rotary_dim=R)
+    k_ref, k_mag = rope(k, pos, base, rotary_dim=R)
+    assert_close(q_out, q_ref, q_mag, "q_rot")
+    assert_close(k_out, k_ref, k_mag, "k_rot")
+    assert bits(q_out[..., R:]) == bits(q[..., R:]), "the tail must be copied bit for bit"
+    assert bits(kp[slots]) == bits(k_out) and bits(vp[slots]) == bits(v)
+
+
+def test_rotary_dim_equal_to_head_dim_is_the_default():
+    T, H, D = 5, 4, 64
+    q = randn((T, H, D), np.float32)
+    pos = random_positions(T)
+    kp = np.zeros((T, H, D), np.float32)
+    a = ropekv.rope_pool_fused(q, q, q, pos, np.arange(T), kp, kp.copy(), head_dim=D,
+                               num_qo_heads=H, num_kv_heads=H, rope_base=1e4)
+    b = ropekv.rope_pool_fused(q, q, q, pos, np.arange(T), kp, kp.copy(), head_dim=D,
+                               num_qo_heads=H, num_kv_heads=H, rope_base=1e4, rotary_dim=D)
+    assert bits(a[0]) == bits(b[0])
