@@ -92,9 +92,7 @@ def _framework(x: Any) -> str:
 
 def _as_array(x: Any, name: str) -> Tuple[Any, bool, bool]:
     """Returns (what the binding takes, is_bf16_view, is_read_only)."""
-    if hasattr(x, "__dlpack__") or hasattr(x, "__array_interface__"):
-        pass
-    else:
+    if not (hasattr(x, "__dlpack__") or hasattr(x, "__array_interface__")):
         try:
             memoryview(x)
         except TypeError:
@@ -108,9 +106,9 @@ def _as_array(x: Any, name: str) -> Tuple[Any, bool, bool]:
             return x.view("uint16"), True, read_only
         return x, False, read_only
     if _framework(x) == "mlx":
-        import mlx.core as mx  # noqa: F401  (materialise before exposing the buffer)
+        import mlx.core as mx
 
-        mx.eval(x)
+        mx.eval(x)  # MLX is lazy: materialise the buffer before exposing it
     return x, False, False
 
 

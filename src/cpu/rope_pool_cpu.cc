@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backends.h"
+#include "common/inv_freq.h"
 #include "problem.h"
 
 #ifdef _OPENMP
@@ -317,11 +318,8 @@ const float* inv_freq_table(double rope_base, int64_t rotary_dim) {
   thread_local double base_seen = -1.0;
   thread_local int64_t dim_seen = -1;
   if (base_seen != rope_base || dim_seen != rotary_dim) {
-    const int64_t half = rotary_dim / 2;
-    table.assign(round_up(half, kPad), 0.0f);
-    for (int64_t i = 0; i < half; ++i)
-      table[i] = static_cast<float>(
-          std::pow(rope_base, -2.0 * static_cast<double>(i) / static_cast<double>(rotary_dim)));
+    table.assign(round_up(rotary_dim / 2, kPad), 0.0f);
+    fill_inv_freq(rope_base, rotary_dim, table.data());
     base_seen = rope_base;
     dim_seen = rotary_dim;
   }

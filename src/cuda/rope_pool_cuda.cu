@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "backends.h"
+#include "common/inv_freq.h"
 #include "cuda/rope_pool_kernel.cuh"
 #include "problem.h"
 
@@ -161,11 +162,8 @@ const float* device_inv_freq(int device, double rope_base, int64_t rotary_dim) {
       return f.data;
     }
   }
-  const int64_t half = rotary_dim / 2;
-  std::vector<float> host(static_cast<size_t>(half));
-  for (int64_t i = 0; i < half; ++i)
-    host[i] = static_cast<float>(
-        std::pow(rope_base, -2.0 * static_cast<double>(i) / static_cast<double>(rotary_dim)));
+  std::vector<float> host(static_cast<size_t>(rotary_dim / 2));
+  fill_inv_freq(rope_base, rotary_dim, host.data());
   RelaxedCapture relaxed;
   float* dev = nullptr;
   check(cudaMalloc(&dev, host.size() * sizeof(float)), "allocating the inv_freq table");
