@@ -9,6 +9,10 @@
 //                written), timed in the same benchmark right after the op, on
 //                the same number of threads
 //   vs_memcpy    GB/s / memcpy_GB/s
+//   ntcopy_GB/s  the same copy with non-temporal stores (no read of the
+//                destination before it is written): glibc 2.36's memcpy does
+//                not stream at these sizes, so this is the machine's higher
+//                copy ceiling, which ropekv's own streaming stores approach
 //
 // Cold caches, as in a serving engine where the pool is far larger than any
 // cache and the previous layer has long evicted this one:
@@ -29,6 +33,9 @@
 //
 // Run:  build-bench/bench/ropekv_cpu_bench --benchmark_counters_tabular=true
 #include <benchmark/benchmark.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 #include <unistd.h>
 
 #include <algorithm>
@@ -113,9 +120,29 @@ int64_t spec_bytes(const Model& m, int64_t T, int64_t E) {
   return E * (2 * T * m.hq * m.d + 3 * T * m.hk * m.d + 2 * T * m.hk * m.d) + T * 8;
 }
 
-// Timed memcpy of `n` bytes per call, rotating over `sets` buffer pairs, on
-// `threads` threads (each piece at least 64 KiB, as ropekv's own rule).
-double memcpy_seconds_per_call(size_t n, int threads, int64_t sets, double min_seconds) {
+// Copies n bytes (both 16-byte aligned, n a multiple of 16) with
+// non-temporal stores: no read-for-ownership of the destination.
+void stream_copy(uint8_t* d, const uint8_t* s, size_t n) {
+#if defined(__SSE2__)
+  for (size_t i = 0; i + 16 <= n; i += 16)
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i),
+                     _mm_load_si128(reinterpret_cast<const __m128i*>(s + i)));
+  _mm_sfence();
+#else
+  std::memcpy(d, s, n);
+#endif
+}
+
+// Timed copy of `n` bytes per call (glibc's memcpy, or with `stream` a
+// non-temporal-store copy), rotating over `sets` buffer pairs, on `threads`
+// threads (each piece at least 64 KiB, as ropekv's own rule).
+double memcpy_seconds_per_call(size_t n, int threads, int64_t sets, double min_seconds,
+                               bool stream = false) {
+  if (stream) n = n / 64 * 64;
+  auto cp = [stream](uint8_t* d, const uint8_t* s, size_t k) {
+    if (stream) stream_copy(d, s, k);
+    else std::memcpy(d, s, k);
+  };
   Buffer src(n * sets), dst(n * sets);
   std::memset(src.get(), 1, n * sets);
   const int64_t by_size = std::max<int64_t>(1, static_cast<int64_t>(n) / (64 * 1024));
@@ -124,7 +151,7 @@ double memcpy_seconds_per_call(size_t n, int threads, int64_t sets, double min_s
     uint8_t* d = dst.get() + s * n;
     const uint8_t* sp = src.get() + s * n;
     if (nt <= 1) {
-      std::memcpy(d, sp, n);
+      cp(d, sp, n);
       return;
     }
 #ifdef _OPENMP
@@ -133,7 +160,7 @@ double memcpy_seconds_per_call(size_t n, int threads, int64_t sets, double min_s
       const int i = omp_get_thread_num(), k = omp_get_num_threads();
       const size_t chunk = (n / k + 63) / 64 * 64;
       const size_t b = std::min(n, chunk * i), e = std::min(n, b + chunk);
-      if (e > b) std::memcpy(d + b, sp + b, e - b);
+      if (e > b) cp(d + b, sp + b, e - b);
     }
 #endif
   };
@@ -264,11 +291,14 @@ void BM_RopePool(benchmark::State& state, Model m, bool bf16, int threads, Cache
   const int64_t mc_sets = warm ? 1 : std::clamp<int64_t>((2 * llc + bytes - 1) / bytes, 1, 8192);
   const double mc = memcpy_seconds_per_call(static_cast<size_t>(bytes / 2), threads, mc_sets,
                                             std::clamp(el, 0.05, 0.5));
+  const double nt = memcpy_seconds_per_call(static_cast<size_t>(bytes / 2), threads, mc_sets,
+                                            std::clamp(el, 0.05, 0.5), /*stream=*/true);
   state.counters["us_per_call"] = per_call * 1e6;
   state.counters["us_per_token"] = per_call * 1e6 / static_cast<double>(T);
   state.counters["GB/s"] = static_cast<double>(bytes) / per_call * 1e-9;
   state.counters["memcpy_GB/s"] = static_cast<double>(2 * (bytes / 2)) / mc * 1e-9;
   state.counters["vs_memcpy"] = mc / per_call;
+  state.counters["ntcopy_GB/s"] = static_cast<double>(2 * (bytes / 2 / 64 * 64)) / nt * 1e-9;
   state.counters["sets"] = static_cast<double>(sets);
   state.SetLabel(ropekv::cpu_target());
 }

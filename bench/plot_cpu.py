@@ -24,6 +24,7 @@ import argparse
 import csv
 import json
 import re
+import statistics
 from collections import defaultdict
 
 import matplotlib
@@ -37,6 +38,7 @@ STYLE = {
     "ropekv (C++)": dict(color="tab:blue", marker="o", lw=2),
     "ropekv (Python)": dict(color="tab:blue", marker="o", ls="--", lw=1),
     "memcpy (C++, same threads)": dict(color="black", ls=":", lw=1.5),
+    "NT-store copy (C++, same threads)": dict(color="gray", ls="--", lw=1),
     "PyTorch eager": dict(color="tab:red", marker="s"),
     "MLX CPU": dict(color="tab:green", marker="^"),
     "ggml": dict(color="tab:orange", marker="D"),
@@ -44,27 +46,36 @@ STYLE = {
 
 
 def best_cpp_rows(paths):
-    """Rows of the C++ benchmark JSON files, the best repetition of each
-    benchmark over all files (highest GB/s; the memcpy reference also its best)."""
+    """Rows of the C++ benchmark JSON files, one per benchmark over all runs
+    (files and repetitions): the fastest run's time and GB/s; the medians of
+    the memcpy and non-temporal copy rates; and the median over runs of the
+    ratio of each run's GB/s to the copy rate measured right after it (the
+    machine is shared: a run slowed by another process is the noise, not the
+    code, and the copy rate itself varies from run to run)."""
     benchmarks, context = [], {}
     for path in paths:
         with open(path) as f:
             data = json.load(f)
         benchmarks += data["benchmarks"]
         context = data.get("context", context)
-    best = {}
+    runs = defaultdict(list)
     for b in benchmarks:
         if b.get("run_type") == "aggregate":
             continue
         m = re.match(r"(cold|warm|hot)/([^/]+)/([^/]+)/threads:(\d+)/T:(\d+)", b["name"])
         if not m:
             continue
-        key = (m.group(1), m.group(2), m.group(3), int(m.group(4)), int(m.group(5)))
-        row = best.setdefault(key, dict(us=1e30, gbps=0.0, mc=0.0, reps=0))
-        row["reps"] += 1
-        if b["GB/s"] > row["gbps"]:
-            row["gbps"], row["us"] = b["GB/s"], b["us_per_call"]
-        row["mc"] = max(row["mc"], b["memcpy_GB/s"])
+        runs[(m.group(1), m.group(2), m.group(3), int(m.group(4)), int(m.group(5)))].append(b)
+    best = {}
+    for key, rs in runs.items():
+        fastest = max(rs, key=lambda r: r["GB/s"])
+        nts = [r for r in rs if "ntcopy_GB/s" in r]
+        best[key] = dict(
+            us=fastest["us_per_call"], gbps=fastest["GB/s"], reps=len(rs),
+            mc=statistics.median(r["memcpy_GB/s"] for r in rs),
+            ratio=statistics.median(r["GB/s"] / r["memcpy_GB/s"] for r in rs),
+            nt=statistics.median(r["ntcopy_GB/s"] for r in nts) if nts else float("nan"),
+            ratio_nt=statistics.median(r["GB/s"] / r["ntcopy_GB/s"] for r in nts) if nts else float("nan"))
     return best, context
 
 
@@ -77,22 +88,27 @@ def load_cpp(path):
             continue
         out[(model, dtype, th)]["ropekv (C++)"][T] = r["gbps"]
         out[(model, dtype, th)]["memcpy (C++, same threads)"][T] = r["mc"]
+        if r["nt"] == r["nt"]:
+            out[(model, dtype, th)]["NT-store copy (C++, same threads)"][T] = r["nt"]
     return out
 
 
 def markdown(cpp_path, peers_path):
     """Markdown tables for docs/performance.md."""
     best, ctx = best_cpp_rows(cpp_path)
-    lines = [f"C++ API (`bench/cpu_bench.cc`), best of {min(r['reps'] for r in best.values())} to "
-             f"{max(r['reps'] for r in best.values())} runs; memcpy = same traffic, same threads, "
-             f"measured right after, best of the same runs.", ""]
-    lines.append("| shape | dtype | thr | T | cache | µs/call | µs/token | GB/s | memcpy GB/s | vs memcpy |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    lines = [f"C++ API (`bench/cpu_bench.cc`), {min(r['reps'] for r in best.values())} to "
+             f"{max(r['reps'] for r in best.values())} runs each: µs and GB/s of the fastest run; "
+             f"memcpy and NT copy (same traffic, same threads, measured right after each run): "
+             f"medians; ratios: median over runs of the paired ratio.", ""]
+    lines.append("| shape | dtype | thr | T | cache | µs/call | µs/token | GB/s | memcpy GB/s | vs memcpy | "
+                 "NT copy GB/s | vs NT copy |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (fam, model, dtype, th, T), r in sorted(
             best.items(), key=lambda kv: (MODELS.index(kv[0][1]), kv[0][2] != "f32", kv[0][3],
                                           ["cold", "warm", "hot"].index(kv[0][0]), kv[0][4])):
         lines.append(f"| {model} | {dtype} | {th} | {T} | {fam} | {r['us']:.2f} | {r['us'] / T:.3f} | "
-                     f"{r['gbps']:.1f} | {r['mc']:.1f} | {r['gbps'] / r['mc']:.2f} |")
+                     f"{r['gbps']:.1f} | {r['mc']:.1f} | {r['ratio']:.2f} | {r['nt']:.1f} | "
+                     f"{r['ratio_nt']:.2f} |")
     if peers_path:
         rows = defaultdict(dict)
         for (impl, model, dtype, T, th), r in best_peer_rows(peers_path).items():
