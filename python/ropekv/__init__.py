@@ -23,6 +23,8 @@ import operator
 import os
 from typing import Any, Optional, Tuple
 
+import numpy as _np
+
 from . import _ext
 
 __all__ = [
@@ -102,8 +104,10 @@ def _as_array(x: Any, name: str) -> Tuple[Any, bool, bool]:
             ) from None
     if _framework(x) == "numpy":
         read_only = not x.flags.writeable
-        if x.dtype.name == "bfloat16":  # ml_dtypes: no DLPack/buffer code of its own
-            return x.view("uint16"), True, read_only
+        # ml_dtypes bf16 (kind "V"): no DLPack/buffer code of its own. The kind
+        # test first: dtype.name is a slow Python-level property.
+        if x.dtype.kind == "V" and x.dtype.name == "bfloat16":
+            return x.view(_np.uint16), True, read_only
         return x, False, read_only
     if _framework(x) == "mlx":
         import mlx.core as mx
@@ -130,9 +134,7 @@ def _empty_like(x: Any) -> Any:
         out = mx.zeros(x.shape, dtype=x.dtype)
         mx.eval(out)
         return out
-    import numpy as np
-
-    return np.empty(x.shape, dtype=x.dtype)
+    return _np.empty(x.shape, dtype=x.dtype)
 
 
 def _default_stream(x: Any) -> int:
