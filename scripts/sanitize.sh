@@ -6,21 +6,12 @@
 #      Archer tool so that OpenMP's own synchronisation is understood).
 #   3. libFuzzer over rope_pool_fused's arguments (ASan + UBSan), first on the
 #      saved regression inputs, then for FUZZ_SECONDS (default 60).
-# Called by scripts/test.sh; needs what scripts/setup.sh installed, plus clang.
+# Called by scripts/test.sh; needs what scripts/setup.sh installed (clang, its
+# runtime libraries and LLVM OpenMP included).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FUZZ_SECONDS=${FUZZ_SECONDS:-60}
 jobs=$(nproc)
-
-need=()
-for p in clang libclang-rt-14-dev libomp-dev; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
-done
-if [ ${#need[@]} -gt 0 ]; then
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}"
-fi
 
 common=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DROPEKV_CUDA=OFF -DROPEKV_BUILD_BENCH=OFF)
 

@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 
 apt_pkgs=(build-essential cmake ninja-build pkg-config python3-venv
           libhwy-dev libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev
-          nlohmann-json3-dev libdlpack-dev)
+          nlohmann-json3-dev libdlpack-dev
+          clang libclang-rt-14-dev libomp-dev)  # the last three: scripts/sanitize.sh
 missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
