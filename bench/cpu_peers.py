@@ -249,8 +249,22 @@ def python_overhead(min_time: float) -> list[dict]:
             tail += (0,)
         t_ext_torch = time_calls(lambda i: _ext.run(*args_t, *tail, 0, 0, 0, 1, False), 1, min_time)
         t_ext_np = time_calls(lambda i: _ext.run(*args_n, *tail, mask, 0, 0, 1, False), 1, min_time)
+        # The drop-in call with numpy arrays (bf16 as ml_dtypes.bfloat16).
+        t_np = float("nan")
+        try:
+            if bf16:
+                import ml_dtypes
+
+                np_in = [a.view(ml_dtypes.bfloat16) if a.dtype == np.int16 else a for a in args_n[:7]]
+            else:
+                np_in = list(args_n[:7])
+            kw = dict(head_dim=c.d, num_qo_heads=c.hq, num_kv_heads=c.hk, rope_base=c.base, num_threads=1)
+            t_np = time_calls(lambda i: ropekv.rope_pool_fused(*np_in, **kw), 1, min_time)
+        except ImportError:
+            pass
         rows.append(dict(dtype=dtype, us_default=t_alloc * 1e6, us_out_given=t_out * 1e6,
-                         us_ext_torch=t_ext_torch * 1e6, us_ext_numpy=t_ext_np * 1e6))
+                         us_ext_torch=t_ext_torch * 1e6, us_ext_numpy=t_ext_np * 1e6,
+                         us_numpy=t_np * 1e6))
     return rows
 
 
@@ -278,9 +292,11 @@ def main() -> int:
         print(f"ropekv.rope_pool_fused T=1 Llama-3.1-8B {r['dtype']} (torch tensors, warm): "
               f"{r['us_default']:.2f} us/call; q_out/k_out given: {r['us_out_given']:.2f} us; "
               f"binding alone (_ext.run): {r['us_ext_torch']:.2f} us with torch tensors, "
-              f"{r['us_ext_numpy']:.2f} us with numpy arrays")
+              f"{r['us_ext_numpy']:.2f} us with numpy arrays; the drop-in call with numpy arrays: "
+              f"{r['us_numpy']:.2f} us")
         for key, name in (("us_ext_torch", "ropekv-ext-run-torch-T1-warm"),
-                          ("us_ext_numpy", "ropekv-ext-run-numpy-T1-warm")):
+                          ("us_ext_numpy", "ropekv-ext-run-numpy-T1-warm"),
+                          ("us_numpy", "ropekv-python-numpy-T1-warm")):
             rows.append(dict(impl=name, model="Llama-3.1-8B", dtype=r["dtype"], T=1, threads=1,
                              us_per_call=r[key], gbps=""))
         rows.append(dict(impl="ropekv-python-T1-warm", model="Llama-3.1-8B", dtype=r["dtype"], T=1,
