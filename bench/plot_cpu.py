@@ -37,6 +37,7 @@ MODELS = ["Llama-3.1-8B", "Qwen2.5-7B", "Gemma-2-9B"]
 STYLE = {
     "ropekv (C++)": dict(color="tab:blue", marker="o", lw=2),
     "ropekv (Python)": dict(color="tab:blue", marker="o", ls="--", lw=1),
+    "ropekv (Python, outputs given)": dict(color="tab:cyan", marker=".", ls="-.", lw=1),
     "memcpy (C++, same threads)": dict(color="black", ls=":", lw=1.5),
     "NT-store copy (C++, same threads)": dict(color="gray", ls="--", lw=1),
     "PyTorch eager": dict(color="tab:red", marker="s"),
@@ -69,9 +70,16 @@ def best_cpp_rows(paths):
     best = {}
     for key, rs in runs.items():
         fastest = max(rs, key=lambda r: r["GB/s"])
-        nts = [r for r in rs if "ntcopy_GB/s" in r]
+        # A run stalled by another process (on 2 cores a 2-thread team waits
+        # for a time slice: 4-8 ms per call) is at a fraction of the others:
+        # runs whose rate or copy rate is below half the best are dropped.
+        top_mc = max(r["memcpy_GB/s"] for r in rs)
+        rs = [r for r in rs if r["GB/s"] >= 0.5 * fastest["GB/s"] and r["memcpy_GB/s"] >= 0.5 * top_mc]
+        if not rs:
+            rs = [fastest]
+        nts = [r for r in rs if "ntcopy_GB/s" in r and key[0] == "cold"]
         best[key] = dict(
-            us=fastest["us_per_call"], gbps=fastest["GB/s"], reps=len(rs),
+            us=fastest["us_per_call"], gbps=fastest["GB/s"], reps=len(runs[key]), kept=len(rs),
             mc=statistics.median(r["memcpy_GB/s"] for r in rs),
             ratio=statistics.median(r["GB/s"] / r["memcpy_GB/s"] for r in rs),
             nt=statistics.median(r["ntcopy_GB/s"] for r in nts) if nts else float("nan"),
@@ -99,7 +107,10 @@ def markdown(cpp_path, peers_path):
     lines = [f"C++ API (`bench/cpu_bench.cc`), {min(r['reps'] for r in best.values())} to "
              f"{max(r['reps'] for r in best.values())} runs each: µs and GB/s of the fastest run; "
              f"memcpy and NT copy (same traffic, same threads, measured right after each run): "
-             f"medians; ratios: median over runs of the paired ratio.", ""]
+             f"medians; ratios: median over runs of the paired ratio; runs at less than half the "
+             f"best rate (stalled by other processes) dropped "
+             f"({sum(r['reps'] - r['kept'] for r in best.values())} of "
+             f"{sum(r['reps'] for r in best.values())}). NT copy: cold rows only.", ""]
     lines.append("| shape | dtype | thr | T | cache | µs/call | µs/token | GB/s | memcpy GB/s | vs memcpy | "
                  "NT copy GB/s | vs NT copy |")
     lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -107,8 +118,8 @@ def markdown(cpp_path, peers_path):
             best.items(), key=lambda kv: (MODELS.index(kv[0][1]), kv[0][2] != "f32", kv[0][3],
                                           ["cold", "warm", "hot"].index(kv[0][0]), kv[0][4])):
         lines.append(f"| {model} | {dtype} | {th} | {T} | {fam} | {r['us']:.2f} | {r['us'] / T:.3f} | "
-                     f"{r['gbps']:.1f} | {r['mc']:.1f} | {r['ratio']:.2f} | {r['nt']:.1f} | "
-                     f"{r['ratio_nt']:.2f} |")
+                     f"{r['gbps']:.1f} | {r['mc']:.1f} | {r['ratio']:.2f} | "
+                     + (f"{r['nt']:.1f} | {r['ratio_nt']:.2f} |" if r["nt"] == r["nt"] else "- | - |"))
     if peers_path:
         rows = defaultdict(dict)
         for (impl, model, dtype, T, th), r in best_peer_rows(peers_path).items():
@@ -151,7 +162,8 @@ def best_peer_rows(paths):
 
 
 def load_peers(paths, out):
-    names = {"ropekv": "ropekv (Python)", "torch": "PyTorch eager", "mlx": "MLX CPU", "ggml": "ggml"}
+    names = {"ropekv": "ropekv (Python)", "ropekv-out-given": "ropekv (Python, outputs given)",
+             "torch": "PyTorch eager", "mlx": "MLX CPU", "ggml": "ggml"}
     for (impl, model, dtype, T, th), r in best_peer_rows(paths).items():
         name = names.get(impl)
         if name is None or not r["gbps"]:
