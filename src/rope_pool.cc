@@ -29,6 +29,15 @@ void check_device_errors(int device_id, void* stream) {
   cuda::check_errors(device_id, stream);
 }
 
+std::vector<float> rope_inv_freq(const RopeConfig& config) {
+  const int64_t R = check_frequency_config(config);
+  std::vector<float> out(static_cast<size_t>(R / 2));
+  fill_inv_freq(FreqSpec{config.rope_base, R, config.rope_scaling}, out.data());
+  return out;
+}
+
+double rope_attention_factor(const RopeScaling& scaling) { return attention_factor(scaling); }
+
 bool has_cuda() { return cuda::available(); }
 
 std::string cpu_target() { return cpu::target_name(); }

@@ -52,6 +52,24 @@ std::string device_str(DLDevice d) {
   }
 }
 
+const char* kv_cache_dtype_name(KvCacheDtype d) {
+  switch (d) {
+    case KvCacheDtype::kAuto: return "auto";
+    case KvCacheDtype::kFloat32: return "float32";
+    case KvCacheDtype::kFp8E4M3: return "fp8_e4m3";
+    case KvCacheDtype::kFp8E5M2: return "fp8_e5m2";
+  }
+  return "?";
+}
+
+std::string num_str(double x) {
+  char value[32];
+  std::snprintf(value, sizeof(value), "%g", x);
+  return value;
+}
+
+bool present(const DLTensor& t) { return t.data != nullptr || t.ndim != 0; }
+
 bool same_dtype(DLDataType a, DLDataType b) {
   return a.code == b.code && a.bits == b.bits && a.lanes == b.lanes;
 }
@@ -132,6 +150,102 @@ void check_no_self_overlap(const DLTensor& t, const char* name) {
   }
 }
 
+Weight weight(const DLTensor& t) {
+  Weight w;
+  if (!present(t)) return w;
+  float_dtype(t.dtype, &w.dtype);
+  w.data = base_pointer(t);
+  int64_t s[1];
+  strides_of(t, s);
+  w.stride = s[0];
+  return w;
+}
+
+void check_positive(double x, const char* name, const char* what) {
+  if (!std::isfinite(x) || x <= 0.0)
+    fail(std::string(name) + " must be finite and > 0" + what + ", got " + num_str(x));
+}
+
+// rope_scaling's fields, the way transformers' config validation reads them.
+void check_rope_scaling(const RopeScaling& s) {
+  switch (s.type) {
+    case RopeScalingType::kNone: return;
+    case RopeScalingType::kLinear:
+      check_positive(s.factor, "rope_scaling factor", " (linear)");
+      return;
+    case RopeScalingType::kLlama3:
+      check_positive(s.factor, "rope_scaling factor", " (llama3)");
+      check_positive(s.low_freq_factor, "rope_scaling low_freq_factor", " (llama3)");
+      check_positive(s.high_freq_factor, "rope_scaling high_freq_factor", " (llama3)");
+      check_positive(s.original_max_position_embeddings,
+                     "rope_scaling original_max_position_embeddings", " (llama3)");
+      if (!(s.high_freq_factor > s.low_freq_factor))
+        fail("rope_scaling high_freq_factor must be > low_freq_factor (llama3), got " +
+             num_str(s.high_freq_factor) + " and " + num_str(s.low_freq_factor));
+      return;
+    case RopeScalingType::kYarn:
+      check_positive(s.factor, "rope_scaling factor", " (yarn)");
+      check_positive(s.original_max_position_embeddings,
+                     "rope_scaling original_max_position_embeddings", " (yarn)");
+      check_positive(s.beta_fast, "rope_scaling beta_fast", " (yarn)");
+      check_positive(s.beta_slow, "rope_scaling beta_slow", " (yarn)");
+      if (!std::isfinite(s.attention_factor) || s.attention_factor < 0.0)
+        fail("rope_scaling attention_factor must be finite and >= 0 (0 = the default), got " +
+             num_str(s.attention_factor));
+      if (!std::isfinite(s.mscale) || !std::isfinite(s.mscale_all_dim))
+        fail("rope_scaling mscale and mscale_all_dim must be finite");
+      return;
+  }
+  fail("rope_scaling type is unknown");
+}
+
+// The options beyond the original call (RopeConfig's later fields and the
+// optional tensors), after the original's checks.
+void check_options(const RopePoolTensors& t, const RopeConfig& cfg, int64_t R, FloatType dtype) {
+  const int64_t D = cfg.head_dim;
+  check_rope_scaling(cfg.rope_scaling);
+  const bool fp8 = cfg.kv_cache_dtype == KvCacheDtype::kFp8E4M3 ||
+                   cfg.kv_cache_dtype == KvCacheDtype::kFp8E5M2;
+  if (fp8) {
+    check_positive(cfg.k_scale, "k_scale", "");
+    check_positive(cfg.v_scale, "v_scale", "");
+  } else if (cfg.k_scale != 1.0 || cfg.v_scale != 1.0) {
+    fail("k_scale/v_scale apply to fp8 pools only (kv_cache_dtype=\"fp8_e4m3\" or "
+         "\"fp8_e5m2\"), got k_scale " + num_str(cfg.k_scale) + ", v_scale " +
+         num_str(cfg.v_scale) + " with kv_cache_dtype=\"" +
+         kv_cache_dtype_name(cfg.kv_cache_dtype) + "\"");
+  }
+  if (!std::isfinite(cfg.norm_eps) || cfg.norm_eps < 0.0)
+    fail("norm_eps must be finite and >= 0, got " + num_str(cfg.norm_eps));
+
+  // A float array of q's dtype or float32.
+  auto check_float = [&](const DLTensor& a, const char* name) {
+    FloatType ft;
+    if (!float_dtype(a.dtype, &ft) || (ft != dtype && ft != FloatType::kF32))
+      fail(std::string(name) + " dtype must be float32 or q's dtype (" +
+           dtype_str(t.q.dtype) + "), got " + dtype_str(a.dtype));
+  };
+  if (present(t.cos_sin_cache)) {
+    const DLTensor& c = t.cos_sin_cache;
+    if (cfg.rope_scaling.type != RopeScalingType::kNone)
+      fail("cos_sin_cache and rope_scaling exclude each other: the table already holds "
+           "the scaled cos/sin (pass one of them)");
+    if (c.ndim != 2 || c.shape[1] != R || c.shape[0] < 1)
+      fail("cos_sin_cache shape must be [max_position, rotary_dim] = [>= 1, " +
+           std::to_string(R) + "], got " + shape_str(c));
+    check_float(c, "cos_sin_cache");
+  }
+  const std::pair<const char*, const DLTensor*> norms[] = {
+      {"q_norm_weight", &t.q_norm_weight}, {"k_norm_weight", &t.k_norm_weight}};
+  for (const auto& [name, w] : norms) {
+    if (!present(*w)) continue;
+    if (w->ndim != 1 || w->shape[0] != D)
+      fail(std::string(name) + " shape must be [head_dim] = (" + std::to_string(D) +
+           ",), got " + shape_str(*w));
+    check_float(*w, name);
+  }
+}
+
 }  // namespace
 
 Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
@@ -180,17 +294,30 @@ Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
   if (!same_dtype(t.k.dtype, t.q.dtype) || !same_dtype(t.v.dtype, t.q.dtype))
     fail("q/k/v dtypes must match, got q " + dtype_str(t.q.dtype) + ", k " +
          dtype_str(t.k.dtype) + ", v " + dtype_str(t.v.dtype));
-  if (!same_dtype(t.k_pool.dtype, t.q.dtype) || !same_dtype(t.v_pool.dtype, t.q.dtype)) {
+  if (cfg.kv_cache_dtype == KvCacheDtype::kAuto &&
+      (!same_dtype(t.k_pool.dtype, t.q.dtype) || !same_dtype(t.v_pool.dtype, t.q.dtype))) {
     const DLDataType pd =
         same_dtype(t.k_pool.dtype, t.q.dtype) ? t.v_pool.dtype : t.k_pool.dtype;
     std::string hint;
     if (pd.code == kDLFloat && pd.bits == 32)
       hint = "; a float32 pool for " + dtype_str(t.q.dtype) +
-             " inputs: convert it once with k_pool.to(q.dtype) (or "
-             "k_pool.astype(q.dtype))";
+             " inputs: pass kv_cache_dtype=\"float32\" (or convert it once with "
+             "k_pool.to(q.dtype))";
+    else if (pd.code == kDLUInt && pd.bits == 8)
+      hint = "; an fp8 pool: pass kv_cache_dtype=\"fp8_e4m3\" or \"fp8_e5m2\" with "
+             "k_scale and v_scale";
     fail("pool dtypes must match q/k/v dtype, got k_pool " + dtype_str(t.k_pool.dtype) +
          ", v_pool " + dtype_str(t.v_pool.dtype) + " for q/k/v " + dtype_str(t.q.dtype) +
          hint);
+  }
+  if (cfg.kv_cache_dtype != KvCacheDtype::kAuto) {
+    const bool f32 = cfg.kv_cache_dtype == KvCacheDtype::kFloat32;
+    const DLDataType want = f32 ? DLDataType{kDLFloat, 32, 1} : DLDataType{kDLUInt, 8, 1};
+    if (!same_dtype(t.k_pool.dtype, want) || !same_dtype(t.v_pool.dtype, want))
+      fail(std::string("pool dtypes must be ") + (f32 ? "float32" : "uint8 (fp8 bits)") +
+           " for kv_cache_dtype=\"" + kv_cache_dtype_name(cfg.kv_cache_dtype) +
+           "\", got k_pool " + dtype_str(t.k_pool.dtype) + ", v_pool " +
+           dtype_str(t.v_pool.dtype));
   }
 
   // --- The outputs (allocated by the caller or by the Python layer). ---
@@ -218,16 +345,17 @@ Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
          " for head_dim " + std::to_string(D));
   if (Hq < 1) fail("num_qo_heads must be >= 1, got " + std::to_string(Hq));
   if (Hk < 1) fail("num_kv_heads must be >= 1, got " + std::to_string(Hk));
-  if (!std::isfinite(cfg.rope_base) || cfg.rope_base <= 0.0) {
-    char value[32];
-    std::snprintf(value, sizeof(value), "%g", cfg.rope_base);
-    fail(std::string("rope_base must be finite and > 0, got ") + value);
-  }
+  if (!std::isfinite(cfg.rope_base) || cfg.rope_base <= 0.0)
+    fail("rope_base must be finite and > 0, got " + num_str(cfg.rope_base));
+  check_options(t, cfg, R, p.dtype);
 
-  const std::pair<const char*, const DLTensor*> all[] = {
+  std::vector<std::pair<const char*, const DLTensor*>> all = {
       {"q", &t.q},         {"k", &t.k},         {"v", &t.v},
       {"positions", &t.positions}, {"slots", &t.slots}, {"k_pool", &t.k_pool},
       {"v_pool", &t.v_pool}, {"q_rot", &t.q_rot}, {"k_rot", &t.k_rot}};
+  if (present(t.cos_sin_cache)) all.push_back({"cos_sin_cache", &t.cos_sin_cache});
+  if (present(t.q_norm_weight)) all.push_back({"q_norm_weight", &t.q_norm_weight});
+  if (present(t.k_norm_weight)) all.push_back({"k_norm_weight", &t.k_norm_weight});
   const DLDevice dev = t.q.device;
   for (const auto& [name, a] : all) {
     if (a->device.device_type != dev.device_type || a->device.device_id != dev.device_id)
@@ -259,6 +387,27 @@ Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
   p.rotary_dim = R;
   p.pool_size = t.k_pool.shape[0];
   p.rope_base = cfg.rope_base;
+  p.freq = FreqSpec{cfg.rope_base, R, cfg.rope_scaling};
+  p.attention_factor = static_cast<float>(attention_factor(cfg.rope_scaling));
+  p.is_neox = cfg.is_neox;
+  switch (cfg.kv_cache_dtype) {
+    case KvCacheDtype::kAuto: p.pool_type = pool_type_of(p.dtype); break;
+    case KvCacheDtype::kFloat32: p.pool_type = PoolType::kF32; break;
+    case KvCacheDtype::kFp8E4M3: p.pool_type = PoolType::kFp8E4M3; break;
+    case KvCacheDtype::kFp8E5M2: p.pool_type = PoolType::kFp8E5M2; break;
+  }
+  p.k_scale = static_cast<float>(cfg.k_scale);
+  p.v_scale = static_cast<float>(cfg.v_scale);
+  if (present(t.cos_sin_cache)) {
+    const DLTensor& c = t.cos_sin_cache;
+    float_dtype(c.dtype, &p.cos_sin_cache.dtype);
+    p.cos_sin_cache.data = base_pointer(c);
+    p.cos_sin_cache.rows = c.shape[0];
+    strides_of(c, p.cos_sin_cache.stride);
+  }
+  p.q_norm = weight(t.q_norm_weight);
+  p.k_norm = weight(t.k_norm_weight);
+  p.norm_eps = static_cast<float>(cfg.norm_eps);
   p.device = dev;
   p.q = view3(t.q);
   p.k = view3(t.k);
@@ -271,6 +420,13 @@ Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
   p.slots = view1(t.slots);
 
   if (check_index_values) {
+    if (p.cos_sin_cache.data != nullptr) {
+      for (int64_t i = 0; i < T; ++i) {
+        const int64_t pos = load_index(p.positions, p.pos_type, i);
+        if (pos < 0 || pos >= p.cos_sin_cache.rows)
+          fail(position_error(i, pos, p.cos_sin_cache.rows) + "; nothing was written");
+      }
+    }
     for (int64_t i = 0; i < T; ++i) {
       const int64_t s = load_index(p.slots, p.slot_type, i);
       if (s >= p.pool_size)
@@ -285,6 +441,25 @@ Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
     }
   }
   return p;
+}
+
+int64_t check_frequency_config(const RopeConfig& cfg) {
+  const int64_t D = cfg.head_dim;
+  if (D < 2 || D % 2 != 0) fail("head_dim must be even and >= 2, got " + std::to_string(D));
+  const int64_t R = cfg.rotary_dim == 0 ? D : cfg.rotary_dim;
+  if (R < 2 || R % 2 != 0 || R > D)
+    fail("rotary_dim must be even and in [2, head_dim], got " + std::to_string(R) +
+         " for head_dim " + std::to_string(D));
+  if (!std::isfinite(cfg.rope_base) || cfg.rope_base <= 0.0)
+    fail("rope_base must be finite and > 0, got " + num_str(cfg.rope_base));
+  check_rope_scaling(cfg.rope_scaling);
+  return R;
+}
+
+std::string position_error(int64_t token, int64_t position, int64_t rows) {
+  return "positions[" + std::to_string(token) + "] = " + std::to_string(position) +
+         " is outside cos_sin_cache, which has " + std::to_string(rows) +
+         " rows (positions must be in [0, " + std::to_string(rows) + "))";
 }
 
 // Two tokens naming one pool row race (which one lands depends on the

@@ -28,6 +28,17 @@
 // Dimensions R..D-1 are copied unchanged. Every element of q_rot, k_rot and
 // of the named pool rows is written; nothing else is.
 //
+// Options, all off by default (RopeConfig and the optional tensors):
+//   is_neox = false     pairs (2i, 2i+1) instead of (i, i+half)
+//   rope_scaling        inv_freq of Hugging Face's linear / llama3 / yarn
+//                       scaling; yarn multiplies c and s by its attention
+//                       factor m: c = fp32(c * m), s = fp32(s * m)
+//   cos_sin_cache       c, s read from a [max_position, R] table at row pos
+//   q/k_norm_weight     x -> fp32(fp32(x * r) * w), r = 1/sqrt(mean(x^2) + eps)
+//                       over the whole head, in fp32, before the rotation
+//   kv_cache_dtype      pool rows hold encode(k_rot) and encode(v): exact
+//                       widening to float32, or fp8 of fp32(x / scale)
+//
 // Arrays are DLPack DLTensor views (any strides, in elements; strides == NULL
 // means compact row-major). Every check of the contract runs before the first
 // write: a call that throws ropekv::Error has changed nothing.
@@ -38,6 +49,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace ropekv {
 
@@ -49,8 +61,46 @@ class Error : public std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
+/// Hugging Face `rope_scaling` types (transformers' modeling_rope_utils).
+enum class RopeScalingType {
+  kNone,    ///< plain RoPE
+  kLinear,  ///< position interpolation: inv_freq / factor
+  kLlama3,  ///< Llama 3.1's wavelength-banded interpolation
+  kYarn,    ///< YaRN (Peng et al. 2023), with its attention factor on cos and sin
+};
+
+/// A `rope_scaling` entry of a Hugging Face config. The inverse frequencies
+/// are those of transformers' `_compute_{linear,llama3,yarn}_parameters`,
+/// evaluated in double and rounded once to fp32.
+struct RopeScaling {
+  RopeScalingType type = RopeScalingType::kNone;
+  double factor = 1.0;           ///< linear, llama3, yarn: finite, > 0
+  double low_freq_factor = 0.0;  ///< llama3: finite, > 0
+  double high_freq_factor = 0.0; ///< llama3: finite, > low_freq_factor
+  /// llama3, yarn: the pre-training context length, > 0.
+  double original_max_position_embeddings = 0.0;
+  double beta_fast = 32.0;  ///< yarn: rotations of the fast band, > 0
+  double beta_slow = 1.0;   ///< yarn: rotations of the slow band, > 0
+  /// yarn: multiplies cos and sin. 0 = transformers' default: with mscale and
+  /// mscale_all_dim both non-zero, get_mscale(factor, mscale) /
+  /// get_mscale(factor, mscale_all_dim), else get_mscale(factor), where
+  /// get_mscale(s, m) = 0.1 m ln(s) + 1 for s > 1, else 1.
+  double attention_factor = 0.0;
+  double mscale = 0.0;          ///< yarn (DeepSeek form), 0 = absent
+  double mscale_all_dim = 0.0;  ///< yarn (DeepSeek form), 0 = absent
+  bool truncate = true;         ///< yarn: floor/ceil the correction range
+};
+
+/// Format of k_pool and v_pool.
+enum class KvCacheDtype {
+  kAuto,     ///< the dtype of q (the original call's rule)
+  kFloat32,  ///< float32 pools for any input dtype
+  kFp8E4M3,  ///< 8-bit OCP E4M3 ("fn": max 448, no Inf), uint8 storage
+  kFp8E5M2,  ///< 8-bit OCP E5M2 (max 57344), uint8 storage
+};
+
 /// What the op computes. Defaults are the original call's: NeoX pairs over
-/// the whole head.
+/// the whole head, frequencies from rope_base, pools of q's dtype.
 struct RopeConfig {
   int64_t head_dim = 0;      ///< D, elements per head; even, >= 2
   int64_t num_qo_heads = 0;  ///< Hq, query heads per token; >= 1
@@ -60,6 +110,22 @@ struct RopeConfig {
   /// Phi-2 rotates 32 of 80, GPT-NeoX 24 of 96); the rest are copied. Even,
   /// 2 <= R <= head_dim; 0 means head_dim.
   int64_t rotary_dim = 0;
+  /// true: NeoX / rotate-half pairs (i, i + R/2). false: GPT-J / GLM
+  /// interleaved pairs (2i, 2i + 1), MLX's `traditional=True`.
+  bool is_neox = true;
+  /// Frequency scaling (Hugging Face `rope_scaling`); must be kNone when a
+  /// cos_sin_cache is given.
+  RopeScaling rope_scaling;
+  /// Pool format. fp8 pools store encode(x / scale): x the value written to
+  /// k_rot (keys) or read from v (values), divided in fp32, rounded to nearest
+  /// even and saturated to the format's largest finite value (NaN stays NaN),
+  /// as vLLM's reshape_and_cache_flash stores it.
+  KvCacheDtype kv_cache_dtype = KvCacheDtype::kAuto;
+  double k_scale = 1.0;  ///< fp8 pools only: per-tensor key scale, finite, > 0
+  double v_scale = 1.0;  ///< fp8 pools only: per-tensor value scale, finite, > 0
+  /// QK-norm (RMSNorm over each head, before the rotation) epsilon, used
+  /// when q_norm_weight or k_norm_weight is given; finite, >= 0.
+  double norm_eps = 1e-6;
 };
 
 /// How the op runs. Does not change the results.
@@ -79,17 +145,24 @@ struct ExecOptions {
 };
 
 /// The arrays of one call. q_rot and k_rot are written; k_pool and v_pool are
-/// written at the rows `slots` names; the rest are read.
+/// written at the rows `slots` names; the rest are read. The last three are
+/// optional: a zero-initialised DLTensor (data == NULL, ndim == 0) is absent.
 struct RopePoolTensors {
   DLTensor q;          ///< [T, Hq, D] f16 | bf16 | f32
   DLTensor k;          ///< [T, Hk, D] same dtype as q
   DLTensor v;          ///< [T, Hk, D] same dtype as q
   DLTensor positions;  ///< [T] int32 | int64, absolute positions
   DLTensor slots;      ///< [T] int32 | int64, pool row or < 0 for none
-  DLTensor k_pool;     ///< [P, Hk, D] same dtype as q, written in place
-  DLTensor v_pool;     ///< [P, Hk, D] same dtype as q, written in place
-  DLTensor q_rot;      ///< [T, Hq, D] same dtype as q, output
-  DLTensor k_rot;      ///< [T, Hk, D] same dtype as q, output
+  DLTensor k_pool;     ///< [P, Hk, D] q's dtype (or kv_cache_dtype), written in place
+  DLTensor v_pool;     ///< [P, Hk, D] like k_pool, written in place
+  DLTensor q_rot;      ///< [T, Hq, D] same dtype as q, output (may be q itself)
+  DLTensor k_rot;      ///< [T, Hk, D] same dtype as q, output (may be k itself)
+  /// Optional [max_position, R] f32 or q's dtype, vLLM's layout: row p holds
+  /// cos(p * inv_freq[i]) in columns [0, R/2) and the sines in [R/2, R).
+  /// Replaces rope_base; every position must be in [0, max_position).
+  DLTensor cos_sin_cache;
+  DLTensor q_norm_weight;  ///< optional [D] f32 or q's dtype: QK-norm of q
+  DLTensor k_norm_weight;  ///< optional [D] f32 or q's dtype: QK-norm of k
 };
 
 /// Rotates q and k with RoPE and scatters k_rot and v into the pools.
@@ -117,6 +190,17 @@ void validate(const RopePoolTensors& tensors, const RopeConfig& config);
 /// CUDA device `device_id`, and throws the same Error the CPU raises if a
 /// call since the last check skipped a token. A no-op without CUDA.
 void check_device_errors(int device_id, void* stream);
+
+/// The fp32 inverse frequencies the kernels rotate with: rotary_dim / 2
+/// values (rotary_dim 0 = head_dim), rope_base ** (-2i / R) scaled by
+/// config.rope_scaling as transformers' rope initialisation functions do,
+/// evaluated in double and rounded once. Throws Error for a head_dim,
+/// rotary_dim, rope_base or rope_scaling the op would reject.
+std::vector<float> rope_inv_freq(const RopeConfig& config);
+
+/// The factor cos and sin are multiplied by: yarn's attention factor (see
+/// RopeScaling::attention_factor), 1 for every other scaling type.
+double rope_attention_factor(const RopeScaling& scaling);
 
 /// True when this build of ropekv has the CUDA backend.
 bool has_cuda();

@@ -1,18 +1,106 @@
-// RoPE's inverse frequencies, as both backends compute them (the float64
-// reference in src/reference.cc computes its own, on purpose).
+// RoPE's inverse frequencies and attention factor, as both backends compute
+// them (the float64 references in src/reference.cc and tests/python compute
+// their own, on purpose). Host code only.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
+#include "ropekv/ropekv.h"
+
 namespace ropekv {
 
-/// out[i] = fp32(rope_base ** (-2 i / rotary_dim)) for i < rotary_dim / 2:
-/// evaluated in double and rounded once to fp32, as the contract says.
-inline void fill_inv_freq(double rope_base, int64_t rotary_dim, float* out) {
-  for (int64_t i = 0; i < rotary_dim / 2; ++i)
-    out[i] = static_cast<float>(
-        std::pow(rope_base, -2.0 * static_cast<double>(i) / static_cast<double>(rotary_dim)));
+/// Everything the frequency table depends on; equal specs give equal tables
+/// (the backends cache tables by it).
+struct FreqSpec {
+  double rope_base = 10000.0;
+  int64_t rotary_dim = 0;
+  RopeScaling scaling;
+
+  bool operator==(const FreqSpec& o) const {
+    const RopeScaling &a = scaling, &b = o.scaling;
+    return rope_base == o.rope_base && rotary_dim == o.rotary_dim && a.type == b.type &&
+           a.factor == b.factor && a.low_freq_factor == b.low_freq_factor &&
+           a.high_freq_factor == b.high_freq_factor &&
+           a.original_max_position_embeddings == b.original_max_position_embeddings &&
+           a.beta_fast == b.beta_fast && a.beta_slow == b.beta_slow &&
+           a.attention_factor == b.attention_factor && a.mscale == b.mscale &&
+           a.mscale_all_dim == b.mscale_all_dim && a.truncate == b.truncate;
+  }
+  bool operator!=(const FreqSpec& o) const { return !(*this == o); }
+};
+
+namespace detail {
+constexpr double kPi = 3.14159265358979323846;
+
+// transformers' yarn helpers, in double.
+inline double yarn_get_mscale(double scale, double m) {
+  return scale <= 1.0 ? 1.0 : 0.1 * m * std::log(scale) + 1.0;
+}
+inline double yarn_correction_dim(double rotations, double dim, double base, double max_pos) {
+  return dim * std::log(max_pos / (rotations * 2.0 * kPi)) / (2.0 * std::log(base));
+}
+}  // namespace detail
+
+/// The factor yarn multiplies cos and sin by (1 for every other type).
+inline double attention_factor(const RopeScaling& s) {
+  if (s.type != RopeScalingType::kYarn) return 1.0;
+  if (s.attention_factor != 0.0) return s.attention_factor;
+  if (s.mscale != 0.0 && s.mscale_all_dim != 0.0)
+    return detail::yarn_get_mscale(s.factor, s.mscale) /
+           detail::yarn_get_mscale(s.factor, s.mscale_all_dim);
+  return detail::yarn_get_mscale(s.factor, 1.0);
+}
+
+/// out[i] for i < rotary_dim / 2: base ** (-2 i / R), scaled as transformers'
+/// rope initialisation functions do for spec.scaling, evaluated in double and
+/// rounded once to fp32.
+inline void fill_inv_freq(const FreqSpec& spec, float* out) {
+  const int64_t half = spec.rotary_dim / 2;
+  const double R = static_cast<double>(spec.rotary_dim);
+  const RopeScaling& s = spec.scaling;
+  double low = 0.0, high = 0.0;  // yarn's correction range, in pair indices
+  if (s.type == RopeScalingType::kYarn) {
+    const double omax = s.original_max_position_embeddings;
+    low = detail::yarn_correction_dim(s.beta_fast, R, spec.rope_base, omax);
+    high = detail::yarn_correction_dim(s.beta_slow, R, spec.rope_base, omax);
+    if (s.truncate) {
+      low = std::floor(low);
+      high = std::ceil(high);
+    }
+    low = std::max(low, 0.0);
+    high = std::min(high, R - 1.0);
+    if (low == high) high += 0.001;  // transformers' guard against 0/0
+  }
+  for (int64_t i = 0; i < half; ++i) {
+    const double base_freq = std::pow(spec.rope_base, -2.0 * static_cast<double>(i) / R);
+    double f = base_freq;
+    switch (s.type) {
+      case RopeScalingType::kNone: break;
+      case RopeScalingType::kLinear: f = base_freq / s.factor; break;
+      case RopeScalingType::kLlama3: {
+        const double omax = s.original_max_position_embeddings;
+        const double wavelen = 2.0 * detail::kPi / base_freq;
+        if (wavelen > omax / s.low_freq_factor) {
+          f = base_freq / s.factor;
+        } else if (wavelen >= omax / s.high_freq_factor) {
+          const double smooth =
+              (omax / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+          f = (1.0 - smooth) * base_freq / s.factor + smooth * base_freq;
+        }
+        break;
+      }
+      case RopeScalingType::kYarn: {
+        const double ramp =
+            std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
+        const double extrapolation = 1.0 - ramp;  // weight of the unscaled frequency
+        f = base_freq / s.factor * (1.0 - extrapolation) + base_freq * extrapolation;
+        break;
+      }
+    }
+    out[i] = static_cast<float>(f);
+  }
 }
 
 }  // namespace ropekv

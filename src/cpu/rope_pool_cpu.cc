@@ -310,18 +310,16 @@ constexpr int64_t kPad = HWY_MAX_BYTES / sizeof(float) > 16 ? HWY_MAX_BYTES / si
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// inv_freq of the last (rope_base, rotary_dim) seen by this thread, padded
-// with zeros to a whole vector: pow() per call would cost more than a decode
-// step's data movement.
-const float* inv_freq_table(double rope_base, int64_t rotary_dim) {
+// inv_freq of the last frequency spec seen by this thread, padded with zeros
+// to a whole vector: pow() per call would cost more than a decode step's data
+// movement.
+const float* inv_freq_table(const FreqSpec& spec) {
   thread_local std::vector<float> table;
-  thread_local double base_seen = -1.0;
-  thread_local int64_t dim_seen = -1;
-  if (base_seen != rope_base || dim_seen != rotary_dim) {
-    table.assign(round_up(rotary_dim / 2, kPad), 0.0f);
-    fill_inv_freq(rope_base, rotary_dim, table.data());
-    base_seen = rope_base;
-    dim_seen = rotary_dim;
+  thread_local FreqSpec seen{-1.0, -1, {}};
+  if (seen != spec) {
+    table.assign(round_up(spec.rotary_dim / 2, kPad), 0.0f);
+    fill_inv_freq(spec, table.data());
+    seen = spec;
   }
   return table.data();
 }
@@ -350,7 +348,7 @@ int64_t bytes_written(const Problem& p) {
 }  // namespace
 
 void run(const Problem& p, const ExecOptions& options) {
-  const float* inv_freq = inv_freq_table(p.rope_base, p.rotary_dim);
+  const float* inv_freq = inv_freq_table(p.freq);
   const int64_t T = p.num_tokens;
   const int64_t heads = p.num_qo_heads + p.num_kv_heads;
   const bool stream = bytes_written(p) >= kStreamMinBytes;

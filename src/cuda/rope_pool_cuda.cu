@@ -143,27 +143,24 @@ DeviceState& device_state(int device) {
 // The kernel's parameters stay small, and a call only looks the table up.
 struct FreqTable {
   int device;
-  double base;
-  int64_t rotary_dim;
+  FreqSpec spec;
   float* data;
 };
 std::mutex g_table_mutex;
 std::vector<FreqTable> g_tables;
 
-const float* device_inv_freq(int device, double rope_base, int64_t rotary_dim) {
-  thread_local FreqTable last{-1, 0.0, 0, nullptr};
-  if (last.data && last.device == device && last.base == rope_base &&
-      last.rotary_dim == rotary_dim)
-    return last.data;
+const float* device_inv_freq(int device, const FreqSpec& spec) {
+  thread_local FreqTable last{-1, {}, nullptr};
+  if (last.data && last.device == device && last.spec == spec) return last.data;
   std::lock_guard<std::mutex> lock(g_table_mutex);
   for (const FreqTable& f : g_tables) {
-    if (f.device == device && f.base == rope_base && f.rotary_dim == rotary_dim) {
+    if (f.device == device && f.spec == spec) {
       last = f;
       return f.data;
     }
   }
-  std::vector<float> host(static_cast<size_t>(rotary_dim / 2));
-  fill_inv_freq(rope_base, rotary_dim, host.data());
+  std::vector<float> host(static_cast<size_t>(spec.rotary_dim / 2));
+  fill_inv_freq(spec, host.data());
   RelaxedCapture relaxed;
   float* dev = nullptr;
   check(cudaMalloc(&dev, host.size() * sizeof(float)), "allocating the inv_freq table");
@@ -173,7 +170,7 @@ const float* device_inv_freq(int device, double rope_base, int64_t rotary_dim) {
     cudaFree(dev);
     throw;
   }
-  g_tables.push_back(FreqTable{device, rope_base, rotary_dim, dev});
+  g_tables.push_back(FreqTable{device, spec, dev});
   last = g_tables.back();
   return dev;
 }
@@ -319,7 +316,7 @@ void run(const Problem& p, const ExecOptions& options) {
   prm.v_pool = tensor3(p.v_pool);
   prm.positions = p.positions.data;
   prm.slots = p.slots.data;
-  prm.inv_freq = device_inv_freq(device, p.rope_base, p.rotary_dim);
+  prm.inv_freq = device_inv_freq(device, p.freq);
   prm.err = st.err.load(std::memory_order_relaxed);
   prm.pos_stride = p.positions.stride;
   prm.slot_stride = p.slots.stride;
