@@ -29,6 +29,7 @@ from . import _ext
 
 __all__ = [
     "rope_pool_fused",
+    "rope_inv_freq",
     "set_checked",
     "is_checked",
     "check_device_errors",
@@ -92,6 +93,9 @@ def _framework(x: Any) -> str:
     return type(x).__module__.split(".", 1)[0]
 
 
+_FP8_NAMES = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
+
+
 def _as_array(x: Any, name: str) -> Tuple[Any, bool, bool]:
     """Returns (what the binding takes, is_bf16_view, is_read_only)."""
     if not (hasattr(x, "__dlpack__") or hasattr(x, "__array_interface__")):
@@ -99,21 +103,37 @@ def _as_array(x: Any, name: str) -> Tuple[Any, bool, bool]:
             memoryview(x)
         except TypeError:
             raise ValueError(
-                f"{name} must be an array (numpy, PyTorch, CuPy, MLX or anything "
+                f"{name} must be an array (numpy, PyTorch, CuPy, JAX, MLX or anything "
                 f"with __dlpack__), got {type(x).__name__}"
             ) from None
-    if _framework(x) == "numpy":
+    fw = _framework(x)
+    if fw == "numpy":
         read_only = not x.flags.writeable
         # ml_dtypes bf16 (kind "V"): no DLPack/buffer code of its own. The kind
         # test first: dtype.name is a slow Python-level property.
-        if x.dtype.kind == "V" and x.dtype.name == "bfloat16":
-            return x.view(_np.uint16), True, read_only
+        if x.dtype.kind == "V":
+            if x.dtype.name == "bfloat16":
+                return x.view(_np.uint16), True, read_only
+            if x.dtype.name in _FP8_NAMES:  # fp8 pools travel as their bits
+                return x.view(_np.uint8), False, read_only
         return x, False, read_only
-    if _framework(x) == "mlx":
+    if fw == "torch" and str(x.dtype)[6:] in _FP8_NAMES:
+        import torch
+
+        return x.view(torch.uint8), False, False
+    if fw in ("jax", "jaxlib"):
+        return x, False, True  # JAX arrays are immutable: inputs only
+    if fw == "mlx":
         import mlx.core as mx
 
         mx.eval(x)  # MLX is lazy: materialise the buffer before exposing it
     return x, False, False
+
+
+def _fp8_name(x: Any) -> Optional[str]:
+    """"fp8_e4m3" / "fp8_e5m2" for an array typed as fp8, else None."""
+    name = str(getattr(x, "dtype", "")).replace("torch.", "")
+    return _FP8_NAMES.get(name)
 
 
 def _empty_like(x: Any) -> Any:
@@ -128,6 +148,8 @@ def _empty_like(x: Any) -> Any:
 
         with cupy.cuda.Device(x.device.id):
             return cupy.empty(x.shape, dtype=x.dtype)
+    if fw in ("jax", "jaxlib"):
+        return _np.empty(x.shape, dtype=_np.dtype(x.dtype))  # wrapped after the call
     if fw == "mlx":
         import mlx.core as mx
 
@@ -167,6 +189,61 @@ def _int_arg(value: Any, name: str) -> int:
         raise ValueError(f"{name} must be an int, got {value!r}") from None
 
 
+_KV_CACHE_DTYPES = {"auto": 0, "float32": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}
+_SCALING_TYPES = {"linear": 1, "llama3": 2, "yarn": 3}
+# Required keys per rope_scaling type, then optional keys with their defaults
+# (transformers' defaults).
+_SCALING_KEYS = {
+    "linear": (("factor",), {}),
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings"), {}),
+    "yarn": (("factor", "original_max_position_embeddings"),
+             {"beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 0.0, "mscale": 0.0,
+              "mscale_all_dim": 0.0, "truncate": True}),
+}
+
+
+def _scaling_params(rope_scaling: Any) -> Optional[Tuple[float, ...]]:
+    """A Hugging Face rope_scaling dict (or its JSON text) as the binding's
+    11 numbers: (type, factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings, beta_fast, beta_slow, attention_factor,
+    mscale, mscale_all_dim, truncate); None for no scaling."""
+    if rope_scaling is None:
+        return None
+    if isinstance(rope_scaling, str):
+        import json
+
+        rope_scaling = json.loads(rope_scaling)
+    if not isinstance(rope_scaling, dict):
+        raise ValueError(f"rope_scaling must be a dict (a Hugging Face config's rope_scaling) "
+                         f"or None, got {type(rope_scaling).__name__}")
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind not in _SCALING_TYPES:
+        raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: linear, "
+                         f"llama3, yarn (any other scheme: pass its table as cos_sin_cache)")
+    required, optional = _SCALING_KEYS[kind]
+    values = {}
+    for key in required:
+        if rope_scaling.get(key) is None:
+            raise ValueError(f"rope_scaling of type {kind!r} needs {key!r} "
+                             f"(required: {', '.join(required)})")
+        values[key] = rope_scaling[key]
+    for key, default in optional.items():
+        got = rope_scaling.get(key)
+        values[key] = default if got is None else got
+    for key, val in values.items():
+        if isinstance(val, bool) and key != "truncate" or not isinstance(val, (int, float)):
+            raise ValueError(f"rope_scaling {key!r} must be a number, got {val!r}")
+    g = values.get
+    return (float(_SCALING_TYPES[kind]), float(g("factor", 1.0)), float(g("low_freq_factor", 0.0)),
+            float(g("high_freq_factor", 0.0)), float(g("original_max_position_embeddings", 0.0)),
+            float(g("beta_fast", 32.0)), float(g("beta_slow", 1.0)),
+            float(g("attention_factor", 0.0)), float(g("mscale", 0.0)),
+            float(g("mscale_all_dim", 0.0)), float(bool(g("truncate", True))))
+
+
 def rope_pool_fused(
     q: Any,
     k: Any,
@@ -181,8 +258,18 @@ def rope_pool_fused(
     num_kv_heads: int,
     rope_base: float,
     rotary_dim: Optional[int] = None,
+    is_neox: bool = True,
+    rope_scaling: Optional[Any] = None,
+    cos_sin_cache: Optional[Any] = None,
+    inplace: bool = False,
     q_out: Optional[Any] = None,
     k_out: Optional[Any] = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    q_norm_weight: Optional[Any] = None,
+    k_norm_weight: Optional[Any] = None,
+    norm_eps: float = 1e-6,
     stream: Optional[Any] = None,
     num_threads: int = 0,
 ) -> Tuple[Any, Any, Any, Any]:
@@ -192,6 +279,8 @@ def rope_pool_fused(
     scatter into one layer's pool). For every token ``t`` with
     ``slots[t] >= 0``: ``k_pool[slots[t]] = k_rot[t]`` and
     ``v_pool[slots[t]] = v[t]``; pool rows no token names are never touched.
+    Every keyword after ``rope_base`` is optional and off by default; with
+    the defaults the call is exactly the original one.
 
     Args:
         q: ``[T, num_qo_heads, head_dim]`` float16, bfloat16 or float32: the
@@ -203,50 +292,121 @@ def rope_pool_fused(
             (any value; negative positions are valid RoPE).
         slots: ``[T]`` int32 or int64: pool row receiving each token; a
             negative slot means "do not write this token".
-        k_pool: ``[P, num_kv_heads, head_dim]``, q's dtype: one layer's key
-            cache, updated in place.
-        v_pool: ``[P, num_kv_heads, head_dim]``, q's dtype: one layer's
+        k_pool: ``[P, num_kv_heads, head_dim]``, q's dtype (or see
+            ``kv_cache_dtype``): one layer's key cache, updated in place.
+        v_pool: ``[P, num_kv_heads, head_dim]``, like k_pool: one layer's
             value cache, updated in place.
         head_dim: D, elements per head (even, >= 2).
         num_qo_heads: number of query heads.
         num_kv_heads: number of key/value heads.
         rope_base: RoPE theta (10000, 500000, 1e6, ...), finite and > 0.
         rotary_dim: R, the leading dimensions of each head that rotate
-            (partial rotary: Phi-2 32 of 80, GPT-NeoX 24 of 96); dimensions
-            R..head_dim-1 are copied. Even, 2 <= R <= head_dim; default
-            head_dim. The angles use base ** (-2i / R).
+            (partial rotary: Phi-2 32 of 80, GPT-NeoX 24 of 96, GPT-J 64 of
+            256); dimensions R..head_dim-1 are copied. Even, 2 <= R <=
+            head_dim; default head_dim (or cos_sin_cache's width). The angles
+            use base ** (-2i / R).
+        is_neox: True (default): rotate-half pairs (i, i + R/2), as GPT-NeoX,
+            Llama and the original call. False: interleaved pairs (2i, 2i+1),
+            as GPT-J, GLM and MLX's ``traditional=True``.
+        rope_scaling: a Hugging Face config's ``rope_scaling`` dict (or its
+            JSON text): ``{"rope_type": "linear", "factor": f}``,
+            ``"llama3"`` (factor, low_freq_factor, high_freq_factor,
+            original_max_position_embeddings) or ``"yarn"`` (factor,
+            original_max_position_embeddings; optional beta_fast=32,
+            beta_slow=1, attention_factor, mscale, mscale_all_dim, truncate);
+            ``"default"`` or None is plain RoPE. Frequencies are transformers'
+            rope initialisation formulas in double, rounded once to fp32;
+            yarn also multiplies cos and sin by its attention factor. Unknown
+            types and missing fields raise ValueError.
+        cos_sin_cache: ``[max_position, R]`` float32 or q's dtype, vLLM's
+            layout: row p is ``cos(p * inv_freq)`` in columns ``[0, R/2)``
+            and ``sin`` in ``[R/2, R)``. Used instead of rope_base (so any
+            scaling an engine computes works); excludes rope_scaling. Every
+            position must be in ``[0, max_position)``: ValueError on the CPU;
+            on a GPU the token is skipped and reported like a bad slot.
+        inplace: rotate q and k in their own buffers and return them (q_out
+            and k_out must then be None).
         q_out: optional preallocated ``[T, num_qo_heads, head_dim]`` output
-            for the rotated queries (else a new array is made).
-        k_out: optional preallocated output for the rotated keys.
+            for the rotated queries (else a new array is made); may be q.
+        k_out: optional preallocated output for the rotated keys; may be k.
+        kv_cache_dtype: pool format. ``"auto"`` (default): q's dtype.
+            ``"float32"``: float32 pools for any input dtype (the exact value
+            k_rot holds, widened). ``"fp8_e4m3"`` / ``"fp8_e5m2"``: 8-bit
+            pools (uint8 arrays, torch float8 tensors or ml_dtypes float8
+            arrays) holding ``fp8(k_rot / k_scale)`` and ``fp8(v / v_scale)``,
+            divided in fp32, rounded to nearest even and saturated to the
+            format's finite range, as vLLM stores them.
+        k_scale: per-tensor key scale of fp8 pools (finite, > 0).
+        v_scale: per-tensor value scale of fp8 pools (finite, > 0).
+        q_norm_weight: ``[head_dim]`` float32 or q's dtype: QK-norm (Qwen3,
+            Gemma-3): RMSNorm over each query head, in fp32, before the
+            rotation: ``x * w / sqrt(mean(x**2) + norm_eps)``. The weight
+            multiplies as given (a model whose norm scales by ``1 + w``
+            passes ``1 + w``).
+        k_norm_weight: the same for each key head (k_rot and k_pool get the
+            normed, rotated keys; v is not normed).
+        norm_eps: the RMSNorm epsilon (finite, >= 0).
         stream: CUDA stream for GPU arrays (a ``torch.cuda.Stream``,
             ``cupy.cuda.Stream`` or a raw ``cudaStream_t`` as int); default
             the framework's current stream (PyTorch, CuPy).
         num_threads: CPU threads; 0 follows OMP_NUM_THREADS (else all cores).
             Results are identical for every thread count.
 
-    Arrays are numpy (bf16 through ml_dtypes), PyTorch (CPU or CUDA), CuPy,
-    MLX, or anything with ``__dlpack__``, all on one device. The GIL is
-    released while the kernel runs.
+    Arrays are numpy (bf16 and fp8 through ml_dtypes), PyTorch (CPU or
+    CUDA), CuPy, MLX, JAX (inputs only: JAX arrays are immutable, so pools
+    and outputs cannot be JAX arrays; the rotated q and k of JAX inputs come
+    back as JAX arrays), or anything with ``__dlpack__``, all on one device.
+    The GIL is released while the kernel runs.
 
     Returns:
         ``(q_rot, k_rot, k_pool, v_pool)``: new arrays of the caller's array
-        type (or q_out/k_out) for the rotated q and k, and the two pools that
-        were passed in, updated in place.
+        type (or q_out/k_out, or q/k with inplace) for the rotated q and k,
+        and the two pools that were passed in, updated in place.
 
     Raises:
         ValueError: for any input that breaks the contract, with the message
             of SPEC section 3 (wrong rank or shape, mismatched dtypes, a
             dtype other than f16/bf16/f32, non-integer positions/slots, odd
-            head_dim or rotary_dim, bad rope_base, mixed devices, read-only pools, a slot
-            ``>= P``). Everything is checked before the first write: a call
-            that raises leaves every array as it was. On a GPU, an
-            out-of-range slot is skipped and raised only in checked mode
-            (:func:`set_checked`).
+            head_dim or rotary_dim, bad rope_base, mixed devices, read-only
+            pools, a slot ``>= P``), and for bad options (an unknown
+            rope_scaling type or missing field, a cos_sin_cache or norm
+            weight of the wrong shape or dtype, a pool that does not match
+            kv_cache_dtype, scales that are not finite and > 0). Everything
+            is checked before the first write: a call that raises leaves
+            every array as it was. On a GPU, an out-of-range slot (or a
+            position outside cos_sin_cache) is skipped and raised only in
+            checked mode (:func:`set_checked`).
     """
+    options = (is_neox is not True or rope_scaling is not None or cos_sin_cache is not None
+               or kv_cache_dtype != "auto" or k_scale != 1.0 or v_scale != 1.0
+               or q_norm_weight is not None or k_norm_weight is not None)
+    if inplace:
+        if q_out is not None or k_out is not None:
+            raise ValueError("inplace=True writes q and k themselves: pass no q_out/k_out")
+        q_out, k_out = q, k
+    if options:
+        kv_code = _KV_CACHE_DTYPES.get(kv_cache_dtype)
+        if kv_code is None:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, _KV_CACHE_DTYPES))}"
+                             f", got {kv_cache_dtype!r}")
+        for pool, pool_name in ((k_pool, "k_pool"), (v_pool, "v_pool")):
+            typed = _fp8_name(pool)
+            if typed is not None and typed != kv_cache_dtype:
+                raise ValueError(f"{pool_name} holds {typed} values but kv_cache_dtype is "
+                                 f"{kv_cache_dtype!r}: pass kv_cache_dtype={typed!r}")
+    elif _fp8_name(k_pool) is not None or _fp8_name(v_pool) is not None:
+        typed = _fp8_name(k_pool) or _fp8_name(v_pool)
+        raise ValueError(f"pool dtypes must match q/k/v dtype, got an fp8 pool ({typed}) for "
+                         f"q/k/v {getattr(q, 'dtype', '?')}; pass kv_cache_dtype={typed!r} with "
+                         f"k_scale and v_scale")
+
     arrays = [q, k, v, positions, slots, k_pool, v_pool]
     converted, bf16_mask, readonly_mask = [], 0, 0
     for i, (x, name) in enumerate(zip(arrays, _NAMES)):
         a, is_bf16, read_only = _as_array(x, name)
+        if read_only and i in (5, 6) and _framework(x) in ("jax", "jaxlib"):
+            raise ValueError(f"{name} is a JAX array, which is immutable, but ropekv writes the "
+                             f"pools in place; pass numpy (or PyTorch) pools")
         converted.append(a)
         bf16_mask |= int(is_bf16) << i
         readonly_mask |= int(read_only) << i
@@ -267,17 +427,60 @@ def rope_pool_fused(
             converted.append(None)
 
     handle = _stream_handle(stream) if stream is not None else _default_stream(q)
-    _ext.run(
-        *converted,
+    common = (
         _int_arg(head_dim, "head_dim"),
         _int_arg(num_qo_heads, "num_qo_heads"),
         _int_arg(num_kv_heads, "num_kv_heads"),
         float(rope_base),
         0 if rotary_dim is None else _int_arg(rotary_dim, "rotary_dim"),
-        bf16_mask,
-        readonly_mask,
-        handle,
-        _int_arg(num_threads, "num_threads"),
-        _checked,
     )
+    if not options:
+        _ext.run(*converted, *common, bf16_mask, readonly_mask, handle,
+                 _int_arg(num_threads, "num_threads"), _checked)
+    else:
+        extra = []
+        for i, (x, name) in enumerate(((cos_sin_cache, "cos_sin_cache"),
+                                       (q_norm_weight, "q_norm_weight"),
+                                       (k_norm_weight, "k_norm_weight")), start=9):
+            if x is None:
+                extra.append(None)
+                continue
+            a, is_bf16, _ = _as_array(x, name)
+            extra.append(a)
+            bf16_mask |= int(is_bf16) << i
+        if rotary_dim is None and cos_sin_cache is not None and len(getattr(cos_sin_cache, "shape", ())) == 2:
+            common = common[:4] + (int(cos_sin_cache.shape[1]),)
+        _ext.run_options(*converted, *extra, *common, bool(is_neox), _scaling_params(rope_scaling),
+                         kv_code, float(k_scale), float(v_scale), float(norm_eps), bf16_mask,
+                         readonly_mask, handle, _int_arg(num_threads, "num_threads"), _checked)
+    if _framework(q) in ("jax", "jaxlib"):
+        import jax.numpy as jnp
+
+        outs = [jnp.asarray(o) if isinstance(o, _np.ndarray) else o for o in outs]
     return outs[0], outs[1], k_pool, v_pool
+
+
+def rope_inv_freq(head_dim: int, rope_base: float, rotary_dim: Optional[int] = None,
+                  rope_scaling: Optional[Any] = None) -> Tuple[Any, float]:
+    """The fp32 inverse frequencies and cos/sin factor the kernels use.
+
+    Args:
+        head_dim: D (even, >= 2).
+        rope_base: RoPE theta, finite and > 0.
+        rotary_dim: R (even, <= head_dim); default head_dim.
+        rope_scaling: a Hugging Face rope_scaling dict, as in
+            :func:`rope_pool_fused`.
+
+    Returns:
+        ``(inv_freq, attention_factor)``: a float32 numpy array of R/2
+        values, ``rope_base ** (-2i/R)`` scaled by transformers' formulas for
+        the scaling type (computed in double, rounded once), and the factor
+        cos and sin are multiplied by (yarn's attention factor, else 1.0).
+
+    Raises:
+        ValueError: for the values rope_pool_fused rejects.
+    """
+    freq, factor = _ext.inv_freq(_int_arg(head_dim, "head_dim"), float(rope_base),
+                                 0 if rotary_dim is None else _int_arg(rotary_dim, "rotary_dim"),
+                                 _scaling_params(rope_scaling))
+    return _np.asarray(freq, dtype=_np.float32), factor

@@ -1,5 +1,5 @@
 """Type stubs of ropekv's nanobind module (use the ropekv package instead)."""
-from typing import Any, Optional
+from typing import Any, List, Optional, Tuple
 
 __version__: str
 
@@ -7,6 +7,15 @@ def run(q: Any, k: Any, v: Any, positions: Any, slots: Any, k_pool: Any, v_pool:
         q_rot: Optional[Any], k_rot: Optional[Any], head_dim: int, num_qo_heads: int,
         num_kv_heads: int, rope_base: float, rotary_dim: int, bf16_mask: int, readonly_mask: int,
         stream: int, num_threads: int, checked: bool) -> None: ...
+def run_options(q: Any, k: Any, v: Any, positions: Any, slots: Any, k_pool: Any, v_pool: Any,
+                q_rot: Optional[Any], k_rot: Optional[Any], cos_sin_cache: Optional[Any],
+                q_norm_weight: Optional[Any], k_norm_weight: Optional[Any], head_dim: int,
+                num_qo_heads: int, num_kv_heads: int, rope_base: float, rotary_dim: int,
+                is_neox: bool, rope_scaling: Optional[Tuple[float, ...]], kv_cache_dtype: int,
+                k_scale: float, v_scale: float, norm_eps: float, bf16_mask: int,
+                readonly_mask: int, stream: int, num_threads: int, checked: bool) -> None: ...
+def inv_freq(head_dim: int, rope_base: float, rotary_dim: int,
+             rope_scaling: Optional[Tuple[float, ...]]) -> Tuple[List[float], float]: ...
 def check_device_errors(device_id: int, stream: int) -> None: ...
 def has_cuda() -> bool: ...
 def cpu_target() -> str: ...

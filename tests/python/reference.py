@@ -7,6 +7,7 @@ C++ reference, and the golden vectors check it (test_reference.py).
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import ml_dtypes
@@ -32,30 +33,131 @@ MODELS = [
 ]
 
 
-def angles(positions: np.ndarray, rotary_dim: int, base: float) -> np.ndarray:
-    """theta[t, i] = fp32(fp32(pos[t]) * fp32(base ** (-2i/R))), as float64."""
-    i = np.arange(rotary_dim // 2, dtype=np.float64)
-    inv_freq = np.power(np.float64(base), -2.0 * i / rotary_dim).astype(np.float32)
+def angles(positions: np.ndarray, rotary_dim: int, base: float, inv_freq=None) -> np.ndarray:
+    """theta[t, i] = fp32(fp32(pos[t]) * fp32(inv_freq[i])), as float64; inv_freq
+    defaults to base ** (-2i/R)."""
+    if inv_freq is None:
+        i = np.arange(rotary_dim // 2, dtype=np.float64)
+        inv_freq = np.power(np.float64(base), -2.0 * i / rotary_dim)
+    inv_freq = np.asarray(inv_freq, dtype=np.float64).astype(np.float32)
     pos = np.asarray(positions).astype(np.float32)
     return (pos[:, None] * inv_freq[None, :]).astype(np.float32).astype(np.float64)
 
 
-def rope(x: np.ndarray, positions: np.ndarray, base: float, rotary_dim: int | None = None):
-    """NeoX RoPE of x [T, H, D] in float64; returns (out, |x1 c| + |x2 s| per element)."""
+def hf_inv_freq(base: float, rotary_dim: int, rope_scaling=None) -> np.ndarray:
+    """Inverse frequencies of transformers' rope initialisation functions
+    (modeling_rope_utils: default, linear, llama3, yarn), in float64, written
+    from the formulas (Peng et al. 2023 for yarn; Meta's Llama 3.1 release for
+    llama3)."""
+    R = rotary_dim
+    i = np.arange(0, R, 2, dtype=np.float64)
+    freq = 1.0 / np.power(float(base), i / R)
+    kind = None if rope_scaling is None else rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if kind in (None, "default"):
+        return freq
+    factor = float(rope_scaling["factor"])
+    if kind == "linear":
+        return freq / factor
+    if kind == "llama3":
+        lo, hi = float(rope_scaling["low_freq_factor"]), float(rope_scaling["high_freq_factor"])
+        old = float(rope_scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / freq
+        out = np.where(wavelen > old / lo, freq / factor, freq)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        mid = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+        return np.where(mid, (1 - smooth) * out / factor + smooth * out, out)
+    if kind == "yarn":
+        old = float(rope_scaling["original_max_position_embeddings"])
+        fast = float(rope_scaling.get("beta_fast") or 32)
+        slow = float(rope_scaling.get("beta_slow") or 1)
+
+        def corr(rot):
+            return R * math.log(old / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = corr(fast), corr(slow)
+        if rope_scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, R - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(R // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+        extrapolation = 1 - ramp
+        return freq / factor * (1 - extrapolation) + freq * extrapolation
+    raise ValueError(kind)
+
+
+def hf_attention_factor(rope_scaling=None) -> float:
+    """yarn's factor on cos and sin (1 otherwise), as transformers computes it."""
+    if not rope_scaling or rope_scaling.get("rope_type", rope_scaling.get("type")) != "yarn":
+        return 1.0
+    if rope_scaling.get("attention_factor"):
+        return float(rope_scaling["attention_factor"])
+    factor = float(rope_scaling["factor"])
+
+    def get_mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+    if m and m_all:
+        return get_mscale(factor, m) / get_mscale(factor, m_all)
+    return get_mscale(factor)
+
+
+def rope(x: np.ndarray, positions: np.ndarray, base: float, rotary_dim: int | None = None, *,
+         is_neox: bool = True, inv_freq=None, attention_factor: float = 1.0,
+         cos_sin_cache=None, norm_weight=None, norm_eps: float = 1e-6):
+    """RoPE of x [T, H, D] in float64; returns (out, bound magnitude per element).
+
+    NeoX pairs (i, i + R/2) or interleaved (2i, 2i + 1); cos/sin from the fp32
+    angle, times attention_factor, or read from cos_sin_cache[pos] (vLLM
+    layout); with norm_weight, an RMSNorm over each head first. The magnitude
+    is what the fp32 arithmetic's error scales with (|x1 c| + |x2 s|, and for
+    the copied dims |x|).
+    """
     x = np.asarray(x).astype(np.float64)
     D = x.shape[-1]
     R = D if rotary_dim is None else rotary_dim
     half = R // 2
-    th = angles(positions, R, base)[:, None, :]
-    c, s = np.cos(th), np.sin(th)
-    x1, x2 = x[..., :half], x[..., half:R]
+    if norm_weight is not None:
+        w = np.asarray(norm_weight).astype(np.float64)
+        r = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + norm_eps)
+        x = x * r * w
+    if cos_sin_cache is not None:
+        table = np.asarray(cos_sin_cache).astype(np.float64)[np.asarray(positions)]
+        c, s = table[:, None, :half], table[:, None, half:R]
+    else:
+        th = angles(positions, R, base, inv_freq)[:, None, :]
+        m = np.float64(np.float32(attention_factor))
+        c, s = np.cos(th) * m, np.sin(th) * m
+    if is_neox:
+        i1, i2 = np.arange(half), np.arange(half, R)
+    else:
+        i1, i2 = np.arange(0, R, 2), np.arange(1, R, 2)
+    x1, x2 = x[..., i1], x[..., i2]
     out = x.copy()
-    out[..., :half] = x1 * c - x2 * s
-    out[..., half:R] = x2 * c + x1 * s
-    mag = np.zeros_like(x)
-    mag[..., :half] = np.abs(x1 * c) + np.abs(x2 * s)
-    mag[..., half:R] = np.abs(x2 * c) + np.abs(x1 * s)
+    out[..., i1] = x1 * c - x2 * s
+    out[..., i2] = x2 * c + x1 * s
+    mag = np.abs(x)
+    mag[..., i1] = np.abs(x1 * c) + np.abs(x2 * s)
+    mag[..., i2] = np.abs(x2 * c) + np.abs(x1 * s)
     return out, mag
+
+
+FP8 = {"fp8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn), "fp8_e5m2": np.dtype(ml_dtypes.float8_e5m2)}
+
+
+def fp8_encode(x, kind: str, scale: float) -> np.ndarray:
+    """The reference quantiser: fp32(x / scale), saturated to the format's
+    largest finite value, rounded to nearest even (ml_dtypes' cast); uint8 bits."""
+    dt = FP8[kind]
+    y = (np.asarray(x).astype(np.float32) / np.float32(scale)).astype(np.float32)
+    big = np.float32(ml_dtypes.finfo(dt).max)
+    y = np.where(np.isnan(y), y, np.clip(y, -big, big))
+    return y.astype(dt).view(np.uint8)
+
+
+def fp8_decode(bits_u8: np.ndarray, kind: str) -> np.ndarray:
+    return np.asarray(bits_u8).view(FP8[kind]).astype(np.float64)
 
 
 def ulp(dtype: np.dtype, ref: np.ndarray) -> np.ndarray:
@@ -66,16 +168,19 @@ def ulp(dtype: np.dtype, ref: np.ndarray) -> np.ndarray:
     return np.ldexp(1.0, (e - MANTISSA_BITS[dtype]).astype(np.int64))
 
 
-def tolerance(dtype: np.dtype, ref: np.ndarray, mag: np.ndarray) -> np.ndarray:
+def tolerance(dtype: np.dtype, ref: np.ndarray, mag: np.ndarray, rel: float = 4.0) -> np.ndarray:
     """One rounding of the output dtype, plus the bound of the fp32 arithmetic
-    before it (cos/sin within a few ulp, two products, one sum)."""
-    return ulp(dtype, ref) + 4.0 * 2.0**-24 * mag
+    before it: `rel` fp32 units (2^-24) of the magnitude. 4 covers cos/sin
+    within a few ulp, two products and one sum; QK-norm adds its fp32 sum of
+    squares (callers pass about head_dim / 2 more)."""
+    return ulp(dtype, ref) + rel * 2.0**-24 * mag
 
 
-def assert_close(got: np.ndarray, ref: np.ndarray, mag: np.ndarray, what: str = "") -> None:
+def assert_close(got: np.ndarray, ref: np.ndarray, mag: np.ndarray, what: str = "",
+                 rel: float = 4.0) -> None:
     got64 = np.asarray(got).astype(np.float64)
     err = np.abs(got64 - ref)
-    tol = tolerance(np.asarray(got).dtype, ref, mag)
+    tol = tolerance(np.asarray(got).dtype, ref, mag, rel)
     bad = ~(err <= tol)
     if bad.any():
         idx = tuple(int(i) for i in np.argwhere(bad)[0])

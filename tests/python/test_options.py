@@ -1,0 +1,420 @@
+"""The options beyond the original call (issue "variants"), on the CPU, against
+the float64 reference: interleaved pairs, rope_scaling, cos_sin_cache,
+inplace, float32 and fp8 pools, QK-norm, and their errors. Every check draws
+fresh random inputs, poisons the outputs and checks that pool rows no token
+names are untouched. tests/gpu/test_cuda.py runs the same options on CUDA."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ropekv
+from reference import (BF16, DTYPES, FP8, assert_close, bits, fp8_encode, hf_attention_factor,
+                       hf_inv_freq, poison, rope)
+
+RNG = np.random.default_rng()
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+LLAMA32 = dict(LLAMA3, factor=32.0)
+YARN_QWEN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+YARN_MSCALE = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+               "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}
+LINEAR = {"rope_type": "linear", "factor": 2.5}
+
+
+def randn(shape, dtype):
+    return RNG.standard_normal(shape).astype(np.float32).astype(dtype)
+
+
+def call_and_check(T, Hq, Hk, D, dtype, *, base=10000.0, rotary_dim=None, is_neox=True,
+                   rope_scaling=None, table_dtype=None, kv_cache_dtype="auto", k_scale=1.0,
+                   v_scale=1.0, q_norm=None, k_norm=None, norm_eps=1e-6, inplace=False,
+                   num_threads=0, strided=False, idx=np.int64):
+    """One call with every named option, poisoned outputs, then every output
+    checked: q_rot/k_rot against the float64 reference, pool rows exactly
+    encode(k_rot) / encode(v), other pool rows bit-identical."""
+    R = D if rotary_dim is None else rotary_dim
+    if strided:  # q, k, v as views of one fused projection, last dim strided by 2
+        qkv = randn((T, Hq + 2 * Hk, 2 * D), dtype)
+        q, k, v = qkv[:, :Hq, ::2], qkv[:, Hq:Hq + Hk, ::2], qkv[:, Hq + Hk:, ::2]
+    else:
+        q, k, v = randn((T, Hq, D), dtype), randn((T, Hk, D), dtype), randn((T, Hk, D), dtype)
+    q0, k0 = q.copy(), k.copy()
+    P = 2 * T + 5
+    cache = None
+    if table_dtype is not None:
+        max_pos = 4096
+        positions = RNG.integers(0, max_pos, T).astype(idx)
+        inv = hf_inv_freq(base, R)
+        ang = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]
+        cache = np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
+        cache = cache.astype(table_dtype)
+    else:
+        positions = RNG.integers(0, 1 << 20, T).astype(idx)
+        positions[: min(T, 2)] = [0, (1 << 24) - 1][: min(T, 2)]
+    slots = RNG.permutation(P)[:T].astype(idx)
+    slots[RNG.random(T) < 0.2] = -1
+
+    fp8 = kv_cache_dtype in FP8
+    pool_dtype = {"auto": dtype, "float32": np.dtype(np.float32)}.get(kv_cache_dtype, np.uint8)
+    if fp8:
+        k_pool = RNG.integers(0, 256, (P, Hk, D), dtype=np.uint8)
+        v_pool = RNG.integers(0, 256, (P, Hk, D), dtype=np.uint8)
+    else:
+        k_pool, v_pool = randn((P, Hk, D), pool_dtype), randn((P, Hk, D), pool_dtype)
+    k_pool0, v_pool0 = k_pool.copy(), v_pool.copy()
+    qw = None if q_norm is None else (1.0 + 0.3 * RNG.standard_normal(D)).astype(q_norm)
+    kw = None if k_norm is None else (1.0 + 0.3 * RNG.standard_normal(D)).astype(k_norm)
+
+    outs = {}
+    if not inplace:
+        outs = {"q_out": poison((T, Hq, D), dtype), "k_out": poison((T, Hk, D), dtype)}
+    res = ropekv.rope_pool_fused(
+        q, k, v, positions, slots, k_pool, v_pool, head_dim=D, num_qo_heads=Hq,
+        num_kv_heads=Hk, rope_base=base, rotary_dim=rotary_dim, is_neox=is_neox,
+        rope_scaling=rope_scaling, cos_sin_cache=cache, inplace=inplace,
+        kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, q_norm_weight=qw,
+        k_norm_weight=kw, norm_eps=norm_eps, num_threads=num_threads, **outs)
+    q_rot, k_rot = res[0], res[1]
+    if inplace:
+        assert q_rot is q and k_rot is k
+    assert res[2] is k_pool and res[3] is v_pool
+
+    ref_args = dict(is_neox=is_neox, cos_sin_cache=cache, norm_eps=norm_eps,
+                    inv_freq=None if cache is not None else hf_inv_freq(base, R, rope_scaling),
+                    attention_factor=hf_attention_factor(rope_scaling))
+    rel_q = 4.0 + (0 if qw is None else D / 2 + 6) + (1 if ref_args["attention_factor"] != 1 else 0)
+    rel_k = 4.0 + (0 if kw is None else D / 2 + 6) + (1 if ref_args["attention_factor"] != 1 else 0)
+    q_ref, q_mag = rope(q0, positions, base, R, norm_weight=qw, **ref_args)
+    k_ref, k_mag = rope(k0, positions, base, R, norm_weight=kw, **ref_args)
+    assert_close(q_rot, q_ref, q_mag, "q_rot", rel_q)
+    assert_close(k_rot, k_ref, k_mag, "k_rot", rel_k)
+
+    def encode(x, scale):
+        if fp8:
+            return fp8_encode(np.asarray(x).astype(np.float32), kv_cache_dtype, scale)
+        return np.asarray(x).astype(pool_dtype)
+
+    named = set()
+    for t, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        named.add(s)
+        assert bits(k_pool[s]) == bits(encode(k_rot[t], k_scale)), f"k_pool[{s}] != encode(k_rot[{t}])"
+        assert bits(v_pool[s]) == bits(encode(v[t], v_scale)), f"v_pool[{s}] != encode(v[{t}])"
+    for s in range(P):
+        if s not in named:
+            assert bits(k_pool[s]) == bits(k_pool0[s]), f"k_pool row {s} was touched"
+            assert bits(v_pool[s]) == bits(v_pool0[s]), f"v_pool row {s} was touched"
+    return q_rot, k_rot, k_pool, v_pool
+
+
+DT = list(DTYPES)
+
+
+# --- is_neox=False (GPT-J / GLM interleaved pairs) ---------------------------------------
+
+@pytest.mark.parametrize("dtype", DT)
+@pytest.mark.parametrize("D,R", [(64, 64), (128, 128), (256, 64), (80, 32), (34, 34), (6, 4)])
+def test_interleaved(D, R, dtype):
+    for T in (1, 7, 150):
+        call_and_check(T, 4, 2, D, DTYPES[dtype], rotary_dim=R, is_neox=False)
+
+
+def test_interleaved_gptj_shape_threads_and_strides():
+    for threads in (1, 2):
+        call_and_check(33, 16, 16, 256, BF16, rotary_dim=64, is_neox=False, num_threads=threads)
+    call_and_check(9, 4, 2, 64, np.dtype(np.float32), is_neox=False, strided=True)
+
+
+def test_interleaved_matches_mlx_traditional():
+    mx = pytest.importorskip("mlx.core")
+    T, H, D = 5, 3, 64
+    x = randn((T, H, D), np.float32)
+    pos = RNG.integers(0, 4096, T).astype(np.int32)
+    got = ropekv.rope_pool_fused(x, x[:, :1], x[:, :1], pos, -np.ones(T, np.int32),
+                                 np.zeros((1, 1, D), np.float32), np.zeros((1, 1, D), np.float32),
+                                 head_dim=D, num_qo_heads=H, num_kv_heads=1, rope_base=10000.0,
+                                 is_neox=False)[0]
+    for t in range(T):  # MLX rotates positions offset + arange(L): one token per call
+        want = mx.fast.rope(mx.array(x[t][None, :, None, :]), D, traditional=True, base=10000.0,
+                            scale=1.0, offset=int(pos[t]))
+        np.testing.assert_allclose(got[t], np.array(want)[0, :, 0, :], rtol=2e-5, atol=2e-5)
+
+
+# --- rope_scaling -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("scaling", [LINEAR, LLAMA3, LLAMA32, YARN_QWEN, YARN_MSCALE],
+                         ids=["linear", "llama3.1", "llama3.2", "yarn", "yarn-mscale"])
+def test_inv_freq_matches_reference_formulas(scaling):
+    for base, D in ((500000.0, 128), (1e6, 128), (10000.0, 64), (10000.0, 96)):
+        got, m = ropekv.rope_inv_freq(D, base, rope_scaling=scaling)
+        want = hf_inv_freq(base, D, scaling).astype(np.float32)
+        np.testing.assert_array_equal(got, want)  # both double, rounded once
+        assert m == pytest.approx(hf_attention_factor(scaling), rel=1e-15)
+
+
+@pytest.mark.parametrize("name,theta,D,scaling,config", [
+    ("llama-3.1-8b", 500000.0, 128, LLAMA3, "LlamaConfig"),
+    ("llama-3.2-1b", 500000.0, 64, LLAMA32, "LlamaConfig"),
+    ("qwen2.5-7b-yarn", 1e6, 128, YARN_QWEN, "Qwen2Config"),
+    ("linear", 10000.0, 128, LINEAR, "LlamaConfig"),
+])
+def test_inv_freq_matches_transformers(name, theta, D, scaling, config):
+    """Against transformers' own rope initialisation (which runs in fp32:
+    agreement to a few fp32 ulp)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    kind = scaling.get("rope_type", scaling.get("type"))
+    params = {k: v for k, v in scaling.items() if k != "type"}
+    params.update(rope_type=kind, rope_theta=theta)
+    cfg = getattr(transformers, config)(hidden_size=D * 32, num_attention_heads=32, head_dim=D,
+                                        max_position_embeddings=131072, rope_parameters=params)
+    inv, factor = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
+    got, m = ropekv.rope_inv_freq(D, theta, rope_scaling=scaling)
+    np.testing.assert_allclose(got, inv.numpy(), rtol=4 * 2.0**-23, atol=0)
+    assert m == pytest.approx(factor, rel=1e-12)
+
+
+@pytest.mark.parametrize("dtype", DT)
+@pytest.mark.parametrize("scaling", [LINEAR, LLAMA3, YARN_QWEN, YARN_MSCALE],
+                         ids=["linear", "llama3", "yarn", "yarn-mscale"])
+def test_scaled_rope(scaling, dtype):
+    for T in (1, 40):
+        call_and_check(T, 8, 2, 128, DTYPES[dtype], base=500000.0, rope_scaling=scaling)
+
+
+def test_scaling_default_type_is_plain():
+    a = call_and_check(3, 2, 1, 64, np.dtype(np.float32), rope_scaling={"rope_type": "default"})
+    assert a is not None
+
+
+@pytest.mark.parametrize("scaling,match", [
+    ({"rope_type": "dynamic", "factor": 2.0}, "type 'dynamic' is not supported"),
+    ({"rope_type": "longrope"}, "not supported"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+      "original_max_position_embeddings": 8192}, "needs 'high_freq_factor'"),
+    ({"type": "yarn", "factor": 4.0}, "needs 'original_max_position_embeddings'"),
+    ({"rope_type": "linear"}, "needs 'factor'"),
+    ({"rope_type": "linear", "factor": -1.0}, "factor must be finite and > 0"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+      "original_max_position_embeddings": 8192}, "high_freq_factor must be > low_freq_factor"),
+    ({"rope_type": "linear", "factor": "2"}, "must be a number"),
+    ([("rope_type", "linear")], "must be a dict"),
+])
+def test_scaling_errors(scaling, match):
+    assert_rejected(match, rope_scaling=scaling)
+
+
+# --- cos_sin_cache ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DT)
+@pytest.mark.parametrize("table", ["float32", "same"])
+def test_cos_sin_cache(dtype, table):
+    dt = DTYPES[dtype]
+    tdt = np.dtype(np.float32) if table == "float32" else dt
+    for T, D, R, neox in ((1, 128, 128, True), (37, 80, 32, True), (12, 256, 64, False)):
+        call_and_check(T, 4, 2, D, dt, rotary_dim=R, is_neox=neox, table_dtype=tdt)
+
+
+def test_cos_sin_cache_infers_rotary_dim():
+    D, R, T = 96, 24, 4
+    call_and_check(T, 2, 2, D, np.dtype(np.float32), rotary_dim=R, table_dtype=np.float32)
+    # rotary_dim omitted: the table's width
+    q = randn((T, 2, D), np.float32)
+    cache = randn((64, R), np.float32)
+    pos = RNG.integers(0, 64, T)
+    kp = np.zeros((8, 2, D), np.float32)
+    a = ropekv.rope_pool_fused(q, q, q, pos, -np.ones(T, np.int64), kp, kp.copy(), head_dim=D,
+                               num_qo_heads=2, num_kv_heads=2, rope_base=1.0,
+                               cos_sin_cache=cache)[0]
+    b = ropekv.rope_pool_fused(q, q, q, pos, -np.ones(T, np.int64), kp, kp.copy(), head_dim=D,
+                               num_qo_heads=2, num_kv_heads=2, rope_base=1.0, rotary_dim=R,
+                               cos_sin_cache=cache)[0]
+    assert bits(a) == bits(b)
+
+
+# --- inplace and preallocated outputs ---------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DT)
+def test_inplace(dtype):
+    call_and_check(21, 8, 4, 128, DTYPES[dtype], inplace=True)
+    call_and_check(5, 4, 2, 64, DTYPES[dtype], inplace=True, is_neox=False, q_norm="float32",
+                   k_norm="float32")
+
+
+def test_inplace_conflicts_with_outputs():
+    q = randn((1, 1, 8), np.float32)
+    with pytest.raises(ValueError, match="inplace=True writes q and k themselves"):
+        ropekv.rope_pool_fused(q, q, q, np.zeros(1, np.int32), np.zeros(1, np.int32),
+                               np.zeros((1, 1, 8), np.float32), np.zeros((1, 1, 8), np.float32),
+                               head_dim=8, num_qo_heads=1, num_kv_heads=1, rope_base=1e4,
+                               inplace=True, q_out=q.copy())
+
+
+# --- pools in other formats ---------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DT)
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_pools(kind, dtype):
+    for T, D in ((1, 128), (50, 128), (9, 80), (4, 34)):
+        scale_k, scale_v = float(RNG.uniform(0.01, 2.0)), float(RNG.uniform(0.01, 2.0))
+        call_and_check(T, 8, 4, D, DTYPES[dtype], kv_cache_dtype=kind, k_scale=scale_k,
+                       v_scale=scale_v)
+
+
+def test_fp8_saturates_and_keeps_nan():
+    """Values beyond the format's range saturate; NaN stays NaN; exact bits."""
+    T, D = 2, 16
+    k = (randn((T, 1, D), np.float32) * 1e4).astype(np.float32)
+    v = (randn((T, 1, D), np.float32) * 1e6).astype(np.float32)
+    v[0, 0, 3] = np.nan
+    v[1, 0, 4] = np.inf
+    kp, vp = np.zeros((T, 1, D), np.uint8), np.zeros((T, 1, D), np.uint8)
+    q_rot, k_rot, _, _ = ropekv.rope_pool_fused(
+        k, k, v, np.arange(T), np.arange(T), kp, vp, head_dim=D, num_qo_heads=1,
+        num_kv_heads=1, rope_base=1e4, kv_cache_dtype="fp8_e4m3", k_scale=0.5, v_scale=3.0)
+    assert bits(kp) == bits(fp8_encode(k_rot, "fp8_e4m3", 0.5))
+    assert bits(vp) == bits(fp8_encode(v, "fp8_e4m3", 3.0))
+    assert vp[0, 0, 3] & 0x7F == 0x7F and vp[1, 0, 4] == 0x7E  # NaN; +inf -> 448
+
+
+def test_fp8_typed_pools():
+    """ml_dtypes fp8 arrays are taken as their bits, and their type must
+    agree with kv_cache_dtype."""
+    T, D = 3, 32
+    q = randn((T, 2, D), np.float32)
+    kp = np.zeros((4, 2, D), FP8["fp8_e5m2"])
+    vp = np.zeros((4, 2, D), FP8["fp8_e5m2"])
+    _, k_rot, _, _ = ropekv.rope_pool_fused(q, q, q, np.arange(T), np.arange(T), kp, vp,
+                                            head_dim=D, num_qo_heads=2, num_kv_heads=2,
+                                            rope_base=1e4, kv_cache_dtype="fp8_e5m2")
+    assert bits(kp[:T]) == bits(fp8_encode(k_rot, "fp8_e5m2", 1.0))
+    with pytest.raises(ValueError, match="holds fp8_e5m2 values but kv_cache_dtype"):
+        ropekv.rope_pool_fused(q, q, q, np.arange(T), np.arange(T), kp, vp, head_dim=D,
+                               num_qo_heads=2, num_kv_heads=2, rope_base=1e4,
+                               kv_cache_dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match="pass kv_cache_dtype='fp8_e5m2'"):
+        ropekv.rope_pool_fused(q, q, q, np.arange(T), np.arange(T), kp, vp, head_dim=D,
+                               num_qo_heads=2, num_kv_heads=2, rope_base=1e4)
+
+
+@pytest.mark.parametrize("dtype", DT)
+def test_float32_pools(dtype):
+    for T in (1, 30):
+        call_and_check(T, 8, 2, 128, DTYPES[dtype], kv_cache_dtype="float32")
+    call_and_check(6, 4, 2, 64, DTYPES[dtype], kv_cache_dtype="float32", strided=True)
+
+
+# --- QK-norm ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DT)
+@pytest.mark.parametrize("weights", ["float32", "same"])
+def test_qk_norm(dtype, weights):
+    dt = DTYPES[dtype]
+    wdt = "float32" if weights == "float32" else dt
+    for T, D, R in ((1, 128, 128), (23, 128, 128), (5, 80, 32), (3, 34, 34)):
+        call_and_check(T, 8, 2, D, dt, rotary_dim=R, q_norm=wdt, k_norm=wdt, norm_eps=1e-6)
+
+
+def test_qk_norm_one_side_and_eps():
+    f32 = np.dtype(np.float32)
+    call_and_check(7, 4, 2, 64, f32, q_norm="float32")
+    call_and_check(7, 4, 2, 64, f32, k_norm="float32", norm_eps=0.5)
+
+
+def test_qwen3_like_all_together():
+    """Qwen3-8B: QK-norm, fp8 pools, yarn scaling, two threads, strided q/k/v."""
+    for threads in (1, 2):
+        call_and_check(64, 32, 8, 128, BF16, base=1e6, rope_scaling=YARN_QWEN, q_norm=BF16,
+                       k_norm=BF16, kv_cache_dtype="fp8_e4m3", k_scale=0.25, v_scale=0.5,
+                       num_threads=threads)
+    call_and_check(5, 32, 8, 128, BF16, q_norm="float32", k_norm="float32",
+                   kv_cache_dtype="fp8_e4m3", strided=True)
+
+
+def test_options_results_do_not_depend_on_threads():
+    outs = []
+    state = RNG.bit_generator.state
+    for threads in (1, 2):
+        RNG.bit_generator.state = state
+        outs.append(call_and_check(300, 8, 2, 128, BF16, is_neox=False, q_norm="float32",
+                                   kv_cache_dtype="fp8_e5m2", num_threads=threads))
+    for a, b in zip(*outs):
+        assert bits(a) == bits(b)
+
+
+# --- errors: every bad option raises before anything is written -------------------------
+
+def assert_rejected(match, **options):
+    """The call raises ValueError(match) and changes no array."""
+    T, H, D = 3, 2, 16
+    q, k, v = randn((T, H, D), np.float32), randn((T, H, D), np.float32), randn((T, H, D), np.float32)
+    pools = {"auto": np.float32, "float32": np.float32}.get(options.get("kv_cache_dtype", "auto"),
+                                                           np.uint8)
+    kp = options.pop("k_pool", None)
+    kp = randn((8, H, D), np.float32).astype(pools) if kp is None else kp
+    vp = kp.copy()
+    q_out = poison((T, H, D), np.float32)
+    before = [bits(a) for a in (q, k, v, kp, vp, q_out)]
+    with pytest.raises(ValueError, match=match):
+        ropekv.rope_pool_fused(q, k, v, options.pop("positions", np.arange(T)), np.arange(T), kp,
+                               vp, head_dim=D, num_qo_heads=H, num_kv_heads=H, rope_base=1e4,
+                               q_out=q_out, **options)
+    assert [bits(a) for a in (q, k, v, kp, vp, q_out)] == before
+
+
+def test_option_errors():
+    f32 = np.float32
+    assert_rejected("kv_cache_dtype must be one of", kv_cache_dtype="int8")
+    assert_rejected(r"pool dtypes must be uint8 \(fp8 bits\) for kv_cache_dtype=\"fp8_e4m3\"",
+                    kv_cache_dtype="fp8_e4m3", k_pool=np.zeros((8, 2, 16), np.float32))
+    assert_rejected("pool dtypes must be float32 for kv_cache_dtype=\"float32\"",
+                    kv_cache_dtype="float32", k_pool=np.zeros((8, 2, 16), np.float16))
+    assert_rejected("k_scale must be finite and > 0", kv_cache_dtype="fp8_e4m3", k_scale=0.0)
+    assert_rejected("v_scale must be finite and > 0", kv_cache_dtype="fp8_e5m2",
+                    v_scale=float("nan"))
+    assert_rejected("k_scale/v_scale apply to fp8 pools only", k_scale=2.0)
+    assert_rejected("norm_eps must be finite and >= 0", q_norm_weight=np.ones(16, f32),
+                    norm_eps=-1.0)
+    assert_rejected(r"q_norm_weight shape must be \[head_dim\] = \(16,\)",
+                    q_norm_weight=np.ones(8, f32))
+    assert_rejected("k_norm_weight dtype must be float32 or q's dtype",
+                    k_norm_weight=np.ones(16, np.float64))
+    assert_rejected(r"cos_sin_cache shape must be \[max_position, rotary_dim\]",
+                    cos_sin_cache=np.ones((10, 8), f32), rotary_dim=16)
+    assert_rejected("cos_sin_cache dtype must be float32 or q's dtype",
+                    cos_sin_cache=np.ones((10, 16), np.float16))
+    assert_rejected("cos_sin_cache and rope_scaling exclude each other",
+                    cos_sin_cache=np.ones((10, 16), f32), rope_scaling=LINEAR)
+    assert_rejected(r"positions\[1\] = 10 is outside cos_sin_cache, which has 10 rows",
+                    cos_sin_cache=np.ones((10, 16), f32), positions=np.array([0, 10, 2]))
+    assert_rejected(r"positions\[0\] = -1 is outside cos_sin_cache",
+                    cos_sin_cache=np.ones((10, 16), f32), positions=np.array([-1, 1, 2]))
+
+
+def test_float32_pool_without_opt_in_names_the_option():
+    """The original call's dtype error stays the default, with the way out."""
+    q = randn((2, 1, 8), BF16)
+    with pytest.raises(ValueError, match="pool dtypes must match q/k/v dtype.*"
+                                         "kv_cache_dtype=\"float32\""):
+        ropekv.rope_pool_fused(q, q, q, np.arange(2), np.arange(2), np.zeros((2, 1, 8), np.float32),
+                               np.zeros((2, 1, 8), np.float32), head_dim=8, num_qo_heads=1,
+                               num_kv_heads=1, rope_base=1e4)
+
+
+def test_options_do_not_change_the_plain_call():
+    """Explicit defaults take the option path and give the same bits."""
+    T, D = 9, 64
+    q, k, v = randn((T, 4, D), BF16), randn((T, 2, D), BF16), randn((T, 2, D), BF16)
+    pos, slots = RNG.integers(0, 1 << 16, T), RNG.permutation(T)
+    outs = []
+    for extra in ({}, {"kv_cache_dtype": "auto", "is_neox": True, "rope_scaling": {"rope_type": "default"}}):
+        kp, vp = np.zeros((T, 2, D), BF16), np.zeros((T, 2, D), BF16)
+        outs.append(ropekv.rope_pool_fused(q, k, v, pos, slots, kp, vp, head_dim=D,
+                                           num_qo_heads=4, num_kv_heads=2, rope_base=1e4,
+                                           **extra))
+    for a, b in zip(*outs):
+        assert bits(a) == bits(b)
