@@ -12,13 +12,16 @@ in)::
         q, k, v, positions, slots, k_pool, v_pool,
         head_dim=128, num_qo_heads=32, num_kv_heads=8, rope_base=500000.0)
 
-Arguments, dtypes, errors and math are those of :func:`ropekv.rope_pool_fused`;
-CUDA tensors run on the current stream.
+Arguments, dtypes, errors and math are those of :func:`ropekv.rope_pool_fused`,
+options included, except that ``rope_scaling`` is given as JSON text
+(``json.dumps(config.rope_scaling)``: an operator schema has no dict type),
+and ``inplace`` / ``q_out`` / ``k_out`` do not exist (a custom op returns new
+tensors). CUDA tensors run on the current stream.
 """
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -36,28 +39,47 @@ def rope_pool_fused(
     slots: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
+    cos_sin_cache: Optional[torch.Tensor] = None,
+    q_norm_weight: Optional[torch.Tensor] = None,
+    k_norm_weight: Optional[torch.Tensor] = None,
     *,
     head_dim: int,
     num_qo_heads: int,
     num_kv_heads: int,
     rope_base: float,
+    rotary_dim: Optional[int] = None,
+    is_neox: bool = True,
+    rope_scaling: Optional[str] = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    norm_eps: float = 1e-6,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Rotates q and k with RoPE and scatters k_rot and v into the pools.
 
     Shapes: q ``[T, num_qo_heads, head_dim]``; k, v ``[T, num_kv_heads,
     head_dim]``; positions, slots ``[T]`` int32/int64; k_pool, v_pool ``[P,
-    num_kv_heads, head_dim]``, all float16/bfloat16/float32 of q's dtype, on
-    one device. Returns ``(q_rot, k_rot)``; k_pool and v_pool are updated in
-    place. Raises ValueError as :func:`ropekv.rope_pool_fused` does.
+    num_kv_heads, head_dim]`` of q's dtype (or of ``kv_cache_dtype``), all
+    on one device; the options as in :func:`ropekv.rope_pool_fused`, with
+    ``rope_scaling`` as JSON text (the optional tensors cos_sin_cache,
+    q_norm_weight and k_norm_weight may also be passed by keyword). Returns ``(q_rot, k_rot)``; k_pool and
+    v_pool are updated in place. Raises ValueError as
+    :func:`ropekv.rope_pool_fused` does.
     """
     q_rot, k_rot, _, _ = _rope_pool_fused(
         q, k, v, positions, slots, k_pool, v_pool, head_dim=head_dim,
-        num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, rope_base=rope_base)
+        num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, rope_base=rope_base,
+        rotary_dim=rotary_dim, is_neox=is_neox, rope_scaling=rope_scaling,
+        cos_sin_cache=cos_sin_cache, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
+        v_scale=v_scale, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
+        norm_eps=norm_eps)
     return q_rot, k_rot
 
 
 @rope_pool_fused.register_fake
-def _(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads, num_kv_heads,
-      rope_base):
+def _(q, k, v, positions, slots, k_pool, v_pool, cos_sin_cache=None, q_norm_weight=None,
+      k_norm_weight=None, *, head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim=None,
+      is_neox=True, rope_scaling=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
+      norm_eps=1e-6):
     # Fresh contiguous outputs of q's and k's shape, dtype and device.
     return q.new_empty(q.shape), k.new_empty(k.shape)

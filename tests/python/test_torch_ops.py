@@ -72,3 +72,36 @@ def test_torch_compile_fullgraph():
     assert_close((got[0] / 2.0).numpy(), ref, mag, "compiled q_rot")
     assert torch.equal(kp[slots], got[1]) and torch.equal(vp[slots], qkv[:, 10:])
     assert np.count_nonzero(np.delete(kp.numpy(), slots.numpy(), 0)) == 0
+
+
+def test_op_with_options_opcheck_and_compile():
+    """The options through the op: fp8 pools (torch.float8_e4m3fn), QK-norm,
+    interleaved pairs and llama3 scaling as JSON; opcheck and a compiled
+    graph with no break give the eager call's bits."""
+    import json
+
+    T, P = 6, 12
+    q, k, v, pos, slots, _, _ = make(T=T, P=P, dtype=torch.bfloat16)
+    kp = torch.zeros(P, 2, 64, dtype=torch.float8_e4m3fn)
+    vp = torch.zeros(P, 2, 64, dtype=torch.float8_e4m3fn)
+    opts = dict(CFG, is_neox=False, kv_cache_dtype="fp8_e4m3", k_scale=0.5, v_scale=0.25,
+                rope_scaling=json.dumps({"rope_type": "llama3", "factor": 8.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 8192}),
+                q_norm_weight=torch.rand(64) + 0.5, k_norm_weight=torch.rand(64) + 0.5)
+    weights = dict(q_norm_weight=opts.pop("q_norm_weight"), k_norm_weight=opts.pop("k_norm_weight"))
+    torch.library.opcheck(torch.ops.ropekv.rope_pool_fused.default,
+                          (q, k, v, pos, slots, kp, vp, None, weights["q_norm_weight"],
+                           weights["k_norm_weight"]), opts)
+    opts.update(weights)
+    kp_e, vp_e = kp.clone(), vp.clone()
+    want = ropekv.rope_pool_fused(q, k, v, pos, slots, kp_e, vp_e, **opts)
+
+    def f(q, k, v, pos, slots, kp, vp):
+        return torch.ops.ropekv.rope_pool_fused(q * 1, k, v, pos, slots, kp, vp, **opts)
+
+    got = torch.compile(f, fullgraph=True, dynamic=False)(q, k, v, pos, slots, kp, vp)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(kp.view(torch.uint8), kp_e.view(torch.uint8))
+    assert torch.equal(vp.view(torch.uint8), vp_e.view(torch.uint8))
+    assert kp.view(torch.uint8)[slots].any()
