@@ -292,8 +292,111 @@ def plot(rows, peak, args, meta):
     fig.savefig(os.path.join(args.out, "cuda_bandwidth.png"), dpi=110)
 
 
+# The options of ropekv.rope_pool_fused, each timed against the plain call of
+# the same shape: name -> (keyword arguments, extra bytes read per token,
+# pool element size or None for q's dtype). Bytes follow SPEC section 7 with
+# the pools' real element size and the table / weight reads added.
+OPTION_MODELS = [("Llama-3.1-8B", 32, 8, 128, 500000.0), ("Qwen3-8B", 32, 8, 128, 1000000.0)]
+OPTION_TOKENS = [1, 32, 512, 8192, 32768]
+
+
+def option_cases(D, dt):
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    w = torch.rand(D, device="cuda", dtype=dt) + 0.5
+    cache = torch.rand(1 << 17, D, device="cuda", dtype=torch.float32)
+    return {
+        "plain": ({}, 0, None),
+        "is_neox=False": ({"is_neox": False}, 0, None),
+        "llama3 scaling": ({"rope_scaling": llama3}, 0, None),
+        "yarn scaling": ({"rope_scaling": yarn}, 0, None),
+        "cos_sin_cache f32": ({"cos_sin_cache": cache}, 4 * D, None),
+        "QK-norm": ({"q_norm_weight": w, "k_norm_weight": w}, 0, None),
+        "float32 pools": ({"kv_cache_dtype": "float32"}, 0, 4),
+        "fp8_e4m3 pools": ({"kv_cache_dtype": "fp8_e4m3", "k_scale": 0.5, "v_scale": 0.5}, 0, 1),
+        "QK-norm + fp8 + yarn": ({"q_norm_weight": w, "k_norm_weight": w, "rope_scaling": yarn,
+                                  "kv_cache_dtype": "fp8_e4m3", "k_scale": 0.5, "v_scale": 0.5},
+                                 0, 1),
+    }
+
+
+def bench_options(args, timer, log):
+    """Each option's cost next to the plain call and a copy of the same bytes."""
+    rows = []
+    dt = torch.bfloat16
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 60 * 2**20
+    for name, Hq, Hk, D, base in OPTION_MODELS:
+        cases = option_cases(D, dt)
+        pools = {}
+        for T in OPTION_TOKENS:
+            g = torch.Generator(device="cuda").manual_seed(T)
+            plain_bytes = spec_bytes(T, Hq, Hk, D, 2, T)
+            slices = max(1, min(64, math.ceil(2 * l2 / plain_bytes)))
+            calls_per_graph = 50 if T <= 512 else 4
+            n_calls = calls_per_graph * max(1, min(8, math.ceil(slices / calls_per_graph)))
+            q = torch.randn(slices, T, Hq, D, device="cuda", dtype=dt, generator=g)
+            k = torch.randn(slices, T, Hk, D, device="cuda", dtype=dt, generator=g)
+            v = torch.randn(slices, T, Hk, D, device="cuda", dtype=dt, generator=g)
+            q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+            pos = torch.randint(0, 1 << 17, (slices, T), device="cuda", dtype=torch.int32,
+                                generator=g)
+            perm = torch.randperm(POOL_ROWS, device="cuda", generator=g)
+            slots = perm[(torch.arange(slices * T, device="cuda") % POOL_ROWS)
+                         .view(slices, T)].to(torch.int32)
+            for case, (kw, extra, pool_esize) in cases.items():
+                pe = pool_esize or 2
+                if pe not in pools:
+                    pdt = {1: torch.uint8, 2: dt, 4: torch.float32}[pe]
+                    pools.clear()
+                    torch.cuda.empty_cache()
+                    pools[pe] = (torch.zeros(POOL_ROWS, Hk, D, device="cuda", dtype=pdt),
+                                 torch.zeros(POOL_ROWS, Hk, D, device="cuda", dtype=pdt))
+                kp, vp = pools[pe]
+                nbytes = (2 * (2 * T * Hq * D + 3 * T * Hk * D) + pe * 2 * T * Hk * D + 8 * T +
+                          extra * T)
+
+                def f(i, kw=kw, kp=kp, vp=vp):
+                    j = i % slices
+                    ropekv.rope_pool_fused(q[j], k[j], v[j], pos[j], slots[j], kp, vp,
+                                           head_dim=D, num_qo_heads=Hq, num_kv_heads=Hk,
+                                           rope_base=base, q_out=q_out[j], k_out=k_out[j], **kw)
+
+                us = timer.run(f, n_calls, calls_per_graph)
+                half = nbytes // 4
+                src = torch.empty(slices, half, device="cuda", dtype=torch.bfloat16)
+                dst = torch.empty_like(src)
+                copy_us = timer.run(lambda i: dst[i % slices].copy_(src[i % slices]), n_calls,
+                                    calls_per_graph)
+                del src, dst
+                rows.append({"model": name, "T": T, "option": case, "us": us, "bytes": nbytes,
+                             "copy_us": copy_us})
+                log(f"{name:13s} T={T:6d} {case:22s} {us:9.2f} us {nbytes / us / 1e3:7.0f} GB/s "
+                    f"({copy_us / us:.2f} of copy)")
+            del q, k, v, q_out, k_out
+        pools.clear()
+        torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu_options.json"), "w") as fh:
+        json.dump(rows, fh, indent=1)
+    lines = ["| model | T | option | µs | vs plain | bytes | GB/s | of copy (same bytes) |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        plain = next(p for p in rows if p["model"] == r["model"] and p["T"] == r["T"]
+                     and p["option"] == "plain")
+        lines.append(f"| {r['model']} | {r['T']} | {r['option']} | {r['us']:.2f} | "
+                     f"{r['us'] / plain['us']:.2f} | {r['bytes']} | "
+                     f"{r['bytes'] / r['us'] / 1e3:.0f} | {r['copy_us'] / r['us']:.2f} |")
+    with open(os.path.join(args.out, "gpu_options.md"), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--options", action="store_true",
+                    help="time each option of the call against the plain call instead "
+                         "(bf16, Llama-3.1-8B and Qwen3-8B shapes) -> gpu_options.md")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ap.add_argument("--models", default=",".join(m[0] for m in MODELS))
     ap.add_argument("--dtypes", default="bf16,f16")
@@ -320,6 +423,9 @@ def main():
         warm2.copy_(warm)
         torch.cuda.synchronize()
     del warm, warm2
+    if args.options:
+        bench_options(args, timer, log)
+        return
     peak = peak_copy_gbps(timer)
     log(f"{props.name}: {props.multi_processor_count} SMs, "
         f"L2 {getattr(props, 'L2_cache_size', 0) >> 20} MiB, "

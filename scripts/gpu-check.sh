@@ -12,6 +12,7 @@
 #   latency   per-call time of small calls in CUDA graphs, next to an empty kernel
 #   cputest   the CPU Python suite tests/python
 #   bench     bench/gpu_bench.py (ropekv vs PyTorch eager, torch.compile, copy)
+#   options   bench/gpu_bench.py --options (each option's cost vs the plain call)
 #
 # Usage: scripts/gpu-check.sh [STEP ...]   (default: every step, in that order)
 # Logs go to $OUT (default ./gpu-out): log.txt (everything), ncu.txt and the
@@ -30,7 +31,7 @@ LOG=$OUT/log.txt
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 STEPS=("$@")
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(build test sanitize sansuite ncu latency cputest bench)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(build test sanitize sansuite ncu latency cputest bench options)
 BUILD_DIR=$ROOT/build/gpu-python
 DRIVER=$ROOT/build/gpu-driver
 declare -A RESULT
@@ -161,6 +162,10 @@ do_cputest() {
   return $rc
 }
 
+do_options() {
+  (cd /tmp && timeout "${BENCH_TIMEOUT:-560}" $PY "$ROOT/bench/gpu_bench.py" --options --out "$OUT")
+}
+
 do_bench() {
   (cd /tmp && timeout "${BENCH_TIMEOUT:-560}" $PY "$ROOT/bench/gpu_bench.py" --out "$OUT" ${BENCH_ARGS:-})
 }
@@ -175,6 +180,7 @@ for s in "${STEPS[@]}"; do
     latency) step latency do_latency ;;
     cputest) step cputest do_cputest ;;
     bench) step bench do_bench ;;
+    options) step options do_options ;;
     *) log "unknown step $s"; exit 2 ;;
   esac
 done
