@@ -31,6 +31,10 @@
 // still cold. The "hot" family (T = 1) has everything in cache: compute and
 // call overhead alone. Their memcpy reference copies one hot buffer.
 //
+// The "options" family times every option of the call (Llama-3.1-8B, bf16,
+// cold) next to the plain call; its bytes count the pools at their real
+// element size and the cos_sin_cache rows read.
+//
 // Run:  build-bench/bench/ropekv_cpu_bench --benchmark_counters_tabular=true
 #include <benchmark/benchmark.h>
 #if defined(__SSE2__)
@@ -115,9 +119,12 @@ uint16_t to_bf16(float f) {
   return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
-// SPEC section 7: E * (2*T*Hq*D + 3*T*Hk*D + 2*W*Hk*D) + T * (4 + 4).
-int64_t spec_bytes(const Model& m, int64_t T, int64_t E) {
-  return E * (2 * T * m.hq * m.d + 3 * T * m.hk * m.d + 2 * T * m.hk * m.d) + T * 8;
+// SPEC section 7: E * (2*T*Hq*D + 3*T*Hk*D) + EP * 2*W*Hk*D + T * (4 + 4),
+// EP the pools' element size, plus what an option reads per token.
+int64_t spec_bytes(const Model& m, int64_t T, int64_t E, int64_t EP = 0, int64_t extra = 0) {
+  if (EP == 0) EP = E;
+  return E * (2 * T * m.hq * m.d + 3 * T * m.hk * m.d) + EP * 2 * T * m.hk * m.d + T * 8 +
+         T * extra;
 }
 
 // Copies n bytes (both 16-byte aligned, n a multiple of 16) with
@@ -190,15 +197,29 @@ double memcpy_seconds_per_call(size_t n, int threads, int64_t sets, double min_s
 // compute and call overhead alone).
 enum Cache { kCold, kWarm, kHot };
 
-void BM_RopePool(benchmark::State& state, Model m, bool bf16, int threads, Cache cache) {
+// The options of the call, for the "options/" family: each timed against the
+// plain call of the same shape.
+enum Option { kPlain, kInterleaved, kLlama3, kYarn, kCosSinCache, kQkNorm, kF32Pools, kFp8Pools,
+              kQwen3Like };
+constexpr const char* kOptionNames[] = {"plain",  "interleaved", "llama3",      "yarn",
+                                        "cos_sin_cache", "qk_norm", "f32_pools", "fp8_pools",
+                                        "qknorm+fp8+yarn"};
+constexpr int64_t kCacheRows = 131072;  // positions are below 128k
+
+void BM_RopePool(benchmark::State& state, Model m, bool bf16, int threads, Cache cache,
+                 Option option) {
   const bool warm = cache != kCold;
   const int64_t T = state.range(0);
   const int64_t E = bf16 ? 2 : 4;
   const DLDataType dt = bf16 ? DLDataType{kDLBfloat, 16, 1} : DLDataType{kDLFloat, 32, 1};
   const int64_t llc = llc_bytes();
+  const int64_t EP = option == kF32Pools ? 4 : (option == kFp8Pools || option == kQwen3Like) ? 1 : E;
+  const DLDataType pool_dt = EP == E ? dt
+                             : EP == 4 ? DLDataType{kDLFloat, 32, 1}
+                                       : DLDataType{kDLUInt, 8, 1};
 
   // Pools: each at least 2x the LLC, and at least 2T rows.
-  const int64_t row_bytes = m.hk * m.d * E;
+  const int64_t row_bytes = m.hk * m.d * EP;
   const int64_t P = std::max<int64_t>(2 * T, (2 * llc + row_bytes - 1) / row_bytes);
   Buffer k_pool(P * row_bytes), v_pool(P * row_bytes);
 
@@ -261,8 +282,8 @@ void BM_RopePool(benchmark::State& state, Model m, bool bf16, int threads, Cache
     a.v = view(v.get() + s * k_elems * E, dt, 3, sk);
     a.positions = view(pos.get() + s * T * 4, i32, 1, s1);
     a.slots = view(slot.get() + ss * T * 4, i32, 1, s1);
-    a.k_pool = view(k_pool.get(), dt, 3, sp);
-    a.v_pool = view(v_pool.get(), dt, 3, sp);
+    a.k_pool = view(k_pool.get(), pool_dt, 3, sp);
+    a.v_pool = view(v_pool.get(), pool_dt, 3, sp);
     a.q_rot = view(q_rot.get() + s * q_elems * E, dt, 3, sq);
     a.k_rot = view(k_rot.get() + s * k_elems * E, dt, 3, sk);
   }
@@ -273,6 +294,51 @@ void BM_RopePool(benchmark::State& state, Model m, bool bf16, int threads, Cache
   cfg.rope_base = m.base;
   ropekv::ExecOptions opt;
   opt.num_threads = threads;
+
+  // The option under test: its config fields and optional tensors.
+  int64_t extra = 0;  // bytes an option reads per token
+  int64_t s_cache[2] = {kCacheRows, m.d}, s_w[1] = {m.d};
+  Buffer table, weight(m.d * 4);
+  for (int64_t i = 0; i < m.d; ++i) reinterpret_cast<float*>(weight.get())[i] = 1.0f + uni(rng);
+  const DLDataType f32{kDLFloat, 32, 1};
+  ropekv::RopeScaling yarn;
+  yarn.type = ropekv::RopeScalingType::kYarn;
+  yarn.factor = 4.0;
+  yarn.original_max_position_embeddings = 32768;
+  switch (option) {
+    case kPlain: break;
+    case kInterleaved: cfg.is_neox = false; break;
+    case kLlama3:
+      cfg.rope_scaling.type = ropekv::RopeScalingType::kLlama3;
+      cfg.rope_scaling.factor = 8.0;
+      cfg.rope_scaling.low_freq_factor = 1.0;
+      cfg.rope_scaling.high_freq_factor = 4.0;
+      cfg.rope_scaling.original_max_position_embeddings = 8192;
+      break;
+    case kYarn: cfg.rope_scaling = yarn; break;
+    case kCosSinCache: {
+      table = Buffer(kCacheRows * m.d * 4);
+      float* tab = reinterpret_cast<float*>(table.get());
+      for (int64_t i = 0; i < kCacheRows * m.d; ++i) tab[i] = uni(rng);
+      extra = m.d * 4;
+      for (auto& a : calls) a.cos_sin_cache = view(table.get(), f32, 2, s_cache);
+      break;
+    }
+    case kQkNorm:
+      for (auto& a : calls) a.q_norm_weight = a.k_norm_weight = view(weight.get(), f32, 1, s_w);
+      break;
+    case kF32Pools: cfg.kv_cache_dtype = ropekv::KvCacheDtype::kFloat32; break;
+    case kFp8Pools:
+      cfg.kv_cache_dtype = ropekv::KvCacheDtype::kFp8E4M3;
+      cfg.k_scale = cfg.v_scale = 0.5;
+      break;
+    case kQwen3Like:
+      cfg.rope_scaling = yarn;
+      cfg.kv_cache_dtype = ropekv::KvCacheDtype::kFp8E4M3;
+      cfg.k_scale = cfg.v_scale = 0.5;
+      for (auto& a : calls) a.q_norm_weight = a.k_norm_weight = view(weight.get(), f32, 1, s_w);
+      break;
+  }
 
   for (int64_t c = 0; c < sets; ++c) ropekv::rope_pool_fused(calls[c], cfg, opt);  // warm-up
 
@@ -287,7 +353,7 @@ void BM_RopePool(benchmark::State& state, Model m, bool bf16, int threads, Cache
 
   // The memcpy reference: cold (rotating buffers) for the cold family, one
   // hot buffer pair for the warm family.
-  const int64_t bytes = spec_bytes(m, T, E);
+  const int64_t bytes = spec_bytes(m, T, E, EP, extra);
   const int64_t mc_sets = warm ? 1 : std::clamp<int64_t>((2 * llc + bytes - 1) / bytes, 1, 8192);
   const double mc = memcpy_seconds_per_call(static_cast<size_t>(bytes / 2), threads, mc_sets,
                                             std::clamp(el, 0.05, 0.5));
@@ -313,7 +379,7 @@ void register_all() {
                                    (bf16 ? "bf16" : "f32") + "/threads:" +
                                    std::to_string(threads);
           auto* b =
-              benchmark::RegisterBenchmark(name.c_str(), BM_RopePool, m, bf16, threads, cache);
+              benchmark::RegisterBenchmark(name.c_str(), BM_RopePool, m, bf16, threads, cache, kPlain);
           b->ArgName("T")->UseRealTime()->Unit(benchmark::kMicrosecond);
           if (cache == kCold)
             b->Arg(1)->Arg(16)->Arg(128)->Arg(1024)->Arg(8192);
@@ -323,6 +389,17 @@ void register_all() {
             b->Arg(1);
         }
       }
+    }
+  }
+  // Each option next to the plain call: Llama-3.1-8B, bf16, cold caches.
+  for (int threads : {1, 2}) {
+    for (int o = kPlain; o <= kQwen3Like; ++o) {
+      const std::string name = std::string("options/") + kOptionNames[o] + "/threads:" +
+                               std::to_string(threads);
+      auto* b = benchmark::RegisterBenchmark(name.c_str(), BM_RopePool, kModels[0], true,
+                                             threads, kCold, static_cast<Option>(o));
+      b->ArgName("T")->UseRealTime()->Unit(benchmark::kMicrosecond);
+      b->Arg(1)->Arg(128)->Arg(1024)->Arg(8192);
     }
   }
 }
