@@ -94,6 +94,36 @@ def test_mlx_arrays():
     assert bits(np.array(v_pool)[slots]) == bits(kn)
 
 
+def test_jax_arrays():
+    """JAX arrays (CPU) as inputs, bf16 included; they are immutable, so the
+    pools are numpy arrays and the rotated q and k come back as JAX arrays."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    T, Hq, Hk, D, P = 6, 4, 2, 64, 9
+    rng = np.random.default_rng()
+    qn = rng.standard_normal((T, Hq, D)).astype(np.float32).astype(BF16)
+    kn = rng.standard_normal((T, Hk, D)).astype(np.float32).astype(BF16)
+    vn = rng.standard_normal((T, Hk, D)).astype(np.float32).astype(BF16)
+    pos = rng.integers(0, 1 << 20, T).astype(np.int32)
+    slots = rng.permutation(P)[:T].astype(np.int32)
+    k_pool, v_pool = np.zeros((P, Hk, D), BF16), np.zeros((P, Hk, D), BF16)
+    w = (1 + rng.random(D)).astype(np.float32)
+    q_rot, k_rot, kp, vp = ropekv.rope_pool_fused(
+        jnp.asarray(qn), jnp.asarray(kn), jnp.asarray(vn), jnp.asarray(pos), jnp.asarray(slots),
+        k_pool, v_pool, head_dim=D, num_qo_heads=Hq, num_kv_heads=Hk, rope_base=1e4,
+        q_norm_weight=jnp.asarray(w))
+    assert isinstance(q_rot, jax.Array) and isinstance(k_rot, jax.Array) and kp is k_pool
+    ref, mag = rope(qn, pos, 1e4, norm_weight=w)
+    assert_close(np.asarray(q_rot), ref, mag, "q_rot", rel=4 + D / 2 + 6)
+    ref, mag = rope(kn, pos, 1e4)
+    assert_close(np.asarray(k_rot), ref, mag, "k_rot")
+    assert bits(k_pool[slots]) == bits(np.asarray(k_rot)) and bits(v_pool[slots]) == bits(vn)
+    with pytest.raises(ValueError, match="k_pool is a JAX array, which is immutable"):
+        ropekv.rope_pool_fused(jnp.asarray(qn), jnp.asarray(kn), jnp.asarray(vn),
+                               jnp.asarray(pos), jnp.asarray(slots), jnp.asarray(k_pool), v_pool,
+                               head_dim=D, num_qo_heads=Hq, num_kv_heads=Hk, rope_base=1e4)
+
+
 def test_threads_call_at_once_on_separate_pools():
     """The GIL is released while the kernel runs: 4 Python threads, each with
     its own pool, many calls each; every result exact."""
