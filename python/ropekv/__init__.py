@@ -117,7 +117,7 @@ def _as_array(x: Any, name: str) -> Tuple[Any, bool, bool]:
             if x.dtype.name in _FP8_NAMES:  # fp8 pools travel as their bits
                 return x.view(_np.uint8), False, read_only
         return x, False, read_only
-    if fw == "torch" and str(x.dtype)[6:] in _FP8_NAMES:
+    if fw == "torch" and x.dtype.itemsize == 1 and _fp8_name(x) is not None:
         import torch
 
         return x.view(torch.uint8), False, False
@@ -131,9 +131,17 @@ def _as_array(x: Any, name: str) -> Tuple[Any, bool, bool]:
 
 
 def _fp8_name(x: Any) -> Optional[str]:
-    """"fp8_e4m3" / "fp8_e5m2" for an array typed as fp8, else None."""
-    name = str(getattr(x, "dtype", "")).replace("torch.", "")
-    return _FP8_NAMES.get(name)
+    """"fp8_e4m3" / "fp8_e5m2" for an array typed as fp8, else None. Cheap
+    for every other dtype (str() of a dtype costs microseconds)."""
+    dt = getattr(x, "dtype", None)
+    if dt is None:
+        return None
+    kind = getattr(dt, "kind", None)
+    if kind is not None:  # numpy: ml_dtypes' float8 types have kind "V"
+        return _FP8_NAMES.get(dt.name) if kind == "V" else None
+    if getattr(dt, "itemsize", 0) != 1:  # torch: float8 dtypes are 1 byte
+        return None
+    return _FP8_NAMES.get(str(dt).replace("torch.", ""))
 
 
 def _empty_like(x: Any) -> Any:
