@@ -94,6 +94,13 @@ def _framework(x: Any) -> str:
 
 
 _FP8_NAMES = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
+try:  # numpy's bf16 and fp8 come from ml_dtypes (without it, numpy has none)
+    import ml_dtypes as _ml_dtypes
+
+    _BF16 = _np.dtype(_ml_dtypes.bfloat16)
+    _FP8_DTYPES = (_np.dtype(_ml_dtypes.float8_e4m3fn), _np.dtype(_ml_dtypes.float8_e5m2))
+except ImportError:  # pragma: no cover
+    _BF16, _FP8_DTYPES = None, ()
 
 
 def _as_array(x: Any, name: str) -> Tuple[Any, bool, bool]:
@@ -110,11 +117,12 @@ def _as_array(x: Any, name: str) -> Tuple[Any, bool, bool]:
     if fw == "numpy":
         read_only = not x.flags.writeable
         # ml_dtypes bf16 (kind "V"): no DLPack/buffer code of its own. The kind
-        # test first: dtype.name is a slow Python-level property.
-        if x.dtype.kind == "V":
-            if x.dtype.name == "bfloat16":
+        # test first, then dtype equality (dtype.name is a slow property).
+        dt = x.dtype
+        if dt.kind == "V":
+            if dt == _BF16:
                 return x.view(_np.uint16), True, read_only
-            if x.dtype.name in _FP8_NAMES:  # fp8 pools travel as their bits
+            if dt in _FP8_DTYPES:  # fp8 pools travel as their bits
                 return x.view(_np.uint8), False, read_only
         return x, False, read_only
     if fw == "torch" and x.dtype.itemsize == 1 and _fp8_name(x) is not None:
@@ -408,9 +416,23 @@ def rope_pool_fused(
                          f"q/k/v {getattr(q, 'dtype', '?')}; pass kv_cache_dtype={typed!r} with "
                          f"k_scale and v_scale")
 
-    arrays = [q, k, v, positions, slots, k_pool, v_pool]
+    # Outputs: made here (in the caller's framework) once q and k are 3-D;
+    # otherwise passed as None and the core reports the rank error.
+    outs = [given if given is not None or getattr(src, "ndim", None) != 3 else _empty_like(src)
+            for given, src in ((q_out, q), (k_out, k))]
+    arrays = (q, k, v, positions, slots, k_pool, v_pool, outs[0], outs[1])
     converted, bf16_mask, readonly_mask = [], 0, 0
     for i, (x, name) in enumerate(zip(arrays, _NAMES)):
+        if type(x) is _np.ndarray:  # the common case, inline (a call per array costs)
+            kind = x.dtype.kind
+            if kind != "V" or x.dtype == _BF16:
+                converted.append(x if kind != "V" else x.view(_np.uint16))
+                bf16_mask |= int(kind == "V") << i
+                readonly_mask |= int(not x.flags.writeable) << i
+                continue
+        if x is None:  # an output of a q or k that is not 3-D
+            converted.append(None)
+            continue
         a, is_bf16, read_only = _as_array(x, name)
         if read_only and i in (5, 6) and _framework(x) in ("jax", "jaxlib"):
             raise ValueError(f"{name} is a JAX array, which is immutable, but ropekv writes the "
@@ -418,21 +440,6 @@ def rope_pool_fused(
         converted.append(a)
         bf16_mask |= int(is_bf16) << i
         readonly_mask |= int(read_only) << i
-
-    # Outputs: made here (in the caller's framework) once q and k are 3-D;
-    # otherwise passed as None and the core reports the rank error.
-    outs = []
-    for i, (given, src) in enumerate(((q_out, q), (k_out, k)), start=7):
-        if given is None and getattr(src, "ndim", None) == 3:
-            given = _empty_like(src)
-        outs.append(given)
-        if given is not None:
-            a, is_bf16, read_only = _as_array(given, _NAMES[i])
-            converted.append(a)
-            bf16_mask |= int(is_bf16) << i
-            readonly_mask |= int(read_only) << i
-        else:
-            converted.append(None)
 
     handle = _stream_handle(stream) if stream is not None else _default_stream(q)
     common = (
