@@ -1,6 +1,7 @@
 // Small numeric helpers of ropekv-replay: the element types the op takes
-// (f32, f16, bf16 as raw bits), round-to-nearest-even converters, a seeded
-// counter-based random generator, and the verification tolerance.
+// (f32, f16, bf16 as raw bits), round-to-nearest-even converters, the pool
+// formats and an fp8 codec, a seeded counter-based random generator, and the
+// verification tolerance.
 //
 // The tool writes its own converters on purpose: it must not share code with
 // the library it checks.
@@ -179,6 +180,120 @@ struct UlpFn {
 inline double rope_tolerance(Dtype t, double ref, double x1c, double x2s, double ulps = 1.0) {
   return ulps * ulp_of(t, ref) + 4.0 * std::ldexp(1.0, -24) * (std::fabs(x1c) + std::fabs(x2s));
 }
+
+// ---------------------------------------------------------------- pools
+
+/// Format of k_pool and v_pool (--kv-cache-dtype), ropekv::KvCacheDtype's values.
+enum class KvDtype { kAuto, kFloat32, kFp8E4M3, kFp8E5M2 };
+
+inline bool is_fp8(KvDtype k) { return k == KvDtype::kFp8E4M3 || k == KvDtype::kFp8E5M2; }
+
+inline const char* kv_dtype_name(KvDtype k) {
+  switch (k) {
+    case KvDtype::kAuto: return "auto";
+    case KvDtype::kFloat32: return "float32";
+    case KvDtype::kFp8E4M3: return "fp8_e4m3";
+    default: return "fp8_e5m2";
+  }
+}
+
+/// Bytes of one pool element for inputs of dtype t.
+inline int pool_elem_size(KvDtype k, Dtype t) {
+  return k == KvDtype::kAuto ? elem_size(t) : k == KvDtype::kFloat32 ? 4 : 1;
+}
+
+/// The tool's own OCP fp8 codec (E4M3 "fn": bias 7, no Inf, max 448, NaN
+/// 0x7F/0xFF; E5M2: bias 15, IEEE-like, max 57344). Decoding follows the bit
+/// fields; encoding is defined as "the finite code of the input's sign whose
+/// value is nearest, ties to the even code", which rounds to nearest even and
+/// saturates (past the largest finite value the largest is nearest). It is
+/// found by a search of the decoded codes, on purpose nothing like the
+/// library's bit arithmetic (src/common/fp8.h), so the two check each other:
+/// a binary search, memoised per range of fp32 numbers (exponent and top
+/// mantissa bits) so that an encode takes a step or two.
+class Fp8Codec {
+ public:
+  explicit Fp8Codec(KvDtype kind) : e4m3_(kind == KvDtype::kFp8E4M3) {
+    mant_bits_ = e4m3_ ? 3 : 2;
+    const int bias = e4m3_ ? 7 : 15;
+    min_exp_ = 1 - bias;
+    for (int c = 0; c < 128; ++c) {
+      const int e = c >> mant_bits_, m = c & ((1 << mant_bits_) - 1);
+      double v;
+      if (e == 0) v = std::ldexp(static_cast<double>(m), min_exp_ - mant_bits_);
+      else v = std::ldexp(1.0 + std::ldexp(static_cast<double>(m), -mant_bits_), e - bias);
+      if (e4m3_ && c == 0x7F) v = NAN;
+      if (!e4m3_ && e == 31) v = m == 0 ? INFINITY : NAN;
+      value_[c] = v;
+    }
+    max_code_ = e4m3_ ? 0x7E : 0x7B;
+    max_finite_ = value_[max_code_];
+    // start_[b]: the largest code <= the smallest fp32 number of range b.
+    const int shift = 23 - mant_bits_;
+    for (uint32_t b = 0; b < (1u << (8 + mant_bits_)); ++b)
+      start_[b] = static_cast<uint8_t>(floor_code(bits_float(b << shift)));
+  }
+
+  double max_finite() const { return max_finite_; }
+
+  /// The value of a code (NaN and, for E5M2, Inf included).
+  double decode(uint8_t code) const {
+    const double v = value_[code & 0x7F];
+    return (code & 0x80) ? -v : v;
+  }
+
+  /// Nearest finite code to x of x's sign, ties to the even code; NaN -> 0x7F
+  /// with x's sign.
+  uint8_t encode(float x) const {
+    const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
+    if (std::isnan(x)) return static_cast<uint8_t>(sign | 0x7F);
+    const double a = std::fabs(static_cast<double>(x));
+    // The largest code c with value[c] <= a: from the memo of a's range, a
+    // step or two up (a range spans at most one fp8 spacing).
+    int c = start_[(float_bits(x) & 0x7FFFFFFFu) >> (23 - mant_bits_)];
+    while (c < max_code_ && value_[c + 1] <= a) ++c;
+    if (c < max_code_) {
+      const double below = a - value_[c], above = value_[c + 1] - a;  // exact in double
+      if (above < below || (above == below && ((c + 1) & 1) == 0)) c = c + 1;
+    }
+    return static_cast<uint8_t>(sign | c);
+  }
+
+  /// Spacing of the format's numbers at |a| (the subnormal spacing below the
+  /// normals, the top binade's past the largest finite value).
+  double ulp(double a) const {
+    a = std::fabs(a);
+    if (a > max_finite_) a = max_finite_;
+    uint64_t b;  // through the exponent bits, as UlpFn (no libm: it runs per element)
+    std::memcpy(&b, &a, 8);
+    int64_t e = static_cast<int64_t>((b >> 52) & 0x7FF) - 1023;
+    if (e < min_exp_) e = min_exp_;
+    const uint64_t u = static_cast<uint64_t>(e - mant_bits_ + 1023) << 52;
+    double r;
+    std::memcpy(&r, &u, 8);
+    return r;
+  }
+
+ private:
+  /// Largest code c in [0, max_code] with value[c] <= |x| (values ascend
+  /// with c): a binary search.
+  int floor_code(float x) const {
+    const double a = std::fabs(static_cast<double>(x));
+    int lo = 0, hi = max_code_;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (value_[mid] <= a) lo = mid;
+      else hi = mid - 1;
+    }
+    return lo;
+  }
+
+  bool e4m3_;
+  int mant_bits_ = 0, min_exp_ = 0, max_code_ = 0;
+  double max_finite_ = 0;
+  double value_[128] = {};
+  uint8_t start_[1 << 11] = {};  // per fp32 range (8 exponent + mant_bits_ bits)
+};
 
 // ---------------------------------------------------------------- random
 
