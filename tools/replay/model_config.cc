@@ -56,6 +56,76 @@ int64_t required_int(const ModelConfig& c, const json& j, std::initializer_list<
   return get_positive_int(c, *v, which);
 }
 
+/// A number of the rope_scaling object: `fallback` when absent or null (HF's
+/// `get(key) or default`: 0 also means absent when `zero_is_absent`), an
+/// error naming the type and the field when required.
+double scaling_number(const ModelConfig& c, const json& s, const std::string& key, const std::string& type,
+                      const char* name, bool required, double fallback = 0.0, bool zero_is_absent = false) {
+  auto it = s.find(name);
+  if (it == s.end() || it->is_null()) {
+    if (required)
+      fail(c, "\"" + key + "\" of type \"" + type + "\" needs the field \"" + name + "\": " + s.dump());
+    return fallback;
+  }
+  const double v = get_number(c, *it, key + "." + name);
+  if (zero_is_absent && v == 0.0) return fallback;
+  return v;
+}
+
+void parse_rope_scaling(ModelConfig& c, const json& s, const std::string& key) {
+  std::string type;
+  for (const char* k : {"rope_type", "type"}) {
+    auto it = s.find(k);
+    if (it == s.end() || it->is_null()) continue;
+    if (!it->is_string()) fail(c, "\"" + key + "." + k + "\" must be a string, got " + it->dump());
+    type = *it;
+    break;
+  }
+  if (type.empty()) fail(c, "\"" + key + "\" has no \"rope_type\" (or \"type\"): " + s.dump());
+  if (type == "default") return;
+  c.rope_scaling_type = type;
+  c.rope_scaling_desc = s.dump();
+  ropekv::RopeScaling& r = c.rope_scaling;
+  using T = ropekv::RopeScalingType;
+  if (type == "linear") {
+    r.type = T::kLinear;
+    r.factor = scaling_number(c, s, key, type, "factor", true);
+  } else if (type == "llama3") {
+    r.type = T::kLlama3;
+    r.factor = scaling_number(c, s, key, type, "factor", true);
+    r.low_freq_factor = scaling_number(c, s, key, type, "low_freq_factor", true);
+    r.high_freq_factor = scaling_number(c, s, key, type, "high_freq_factor", true);
+    r.original_max_position_embeddings =
+        scaling_number(c, s, key, type, "original_max_position_embeddings", true);
+  } else if (type == "yarn") {
+    // transformers (4.4x) and vLLM: original_max_position_embeddings from the
+    // block, else the model's max_position_embeddings; factor as given.
+    r.type = T::kYarn;
+    r.factor = scaling_number(c, s, key, type, "factor", true);
+    r.original_max_position_embeddings =
+        scaling_number(c, s, key, type, "original_max_position_embeddings", false);
+    if (r.original_max_position_embeddings == 0.0) {
+      if (c.max_position_embeddings == 0)
+        fail(c, "\"" + key + "\" of type \"yarn\" needs \"original_max_position_embeddings\" (or the "
+                "model's \"max_position_embeddings\"): " + s.dump());
+      r.original_max_position_embeddings = static_cast<double>(c.max_position_embeddings);
+      c.notes.push_back("yarn without original_max_position_embeddings: using max_position_embeddings " +
+                        std::to_string(c.max_position_embeddings));
+    }
+    r.beta_fast = scaling_number(c, s, key, type, "beta_fast", false, 32.0, true);
+    r.beta_slow = scaling_number(c, s, key, type, "beta_slow", false, 1.0, true);
+    r.attention_factor = scaling_number(c, s, key, type, "attention_factor", false);
+    r.mscale = scaling_number(c, s, key, type, "mscale", false);
+    r.mscale_all_dim = scaling_number(c, s, key, type, "mscale_all_dim", false);
+    if (auto it = s.find("truncate"); it != s.end() && !it->is_null()) {
+      if (!it->is_boolean()) fail(c, "\"" + key + ".truncate\" must be true or false, got " + it->dump());
+      r.truncate = it->get<bool>();
+    }
+  }
+  // Any other type (dynamic, longrope, ...) stays kNone with its name kept:
+  // check_supported refuses it or replays it as default RoPE.
+}
+
 }  // namespace
 
 ModelConfig load_model_config(const std::string& path) {
@@ -106,69 +176,118 @@ ModelConfig load_model_config(const std::string& path) {
   }
   c.num_layers = required_int(c, j, {"num_hidden_layers", "n_layer", "num_layers"});
 
+  if (const json* v = field(j, {"max_position_embeddings", "n_positions", "max_sequence_length"}, &which))
+    c.max_position_embeddings = get_positive_int(c, *v, which);
+
+  // rope_scaling, or transformers 5's rope_parameters (the same keys plus
+  // rope_theta and partial_rotary_factor, one flat object).
+  const json* scaling = field(j, {"rope_scaling"}, &which);
+  std::string scaling_key = which;
+  if (!scaling) {
+    scaling = field(j, {"rope_parameters"}, &which);
+    scaling_key = which;
+  }
+  if (scaling && !scaling->is_object())
+    fail(c, "\"" + scaling_key + "\" must be an object or null, got " + scaling->dump());
+  if (scaling_key == "rope_parameters" && scaling && !scaling->contains("rope_type") &&
+      !scaling->contains("type"))
+    fail(c, "\"rope_parameters\" without a \"rope_type\" (per-layer-type RoPE, e.g. sliding and full "
+            "attention layers with different parameters) is not supported by the replay: " +
+                scaling->dump());
+
   if (const json* v = field(j, {"rope_theta", "rotary_emb_base", "rope_base"}, &which)) {
     c.rope_theta = get_number(c, *v, which);
     if (!(c.rope_theta > 0) || !std::isfinite(c.rope_theta))
       fail(c, "\"" + which + "\" must be a finite number > 0, got " + v->dump());
+  } else if (const json* t = scaling ? field(*scaling, {"rope_theta"}, &which) : nullptr) {
+    c.rope_theta = get_number(c, *t, scaling_key + "." + which);
+    if (!(c.rope_theta > 0) || !std::isfinite(c.rope_theta))
+      fail(c, "\"" + scaling_key + ".rope_theta\" must be a finite number > 0, got " + t->dump());
   } else {
     c.notes.push_back("no rope_theta: using the Hugging Face default 10000");
   }
 
+  // Pair layout: GPT-J and CodeGen (which copies GPT-J's attention) rotate
+  // interleaved pairs, as do transformers' GLM-4 models (glm, glm4); every
+  // other model here rotates NeoX halves.
+  c.is_neox = !(c.model_type == "gptj" || c.model_type == "codegen" || c.model_type == "glm" ||
+                c.model_type == "glm4");
+
   // Rotary dimension: an absolute rotary_dim (GPT-J, CodeGen) or a fraction
-  // of the head (partial_rotary_factor in Phi/Phi-3/StableLM, rotary_pct in
-  // GPT-NeoX). Hugging Face: int(head_dim * factor).
+  // of the head (partial_rotary_factor in Phi/Phi-3/StableLM/GLM, rotary_pct
+  // in GPT-NeoX). Hugging Face: int(head_dim * factor). Absent, the config
+  // classes' defaults apply (GPT-J 64 dims; GPT-NeoX 0.25; Phi, GLM 0.5).
   c.rotary_dim = c.head_dim;
+  const json* factor_v = field(j, {"partial_rotary_factor", "rotary_pct"}, &which);
+  std::string factor_key = which;
+  if (!factor_v && scaling) {
+    factor_v = field(*scaling, {"partial_rotary_factor"}, &which);
+    factor_key = scaling_key + "." + which;
+  }
   if (const json* v = field(j, {"rotary_dim"}, &which)) {
     c.rotary_dim = get_positive_int(c, *v, which);
     c.partial_rotary_factor = static_cast<double>(c.rotary_dim) / static_cast<double>(c.head_dim);
-  } else if (const json* f = field(j, {"partial_rotary_factor", "rotary_pct"}, &which)) {
-    c.partial_rotary_factor = get_number(c, *f, which);
+  } else if (factor_v) {
+    c.partial_rotary_factor = get_number(c, *factor_v, factor_key);
     if (!(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1))
-      fail(c, "\"" + which + "\" must be in (0, 1], got " + f->dump());
+      fail(c, "\"" + factor_key + "\" must be in (0, 1], got " + factor_v->dump());
     c.rotary_dim = static_cast<int64_t>(static_cast<double>(c.head_dim) * c.partial_rotary_factor);
+  } else if (c.model_type == "gptj" || c.model_type == "codegen") {
+    c.rotary_dim = 64;
+    c.partial_rotary_factor = 64.0 / static_cast<double>(c.head_dim);
+    c.notes.push_back("no rotary_dim: using the " + c.model_type + " default 64");
+  } else if (c.model_type == "gpt_neox" || c.model_type == "phi" || c.model_type == "glm" ||
+             c.model_type == "glm4") {
+    c.partial_rotary_factor = c.model_type == "gpt_neox" ? 0.25 : 0.5;
+    c.rotary_dim = static_cast<int64_t>(static_cast<double>(c.head_dim) * c.partial_rotary_factor);
+    c.notes.push_back("no partial_rotary_factor: using the " + c.model_type + " default " +
+                      fmt_num(c.partial_rotary_factor));
   }
   if (c.rotary_dim > c.head_dim || c.rotary_dim < 2 || c.rotary_dim % 2 != 0)
     fail(c, "rotary dimension " + std::to_string(c.rotary_dim) + " must be even, >= 2 and <= head_dim " +
                 std::to_string(c.head_dim));
   if (c.head_dim % 2 != 0) fail(c, "head_dim " + std::to_string(c.head_dim) + " must be even");
 
-  // GPT-J (and CodeGen, which copies its attention) rotate interleaved pairs.
-  c.interleaved = c.model_type == "gptj" || c.model_type == "codegen";
-
-  if (const json* v = field(j, {"rope_scaling"}, &which)) {
-    if (!v->is_object()) fail(c, "\"rope_scaling\" must be an object or null, got " + v->dump());
-    std::string type;
-    if (auto it = v->find("rope_type"); it != v->end() && it->is_string()) type = *it;
-    else if (auto it2 = v->find("type"); it2 != v->end() && it2->is_string()) type = *it2;
-    if (type.empty()) fail(c, "\"rope_scaling\" has no \"rope_type\" (or \"type\"): " + v->dump());
-    if (type != "default") {
-      c.rope_scaling_type = type;
-      c.rope_scaling_desc = v->dump();
-    }
-  }
+  if (scaling) parse_rope_scaling(c, *scaling, scaling_key);
   return c;
 }
 
-void check_supported(ModelConfig& c, bool ignore_rope_scaling, bool lib_has_rotary_dim) {
-  if (c.interleaved)
-    fail(c, "model_type \"" + c.model_type +
-                "\" rotates interleaved pairs (2i, 2i+1) (GPT-J style); this ropekv computes "
-                "NeoX rotate-half pairs (i, i + R/2) only, so the replay cannot run it yet");
-  if (c.rotary_dim != c.head_dim && !lib_has_rotary_dim)
-    fail(c, "partial rotary (factor " + fmt_num(c.partial_rotary_factor) + ": rotary dim " +
-                std::to_string(c.rotary_dim) + " of head_dim " + std::to_string(c.head_dim) +
-                ") is not supported by this ropekv yet (ropekv::RopeConfig has no rotary_dim); "
-                "use a config with partial_rotary_factor 1");
-  if (c.rope_scaling_type.empty()) return;
-  const bool known = c.rope_scaling_type == "llama3" || c.rope_scaling_type == "yarn";
-  if (!known && !ignore_rope_scaling)
-    fail(c, "rope_scaling type \"" + c.rope_scaling_type +
-                "\" is not supported: ropekv computes default RoPE (inv_freq = theta^(-2i/R)); "
-                "llama3 and yarn are replayed as default RoPE with a note; pass "
-                "--ignore-rope-scaling to do the same for this type");
-  c.notes.push_back("rope_scaling " + c.rope_scaling_desc + " ignored: the op is called with default " +
-                    "RoPE frequencies (theta " + fmt_num(c.rope_theta) +
-                    "), as ropekv's call has no scaling; cost per call is the same");
+void check_supported(ModelConfig& c, bool ignore_rope_scaling) {
+  if (!c.rope_scaling_type.empty() && c.rope_scaling.type == ropekv::RopeScalingType::kNone) {
+    if (!ignore_rope_scaling)
+      fail(c, "rope_scaling type \"" + c.rope_scaling_type +
+                  "\" is not supported: ropekv computes default, linear, llama3 and yarn frequencies; "
+                  "pass --ignore-rope-scaling to replay it as default RoPE (same cost per call, other "
+                  "angles)");
+    c.notes.push_back("rope_scaling " + c.rope_scaling_desc + " ignored (--ignore-rope-scaling): the op " +
+                      "is called with default RoPE frequencies (theta " + fmt_num(c.rope_theta) +
+                      "); cost per call is the same");
+  }
+  // The values ropekv would reject (e.g. high_freq_factor <= low_freq_factor),
+  // as a config error rather than a failed call.
+  try {
+    (void)ropekv::rope_inv_freq(rope_config(c));
+  } catch (const ropekv::Error& e) {
+    fail(c, std::string("ropekv rejects this model's RoPE parameters: ") + e.what());
+  }
+  if (c.rope_scaling.type != ropekv::RopeScalingType::kNone) {
+    const double m = ropekv::rope_attention_factor(c.rope_scaling);
+    c.notes.push_back("rope_scaling " + c.rope_scaling_type + " " + c.rope_scaling_desc +
+                      ": scaled frequencies (ropekv::rope_inv_freq)" +
+                      (m != 1.0 ? ", cos and sin times the attention factor " + fmt_num(m) : std::string()));
+  }
+}
+
+ropekv::RopeConfig rope_config(const ModelConfig& c) {
+  ropekv::RopeConfig r;
+  r.head_dim = c.head_dim;
+  r.num_qo_heads = c.num_qo_heads;
+  r.num_kv_heads = c.num_kv_heads;
+  r.rope_base = c.rope_theta;
+  r.rotary_dim = c.rotary_dim;
+  r.is_neox = c.is_neox;
+  r.rope_scaling = c.rope_scaling;
+  return r;
 }
 
 }  // namespace replay

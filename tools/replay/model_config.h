@@ -2,6 +2,8 @@
 // config.json (the fields every engine reads to size its KV cache).
 #pragma once
 
+#include <ropekv/ropekv.h>
+
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -25,23 +27,35 @@ struct ModelConfig {
   int64_t num_layers = 0;     ///< num_hidden_layers | n_layer
   double rope_theta = 10000;  ///< rope_theta | rotary_emb_base (default 10000)
   double partial_rotary_factor = 1.0;  ///< partial_rotary_factor | rotary_pct
-  int64_t rotary_dim = 0;     ///< rotated dims per head (rotary_dim, else D * factor)
-  bool interleaved = false;   ///< GPT-J pairs (2i, 2i+1) instead of (i, i + R/2)
+  int64_t rotary_dim = 0;     ///< rotated dims per head (rotary_dim, else int(D * factor))
+  /// false: GPT-J / CodeGen / GLM interleaved pairs (2i, 2i+1); true: NeoX
+  /// rotate-half pairs (i, i + R/2).
+  bool is_neox = true;
+  int64_t max_position_embeddings = 0;  ///< 0 when absent
+  /// rope_scaling (or transformers 5's rope_parameters) as ropekv takes it:
+  /// type kNone for none, "default", or a type replayed as default RoPE
+  /// (--ignore-rope-scaling).
+  ropekv::RopeScaling rope_scaling;
   std::string rope_scaling_type;  ///< "" when none; else rope_scaling.rope_type|type
   std::string rope_scaling_desc;  ///< the rope_scaling object, compact JSON
   std::vector<std::string> notes;  ///< defaults taken, fields ignored (printed)
 };
 
 /// Reads and checks a config.json. Throws InputError with the file name and
-/// the field for anything missing or malformed. Does not judge whether the
+/// the field for anything missing or malformed (a rope_scaling of a known
+/// type without a field it needs included). Does not judge whether the
 /// library can run it: see check_supported.
 ModelConfig load_model_config(const std::string& path);
 
-/// Throws InputError when the op cannot compute what the config asks for
-/// (partial rotary, interleaved pairs, a rope_scaling type other than llama3
-/// and yarn). llama3 and yarn scaling are accepted with a note: see README.
-/// `ignore_rope_scaling` accepts every rope_scaling type with a note.
-/// `lib_has_rotary_dim` says whether this ropekv's RopeConfig takes a rotary dim.
-void check_supported(ModelConfig& config, bool ignore_rope_scaling, bool lib_has_rotary_dim);
+/// Throws InputError (naming the config file) when the op cannot compute
+/// what the config asks for: a rope_scaling type ropekv does not have
+/// (dynamic, longrope, ...) unless `ignore_rope_scaling`, which replays it as
+/// default RoPE with a note; or values ropekv rejects (checked through
+/// ropekv::rope_inv_freq).
+void check_supported(ModelConfig& config, bool ignore_rope_scaling);
+
+/// The RopeConfig of one call for this model (shape, rope_base, rotary_dim,
+/// is_neox, rope_scaling); the pool format is the caller's.
+ropekv::RopeConfig rope_config(const ModelConfig& config);
 
 }  // namespace replay
