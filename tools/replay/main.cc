@@ -155,6 +155,12 @@ double percentile(std::vector<double> v, double p) {
   return v[i];
 }
 
+std::string fmt_g(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
 std::string human_bytes(double b) {
   char buf[32];
   if (b >= 1e9) std::snprintf(buf, sizeof buf, "%.2f GB", b / 1e9);
@@ -189,7 +195,7 @@ int main(int argc, char** argv) {
       "next to a memcpy of the same bytes.\nWith no arguments: configs/llama-3.1-8b.json, a seeded "
       "synthetic run, bf16.",
       "ropekv-replay"};
-  std::string config_arg, trace, json_out, dtype_s = "bf16", qkv_s = "fused", fault;
+  std::string config_arg, trace, json_out, dtype_s = "bf16", qkv_s = "fused", fault, kv_s = "auto";
   ReplayOptions opt;
   SyntheticParams syn;
   int64_t requests = 0, layers = 0, inject_at = 100;
@@ -203,6 +209,17 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingFile);
   app.add_option("--dtype", dtype_s, "element type of q/k/v and the pools [default: bf16]")
       ->check(CLI::IsMember({"f32", "f16", "bf16"}));
+  app.add_option("--kv-cache-dtype", kv_s,
+                 "format of k_pool and v_pool: auto = the dtype of q/k/v, float32 = float32 pools for any "
+                 "dtype, fp8_e4m3 / fp8_e5m2 = 8-bit pools (uint8 storage) holding encode(x / scale)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "float32", "fp8_e4m3", "fp8_e5m2"}));
+  app.add_option("--k-scale", opt.k_scale, "fp8 pools: the per-tensor key scale (k_pool = encode(k_rot / "
+                 "k_scale)); finite, > 0; must stay 1 for other pools")
+      ->capture_default_str();
+  app.add_option("--v-scale", opt.v_scale, "fp8 pools: the per-tensor value scale (v_pool = encode(v / "
+                 "v_scale)); finite, > 0; must stay 1 for other pools")
+      ->capture_default_str();
   app.add_option("--threads", opt.threads, "CPU threads of the op (ExecOptions::num_threads), also used "
                  "for data generation, checks and the memcpy baseline; 0 = OpenMP default")
       ->check(CLI::Range(0, 1024));
@@ -234,7 +251,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 1 << 20));
   app.add_flag("--check-all", opt.check_all, "check every element of q_rot and k_rot of every call");
   app.add_flag("--ignore-rope-scaling", ignore_scaling,
-               "replay any rope_scaling type as default RoPE (llama3 and yarn always are)");
+               "replay a rope_scaling type ropekv does not have (dynamic, longrope, ...) as default RoPE "
+               "instead of refusing the config (linear, llama3 and yarn are computed)");
   app.add_option("--json", json_out, "write the summary as JSON to FILE");
   double max_rss_growth_mb = -1;
   app.add_option("--max-rss-growth-mb", max_rss_growth_mb,
@@ -259,6 +277,17 @@ int main(int argc, char** argv) {
   try {
     opt.dtype = dtype_s == "f32" ? Dtype::kF32 : dtype_s == "f16" ? Dtype::kF16 : Dtype::kBF16;
     opt.fused_qkv = qkv_s == "fused";
+    opt.kv_dtype = kv_s == "float32"    ? KvDtype::kFloat32
+                   : kv_s == "fp8_e4m3" ? KvDtype::kFp8E4M3
+                   : kv_s == "fp8_e5m2" ? KvDtype::kFp8E5M2
+                                        : KvDtype::kAuto;
+    for (auto [name, v] : {std::pair<const char*, double>{"--k-scale", opt.k_scale}, {"--v-scale", opt.v_scale}}) {
+      if (!(v > 0) || !std::isfinite(v))
+        throw InputError(std::string(name) + " must be a finite number > 0, got " + fmt_g(v));
+      if (!is_fp8(opt.kv_dtype) && v != 1.0)
+        throw InputError(std::string(name) + " applies to fp8 pools only (--kv-cache-dtype fp8_e4m3 or "
+                         "fp8_e5m2), got " + fmt_g(v) + " with --kv-cache-dtype " + kv_s);
+    }
     opt.layers = layers;
     opt.progress = !no_progress && (progress || isatty(STDERR_FILENO));
     opt.inject_fault = fault;
@@ -268,7 +297,7 @@ int main(int argc, char** argv) {
 
     const std::string config_path = resolve_config(config_arg);
     ModelConfig model = load_model_config(config_path);
-    check_supported(model, ignore_scaling, library_has_rotary_dim());
+    check_supported(model, ignore_scaling);
 
     Workload wl;
     if (!trace.empty()) {
@@ -284,14 +313,22 @@ int main(int argc, char** argv) {
                 ropekv::cpu_target().c_str(), effective_threads(opt.threads),
                 effective_threads(opt.threads) == 1 ? "" : "s",
                 opt.threads > 0 ? "" : " (OpenMP default)");
-    std::printf("model     %s%s%s: Hq %lld, Hk %lld, head_dim %lld, rotary %lld, rope_theta %g, "
-                "layers %lld of %lld, %s, q/k/v %s\n",
+    std::printf("model     %s%s%s: Hq %lld, Hk %lld, head_dim %lld, rotary %lld (%s), rope_theta %g, "
+                "rope_scaling %s, layers %lld of %lld, %s, q/k/v %s\n",
                 config_path.c_str(), model.model_type.empty() ? "" : " (",
                 model.model_type.empty() ? "" : (model.model_type + ")").c_str(),
                 static_cast<long long>(model.num_qo_heads), static_cast<long long>(model.num_kv_heads),
                 static_cast<long long>(model.head_dim), static_cast<long long>(model.rotary_dim),
-                model.rope_theta, static_cast<long long>(L), static_cast<long long>(model.num_layers),
-                dtype_name(opt.dtype), opt.fused_qkv ? "fused (strided views)" : "separate");
+                model.is_neox ? "neox" : "interleaved", model.rope_theta,
+                model.rope_scaling.type == ropekv::RopeScalingType::kNone ? "none"
+                                                                          : model.rope_scaling_type.c_str(),
+                static_cast<long long>(L), static_cast<long long>(model.num_layers), dtype_name(opt.dtype),
+                opt.fused_qkv ? "fused (strided views)" : "separate");
+    if (opt.kv_dtype != KvDtype::kAuto)
+      std::printf("kv cache  %s pools%s\n", kv_dtype_name(opt.kv_dtype),
+                  is_fp8(opt.kv_dtype)
+                      ? (", k_scale " + fmt_g(opt.k_scale) + ", v_scale " + fmt_g(opt.v_scale)).c_str()
+                      : "");
     for (const std::string& n : model.notes) std::printf("note      %s\n", n.c_str());
     if (layers > model.num_layers)
       std::printf("note      --layers %lld > the model's %lld layers: using %lld\n",
@@ -343,11 +380,13 @@ int main(int argc, char** argv) {
     const double dec_mean_us =
         r.decode_only_calls ? r.decode_only_op_seconds * 1e6 / static_cast<double>(r.decode_only_calls) : 0;
     const double pool_bytes = 2.0 * r.layers * r.pool_size * model.num_kv_heads * model.head_dim *
-                              elem_size(opt.dtype);
+                              pool_elem_size(opt.kv_dtype, opt.dtype);
 
-    std::printf("pool      %lld slots x %lld layers (k + v: %s), max batch tokens %lld, max running %lld%s\n",
+    std::printf("pool      %lld slots x %lld layers (k + v: %s, %s), max batch tokens %lld, max running %lld%s\n",
                 static_cast<long long>(r.pool_size), static_cast<long long>(r.layers),
-                human_bytes(pool_bytes).c_str(), static_cast<long long>(opt.max_batch_tokens),
+                human_bytes(pool_bytes).c_str(),
+                opt.kv_dtype == KvDtype::kAuto ? dtype_name(opt.dtype) : kv_dtype_name(opt.kv_dtype),
+                static_cast<long long>(opt.max_batch_tokens),
                 static_cast<long long>(opt.max_running), opt.pad_decode ? ", decode padded" : "");
     std::printf("\nsummary\n");
     std::printf("  requests        %lld (%lld prompt + %lld output tokens)\n", static_cast<long long>(r.requests),
@@ -404,10 +443,17 @@ int main(int argc, char** argv) {
                     {"num_kv_heads", model.num_kv_heads},
                     {"head_dim", model.head_dim},
                     {"rotary_dim", model.rotary_dim},
+                    {"is_neox", model.is_neox},
                     {"rope_theta", model.rope_theta},
+                    {"rope_scaling", model.rope_scaling.type == ropekv::RopeScalingType::kNone
+                                         ? nlohmann::ordered_json(nullptr)
+                                         : nlohmann::ordered_json::parse(model.rope_scaling_desc)},
                     {"num_layers", model.num_layers},
                     {"notes", model.notes}};
       j["dtype"] = dtype_name(opt.dtype);
+      j["kv_cache_dtype"] = kv_dtype_name(opt.kv_dtype);
+      j["k_scale"] = opt.k_scale;
+      j["v_scale"] = opt.v_scale;
       j["qkv"] = qkv_s;
       j["workload"] = wl.source;
       j["seed"] = opt.seed;

@@ -21,7 +21,6 @@
 #include <limits>
 #include <memory>
 #include <sstream>
-#include <type_traits>
 #include <utility>
 
 #ifdef _OPENMP
@@ -35,19 +34,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-// ropekv's RopeConfig may grow a rotary_dim (partial rotary, SPEC section 2);
-// use it when this build has it.
-template <class C, class = void>
-struct HasRotaryDim : std::false_type {};
-template <class C>
-struct HasRotaryDim<C, std::void_t<decltype(std::declval<C&>().rotary_dim)>> : std::true_type {};
-
-template <class C>
-void set_rotary_dim(C& c, int64_t r) {
-  if constexpr (HasRotaryDim<C>::value) c.rotary_dim = r;
-  else (void)c, (void)r;
 }
 
 /// 64-byte aligned, uninitialised bytes; grows, never shrinks.
@@ -97,9 +83,11 @@ uint64_t hash_bytes(const void* p, size_t n) {  // n is a multiple of 4
   return splitmix64(s);
 }
 
-std::string fmt_elem(Dtype t, uint32_t bits, double v) {
+/// An element's bits (`bytes` wide) and value.
+std::string fmt_elem(int bytes, uint32_t bits, double v) {
   char buf[64];
-  std::snprintf(buf, sizeof buf, t == Dtype::kF32 ? "0x%08x (%.9g)" : "0x%04x (%.6g)", bits, v);
+  std::snprintf(buf, sizeof buf, bytes == 4 ? "0x%08x (%.9g)" : bytes == 2 ? "0x%04x (%.6g)" : "0x%02x (%.6g)",
+                bits, v);
   return buf;
 }
 
@@ -122,12 +110,15 @@ struct Bad {
   int64_t head = 0, dim = 0;
   uint32_t got_bits = 0, want_bits = 0;
   double got = 0, want = 0, tol = 0;
+  bool pool = false;  ///< `got` is a pool element (pool format), else of q's dtype
 };
 
 class Engine {
  public:
   Engine(const ModelConfig& m, const Workload& w, const ReplayOptions& o)
-      : m_(m), w_(w), o_(o), dt_(o.dtype), E_(elem_size(o.dtype)) {}
+      : m_(m), w_(w), o_(o), dt_(o.dtype), E_(elem_size(o.dtype)), kv_(o.kv_dtype),
+        PE_(pool_elem_size(o.kv_dtype, o.dtype)), fp8_(is_fp8(o.kv_dtype) ? o.kv_dtype : KvDtype::kFp8E4M3),
+        kscale_(static_cast<float>(o.k_scale)), vscale_(static_cast<float>(o.v_scale)) {}
 
   ReplayResult run();
 
@@ -141,6 +132,10 @@ class Engine {
   int64_t krow() const { return Hk() * D(); }
   int64_t in_row() const { return o_.fused_qkv ? qrow() + 2 * krow() : 0; }
   size_t krow_bytes() const { return static_cast<size_t>(krow()) * E_; }
+  size_t pool_row_bytes() const { return static_cast<size_t>(krow()) * PE_; }
+  /// Pair i's two dims: NeoX (i, i + R/2), interleaved (2i, 2i + 1).
+  int64_t pair_a(int64_t i) const { return m_.is_neox ? i : 2 * i; }
+  int64_t pair_b(int64_t i) const { return m_.is_neox ? i + R() / 2 : 2 * i + 1; }
 
   // ---- buffers of the step
   uint8_t* q_in(int64_t t) const {
@@ -156,10 +151,10 @@ class Engine {
   uint8_t* q_rot(int64_t t) const { return qrot_.data() + t * qrow() * E_; }
   uint8_t* k_rot(int64_t t) const { return krot_.data() + t * krow() * E_; }
   uint8_t* k_pool(int64_t layer, int64_t slot) const {
-    return pool_.data() + ((2 * layer) * P_ + slot) * krow_bytes();
+    return pool_.data() + ((2 * layer) * P_ + slot) * pool_row_bytes();
   }
   uint8_t* v_pool(int64_t layer, int64_t slot) const {
-    return pool_.data() + ((2 * layer + 1) * P_ + slot) * krow_bytes();
+    return pool_.data() + ((2 * layer + 1) * P_ + slot) * pool_row_bytes();
   }
 
   // ---- data
@@ -171,10 +166,17 @@ class Engine {
   void make_table();
   void generate_inputs(int64_t layer);
   const double* cos_sin(int64_t pos) const { return &table_[static_cast<size_t>(pos) * R()]; }
+  void make_cos_sin(int64_t max_pos);
   void rotate_ref(const double* x, int64_t pos, double* out) const;
-  Bad compare_rotated(const uint8_t* got, const double* x, int64_t pos, int64_t heads,
+  Bad compare_rotated(const uint8_t* got, bool pool, const double* x, int64_t pos, int64_t heads,
                       double ulps = 1.0) const;
-  static Bad compare_bits(Dtype t, const uint8_t* got, const uint8_t* want, int64_t n, int64_t D);
+  Bad compare_pool_bits(const uint8_t* got, const uint8_t* want, int64_t n, float scale) const;
+  // ---- pool format
+  void encode_row(const uint8_t* src, int64_t n, float scale, uint8_t* dst) const;
+  void load_pool_row(const uint8_t* src, int64_t n, float scale, double* out) const;
+  uint32_t pool_bits(const uint8_t* p, int64_t e) const;
+  double pool_value(const uint8_t* p, int64_t e, float scale) const;
+  const char* pool_name() const { return kv_ == KvDtype::kAuto ? dtype_name(dt_) : kv_dtype_name(kv_); }
 
   // ---- steps
   void admit_and_build();
@@ -198,10 +200,14 @@ class Engine {
   const ReplayOptions& o_;
   const Dtype dt_;
   const int E_;
+  const KvDtype kv_;
+  const int PE_;            // bytes of a pool element
+  const Fp8Codec fp8_;      // the tool's own codec (used for fp8 pools only)
+  const float kscale_, vscale_;  // fp32 scales, as the op divides by them
   int64_t L_ = 0, P_ = 0;
 
   Buffer pool_, in_, q_, k_, v_, qrot_, krot_;
-  std::vector<double> table_;  // per position: c[0..R/2), s[0..R/2), from reference::rope_head
+  std::vector<double> table_;  // per position: c[0..R/2), s[0..R/2) (make_cos_sin)
   std::vector<uint64_t> khash_;  // per (layer, slot, head): hash of the k_rot head the call wrote
   size_t hash_index(int64_t layer, int64_t slot, int64_t head) const {
     return static_cast<size_t>((layer * P_ + slot) * Hk() + head);
@@ -298,56 +304,122 @@ void Engine::generate_inputs(int64_t layer) {
   }
 }
 
+void Engine::make_cos_sin(int64_t max_pos) {
+  // c and s of every position in float64, from the library's public inverse
+  // frequencies (ropekv::rope_inv_freq: the scaling formulas are the
+  // library's; the angle and the rotation are the tool's): theta =
+  // fp32(fp32(pos) * inv_freq[i]) (the product of two fp32 numbers is exact
+  // in double, then rounded once), times yarn's attention factor m in fp32.
+  const std::vector<float> inv = ropekv::rope_inv_freq(rope_config(m_));
+  const int64_t h = R() / 2;
+  if (static_cast<int64_t>(inv.size()) != h)
+    throw VerifyError("MISMATCH (ropekv::rope_inv_freq returned " + std::to_string(inv.size()) +
+                      " frequencies for rotary_dim " + std::to_string(R()) + ")");
+  const double m = static_cast<float>(ropekv::rope_attention_factor(m_.rope_scaling));
+  table_.assign(static_cast<size_t>((max_pos + 1) * R()), 0.0);
+#pragma omp parallel for num_threads(nthreads()) schedule(static)
+  for (int64_t p = 0; p <= max_pos; ++p) {
+    double* row = &table_[static_cast<size_t>(p * R())];
+    for (int64_t i = 0; i < h; ++i) {
+      const double theta =
+          static_cast<float>(static_cast<double>(static_cast<float>(p)) * static_cast<double>(inv[i]));
+      row[i] = std::cos(theta) * m;
+      row[h + i] = std::sin(theta) * m;
+    }
+  }
+  // Without scaling the frequencies are theta^(-2i/R) for both pair layouts:
+  // then the table must be exactly ropekv::reference's c and s (rope_head of
+  // x = (1,..,1, 0,..,0) gives out[i] = c_i, out[i + R/2] = s_i exactly).
+  if (m_.rope_scaling.type != ropekv::RopeScalingType::kNone) return;
+  std::vector<double> unit(static_cast<size_t>(D()), 0.0), out(static_cast<size_t>(D()));
+  for (int64_t i = 0; i < h; ++i) unit[i] = 1.0;
+  for (int64_t p = 0; p <= max_pos; ++p) {
+    ropekv::reference::rope_head(unit.data(), out.data(), D(), R(), p, m_.rope_theta);
+    for (int64_t i = 0; i < R(); ++i) {
+      if (out[i] != table_[static_cast<size_t>(p * R() + i)]) {
+        std::ostringstream o;
+        o << "MISMATCH (cos/sin from ropekv::rope_inv_freq differ from ropekv::reference): position " << p
+          << ", " << (i < h ? "cos" : "sin") << " of pair " << i % h << ": " << table_[p * R() + i]
+          << " vs reference " << out[i];
+        throw VerifyError(o.str());
+      }
+    }
+  }
+}
+
 void Engine::rotate_ref(const double* x, int64_t pos, double* out) const {
-  // The reference's formula with the reference's own c, s (see the table).
+  // Float64 RoPE with the table's c and s, in the model's pair layout.
   const int64_t h = R() / 2;
   const double* cs = cos_sin(pos);
   for (int64_t i = 0; i < h; ++i) {
-    out[i] = x[i] * cs[i] - x[i + h] * cs[h + i];
-    out[i + h] = x[i + h] * cs[i] + x[i] * cs[h + i];
+    const int64_t a = pair_a(i), b = pair_b(i);
+    out[a] = x[a] * cs[i] - x[b] * cs[h + i];
+    out[b] = x[b] * cs[i] + x[a] * cs[h + i];
   }
   for (int64_t d = R(); d < D(); ++d) out[d] = x[d];
 }
 
-/// Compares `heads` rotated heads `got` (dtype) with the float64 rotation of
-/// the dtype values `x` at `pos`, within rope_tolerance.
-Bad Engine::compare_rotated(const uint8_t* got, const double* x, int64_t pos, int64_t heads,
+/// Compares `heads` rotated heads `got` with the float64 rotation of the
+/// dtype values `x` at `pos`: within rope_tolerance (q's dtype); for a pool
+/// row (`pool`) in an fp8 format, plus one fp8 ulp of ref / k_scale (times
+/// k_scale) with ref clamped to the saturation bound. Copied dims must be
+/// exact: the value itself, or its fp8 encoding.
+Bad Engine::compare_rotated(const uint8_t* got, bool pool, const double* x, int64_t pos, int64_t heads,
                             double ulps) const {
   Bad b;
   const int64_t Dd = D(), R2 = R(), h = R2 / 2;
   const double* cs = cos_sin(pos);
   const UlpFn ulp(dt_);
   const double K = 4.0 * 0x1p-24;
+  const bool fp8 = pool && is_fp8(kv_);
+  const double ks = kscale_, kmax = fp8_.max_finite() * ks;
   thread_local std::vector<double> g;
   g.resize(static_cast<size_t>(heads * Dd));
-  load_row(dt_, got, heads * Dd, g.data());
+  if (pool) load_pool_row(got, heads * Dd, kscale_, g.data());
+  else load_row(dt_, got, heads * Dd, g.data());
+  // The tolerance of an element whose float64 value is r and fp32 term t;
+  // moves r to the saturation bound of an fp8 pool.
+  auto tol_of = [&](double& r, double t) {
+    double tol = ulps * ulp(r) + t;
+    if (fp8) {
+      tol += fp8_.ulp(r / ks) * ks + std::fabs(r) * 0x1p-22;  // the fp8 rounding, the fp32 division
+      r = std::clamp(r, -kmax, kmax);
+    }
+    return tol;
+  };
+  auto copied = [&](double v) {  // what a copied dim must hold
+    return fp8 ? fp8_.decode(fp8_.encode(static_cast<float>(v) / kscale_)) * ks : v;
+  };
   for (int64_t hd = 0; hd < heads; ++hd) {
     const double* xh = x + hd * Dd;
     const double* gh = g.data() + hd * Dd;
     bool bad = false;
-    for (int64_t i = 0; i < h; ++i) {  // the reference's formula, c and s from the reference
-      const double x1 = xh[i], x2 = xh[i + h], c = cs[i], s = cs[h + i];
-      const double r1 = x1 * c - x2 * s, r2 = x2 * c + x1 * s;
-      const double t = K * (std::fabs(x1 * c) + std::fabs(x2 * s));
-      const double u = K * (std::fabs(x2 * c) + std::fabs(x1 * s));
-      bad |= !(std::fabs(gh[i] - r1) <= ulps * ulp(r1) + t);
-      bad |= !(std::fabs(gh[i + h] - r2) <= ulps * ulp(r2) + u);
+    for (int64_t i = 0; i < h; ++i) {
+      const int64_t ia = pair_a(i), ib = pair_b(i);
+      const double x1 = xh[ia], x2 = xh[ib], c = cs[i], s = cs[h + i];
+      double r1 = x1 * c - x2 * s, r2 = x2 * c + x1 * s;
+      const double t1 = tol_of(r1, K * (std::fabs(x1 * c) + std::fabs(x2 * s)));
+      const double t2 = tol_of(r2, K * (std::fabs(x2 * c) + std::fabs(x1 * s)));
+      bad |= !(std::fabs(gh[ia] - r1) <= t1);
+      bad |= !(std::fabs(gh[ib] - r2) <= t2);
     }
-    for (int64_t d = R2; d < Dd; ++d) bad |= !(gh[d] == xh[d]);
+    for (int64_t d = R2; d < Dd; ++d) bad |= !(gh[d] == copied(xh[d]));
     if (!bad) continue;
-    // Slow path: the first bad element, with the tolerance of rope_tolerance.
+    // Slow path: the first bad element in dim order, with its tolerance.
     std::vector<double> ref(static_cast<size_t>(Dd));
     rotate_ref(xh, pos, ref.data());
     for (int64_t d = 0; d < Dd; ++d) {
-      double tol = 0;
+      double tol = 0, want = ref[d];
       if (d < R2) {
-        const int64_t i = d < h ? d : d - h;
-        const double x1 = xh[d], x2 = d < h ? xh[d + h] : xh[d - h];
-        tol = rope_tolerance(dt_, ref[d], x1 * cs[i], x2 * cs[h + i], ulps);
+        const int64_t i = m_.is_neox ? (d < h ? d : d - h) : d / 2;
+        const int64_t partner = m_.is_neox ? (d < h ? d + h : d - h) : (d ^ 1);
+        tol = tol_of(want, K * (std::fabs(xh[d] * cs[i]) + std::fabs(xh[partner] * cs[h + i])));
+      } else {
+        want = copied(xh[d]);
       }
-      if (!(std::fabs(gh[d] - ref[d]) <= tol)) {
+      if (!(std::fabs(gh[d] - want) <= tol)) {
         const int64_t e = hd * Dd + d;
-        b = {true, hd, d, elem_bits(dt_, got, e), 0, gh[d], ref[d], tol};
+        b = {true, hd, d, pool ? pool_bits(got, e) : elem_bits(dt_, got, e), 0, gh[d], want, tol, pool};
         return b;
       }
     }
@@ -355,31 +427,76 @@ Bad Engine::compare_rotated(const uint8_t* got, const double* x, int64_t pos, in
   return b;
 }
 
-Bad Engine::compare_bits(Dtype t, const uint8_t* got, const uint8_t* want, int64_t n, int64_t Dd) {
+/// Two rows in the pool format, bit for bit (values shown times `scale`).
+Bad Engine::compare_pool_bits(const uint8_t* got, const uint8_t* want, int64_t n, float scale) const {
   Bad b;
-  const int es = elem_size(t);
-  if (std::memcmp(got, want, static_cast<size_t>(n) * es) == 0) return b;
+  if (std::memcmp(got, want, static_cast<size_t>(n) * PE_) == 0) return b;
   for (int64_t e = 0; e < n; ++e) {
-    if (std::memcmp(got + e * es, want + e * es, es) != 0) {
-      b = {true, e / Dd, e % Dd, elem_bits(t, got, e), elem_bits(t, want, e), load_elem(t, got, e),
-           load_elem(t, want, e), 0};
+    if (std::memcmp(got + e * PE_, want + e * PE_, PE_) != 0) {
+      b = {true, e / D(), e % D(), pool_bits(got, e), pool_bits(want, e), pool_value(got, e, scale),
+           pool_value(want, e, scale), 0, true};
       return b;
     }
   }
   return b;
 }
 
+// ------------------------------------------------------------ pool format
+
+/// The pool row the op must store for `n` values of q's dtype at `src`:
+/// the same bits (auto), their exact widening (float32), or the tool's fp8
+/// encoding of fp32(x / scale) (an fp32 division, as the contract says).
+void Engine::encode_row(const uint8_t* src, int64_t n, float scale, uint8_t* dst) const {
+  if (kv_ == KvDtype::kAuto) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * E_);
+    return;
+  }
+  thread_local std::vector<double> x;
+  x.resize(static_cast<size_t>(n));
+  load_row(dt_, src, n, x.data());
+  if (kv_ == KvDtype::kFloat32) {
+    float* d = reinterpret_cast<float*>(dst);
+    for (int64_t e = 0; e < n; ++e) d[e] = static_cast<float>(x[e]);  // exact: a dtype value
+    return;
+  }
+  for (int64_t e = 0; e < n; ++e) dst[e] = fp8_.encode(static_cast<float>(x[e]) / scale);
+}
+
+/// Pool elements as values in the units of k and v (fp8: decoded times scale).
+void Engine::load_pool_row(const uint8_t* src, int64_t n, float scale, double* out) const {
+  if (kv_ == KvDtype::kAuto) {
+    load_row(dt_, src, n, out);
+  } else if (kv_ == KvDtype::kFloat32) {
+    load_row(Dtype::kF32, src, n, out);
+  } else {
+    for (int64_t e = 0; e < n; ++e) out[e] = fp8_.decode(src[e]) * static_cast<double>(scale);
+  }
+}
+
+uint32_t Engine::pool_bits(const uint8_t* p, int64_t e) const {
+  if (PE_ == 4) return reinterpret_cast<const uint32_t*>(p)[e];
+  if (PE_ == 2) return reinterpret_cast<const uint16_t*>(p)[e];
+  return p[e];
+}
+
+double Engine::pool_value(const uint8_t* p, int64_t e, float scale) const {
+  double v;
+  load_pool_row(p + e * PE_, 1, scale, &v);
+  return v;
+}
+
 void Engine::report(const std::string& check, int64_t req, int64_t pos, int64_t slot, int64_t layer,
                     const Bad& b, const char* got_name, const char* want_name) const {
   std::ostringstream o;
+  const int bytes = b.pool ? PE_ : E_;
   o << "MISMATCH (" << check << "): request " << req << ", token " << pos << ", layer " << layer
     << ", head " << b.head << "\n  at dim " << b.dim << " (position " << pos << ", slot " << slot
-    << ", " << dtype_name(dt_) << "): " << got_name << " "
-    << fmt_elem(dt_, b.got_bits, b.got) << ", " << want_name << " ";
+    << ", " << (b.pool ? pool_name() : dtype_name(dt_)) << "): " << got_name << " "
+    << fmt_elem(bytes, b.got_bits, b.got) << ", " << want_name << " ";
   if (b.tol > 0 || std::strstr(want_name, "reference"))
     o << b.want << " (|diff| " << std::fabs(b.got - b.want) << " > tolerance " << b.tol << ")";
   else
-    o << fmt_elem(dt_, b.want_bits, b.want);
+    o << fmt_elem(bytes, b.want_bits, b.want);
   throw VerifyError(o.str());
 }
 
@@ -531,16 +648,20 @@ void Engine::call(int64_t layer, bool timed) {
   t.v = tensor(v_in(0), 3, kv_shape, kv_strides, dl);
   t.positions = tensor(positions_.data(), 1, idx_shape, nullptr, i32);
   t.slots = tensor(slots_.data(), 1, idx_shape, nullptr, i32);
-  t.k_pool = tensor(k_pool(layer, 0), 3, pool_shape, nullptr, dl);
-  t.v_pool = tensor(v_pool(layer, 0), 3, pool_shape, nullptr, dl);
+  const DLDataType pool_dl = kv_ == KvDtype::kAuto      ? dl
+                            : kv_ == KvDtype::kFloat32 ? DLDataType{kDLFloat, 32, 1}
+                                                       : DLDataType{kDLUInt, 8, 1};
+  t.k_pool = tensor(k_pool(layer, 0), 3, pool_shape, nullptr, pool_dl);
+  t.v_pool = tensor(v_pool(layer, 0), 3, pool_shape, nullptr, pool_dl);
   t.q_rot = tensor(q_rot(0), 3, q_shape, nullptr, dl);
   t.k_rot = tensor(k_rot(0), 3, kv_shape, nullptr, dl);
-  ropekv::RopeConfig cfg;
-  cfg.head_dim = D();
-  cfg.num_qo_heads = Hq();
-  cfg.num_kv_heads = Hk();
-  cfg.rope_base = m_.rope_theta;
-  set_rotary_dim(cfg, R());
+  ropekv::RopeConfig cfg = rope_config(m_);
+  cfg.kv_cache_dtype = kv_ == KvDtype::kAuto      ? ropekv::KvCacheDtype::kAuto
+                       : kv_ == KvDtype::kFloat32 ? ropekv::KvCacheDtype::kFloat32
+                       : kv_ == KvDtype::kFp8E4M3 ? ropekv::KvCacheDtype::kFp8E4M3
+                                                  : ropekv::KvCacheDtype::kFp8E5M2;
+  cfg.k_scale = o_.k_scale;
+  cfg.v_scale = o_.v_scale;
   ropekv::ExecOptions ex;
   ex.num_threads = o_.threads;
 
@@ -554,7 +675,7 @@ void Engine::call(int64_t layer, bool timed) {
   const double s = std::chrono::duration<double>(Clock::now() - t0).count();
   if (!timed) return;
 
-  const double bytes = call_bytes(m_, dt_, T, written_);
+  const double bytes = call_bytes(m_, dt_, kv_, T, written_);
   res_.op_seconds += s;
   res_.bytes += bytes;
   res_.call_us.push_back(s * 1e6);
@@ -570,61 +691,93 @@ void Engine::call(int64_t layer, bool timed) {
 }
 
 void Engine::check_call(int64_t layer) {
-  // Every named pool row is bit for bit the k_rot the call returned and the v
-  // it was given; record the k row's hash for the checks after this step.
+  // Every named pool row is bit for bit the encoding of the k_rot the call
+  // returned and of the v it was given (the same bits for auto pools); record
+  // the k row's hash for the checks after this step.
   const int64_t T = static_cast<int64_t>(toks_.size());
   std::atomic<int64_t> first_bad{T};
 #pragma omp parallel for num_threads(nthreads()) schedule(static) if (T >= 64)
   for (int64_t t = 0; t < T; ++t) {
     const Token& tk = toks_[t];
     if (tk.slot < 0) continue;
-    const bool ok = std::memcmp(k_pool(layer, tk.slot), k_rot(t), krow_bytes()) == 0 &&
-                    std::memcmp(v_pool(layer, tk.slot), v_in(t), krow_bytes()) == 0;
+    bool ok;
+    if (kv_ == KvDtype::kAuto) {
+      ok = std::memcmp(k_pool(layer, tk.slot), k_rot(t), krow_bytes()) == 0 &&
+           std::memcmp(v_pool(layer, tk.slot), v_in(t), krow_bytes()) == 0;
+    } else {
+      thread_local std::vector<uint8_t> want;
+      want.resize(pool_row_bytes());
+      encode_row(k_rot(t), krow(), kscale_, want.data());
+      ok = std::memcmp(k_pool(layer, tk.slot), want.data(), pool_row_bytes()) == 0;
+      encode_row(v_in(t), krow(), vscale_, want.data());
+      ok = ok && std::memcmp(v_pool(layer, tk.slot), want.data(), pool_row_bytes()) == 0;
+    }
     if (!ok) {
       int64_t cur = first_bad.load();
       while (t < cur && !first_bad.compare_exchange_weak(cur, t)) {}
       continue;
     }
     for (int64_t hd = 0; hd < Hk(); ++hd)
-      khash_[hash_index(layer, tk.slot, hd)] = hash_bytes(k_rot(t) + hd * D() * E_, static_cast<size_t>(D()) * E_);
+      khash_[hash_index(layer, tk.slot, hd)] =
+          hash_bytes(k_pool(layer, tk.slot) + hd * D() * PE_, static_cast<size_t>(D()) * PE_);
   }
   if (first_bad.load() < T) {
     const int64_t t = first_bad.load();
     const Token& tk = toks_[t];
-    Bad b = compare_bits(dt_, k_pool(layer, tk.slot), k_rot(t), krow(), D());
+    std::vector<uint8_t> want(pool_row_bytes());
+    encode_row(k_rot(t), krow(), kscale_, want.data());
+    Bad b = compare_pool_bits(k_pool(layer, tk.slot), want.data(), krow(), kscale_);
+    const bool enc = kv_ != KvDtype::kAuto;
     if (b.bad)
-      report("k pool row vs the k_rot the call returned", tk.req, tk.pos, tk.slot, layer, b, "k_pool",
-             "k_rot");
-    b = compare_bits(dt_, v_pool(layer, tk.slot), v_in(t), krow(), D());
-    report("v pool row vs the v given to the call", tk.req, tk.pos, tk.slot, layer, b, "v_pool", "v");
+      report(enc ? "k pool row vs the encoding of the k_rot the call returned"
+                 : "k pool row vs the k_rot the call returned",
+             tk.req, tk.pos, tk.slot, layer, b, "k_pool", enc ? "encode(k_rot)" : "k_rot");
+    encode_row(v_in(t), krow(), vscale_, want.data());
+    b = compare_pool_bits(v_pool(layer, tk.slot), want.data(), krow(), vscale_);
+    report(enc ? "v pool row vs the encoding of the v given to the call" : "v pool row vs the v given to the call",
+           tk.req, tk.pos, tk.slot, layer, b, "v_pool", enc ? "encode(v)" : "v");
   }
 }
 
 void Engine::spot_check(int64_t layer) {
   // The samples of this step that fall on this layer, each against
-  // ropekv::reference::rope_head itself.
-  const int64_t Dd = D();
-  std::vector<double> x(Dd), ref(Dd);
-  auto one = [&](bool is_q, int64_t t, int64_t h) {
+  // ropekv::reference::rope_head itself when the frequencies are unscaled
+  // (interleaved pairs through a permutation: they are NeoX pairs of the
+  // de-interleaved head), else against the tool's float64 rotation.
+  const int64_t Dd = D(), h = R() / 2;
+  const bool use_reference = m_.rope_scaling.type == ropekv::RopeScalingType::kNone;
+  std::vector<double> x(Dd), y(Dd), z(Dd), ref(Dd);
+  auto one = [&](bool is_q, int64_t t, int64_t hd) {
     const Token& tk = toks_[t];
-    const uint8_t* in = (is_q ? q_in(t) : k_in(t)) + h * Dd * E_;
-    const uint8_t* out = (is_q ? q_rot(t) : k_rot(t)) + h * Dd * E_;
+    const uint8_t* in = (is_q ? q_in(t) : k_in(t)) + hd * Dd * E_;
+    const uint8_t* out = (is_q ? q_rot(t) : k_rot(t)) + hd * Dd * E_;
     load_row(dt_, in, Dd, x.data());
-    ropekv::reference::rope_head(x.data(), ref.data(), Dd, R(), tk.pos, m_.rope_theta);
+    if (!use_reference) {
+      rotate_ref(x.data(), tk.pos, ref.data());
+    } else if (m_.is_neox) {
+      ropekv::reference::rope_head(x.data(), ref.data(), Dd, R(), tk.pos, m_.rope_theta);
+    } else {
+      y = x;
+      for (int64_t i = 0; i < h; ++i) y[i] = x[2 * i], y[i + h] = x[2 * i + 1];
+      ropekv::reference::rope_head(y.data(), z.data(), Dd, R(), tk.pos, m_.rope_theta);
+      ref = z;
+      for (int64_t i = 0; i < h; ++i) ref[2 * i] = z[i], ref[2 * i + 1] = z[i + h];
+    }
     const double* cs = cos_sin(tk.pos);
-    const int64_t half = R() / 2;
     for (int64_t d = 0; d < Dd; ++d) {
       const double g = load_elem(dt_, out, d);
       double tol = 0;
       if (d < R()) {
-        const int64_t i = d < half ? d : d - half;
-        const double x1 = x[d], x2 = d < half ? x[d + half] : x[d - half];
-        tol = rope_tolerance(dt_, ref[d], x1 * cs[i], x2 * cs[half + i]);
+        const int64_t i = m_.is_neox ? (d < h ? d : d - h) : d / 2;
+        const int64_t partner = m_.is_neox ? (d < h ? d + h : d - h) : (d ^ 1);
+        tol = rope_tolerance(dt_, ref[d], x[d] * cs[i], x[partner] * cs[h + i]);
       }
       if (!(std::fabs(g - ref[d]) <= tol)) {
-        Bad b{true, h, d, elem_bits(dt_, out, d), 0, g, ref[d], tol};
-        report(is_q ? "q_rot spot check vs ropekv::reference" : "k_rot spot check vs ropekv::reference",
-               tk.req, tk.pos, tk.slot, layer, b, is_q ? "q_rot" : "k_rot", "reference");
+        Bad b{true, hd, d, elem_bits(dt_, out, d), 0, g, ref[d], tol};
+        const std::string what = use_reference ? " spot check vs ropekv::reference"
+                                                : " spot check vs the float64 rotation with scaled frequencies";
+        report((is_q ? "q_rot" : "k_rot") + what, tk.req, tk.pos, tk.slot, layer, b, is_q ? "q_rot" : "k_rot",
+               "reference");
       }
     }
     ++res_.spot_checked_heads;
@@ -643,10 +796,10 @@ void Engine::check_all(int64_t layer) {
     std::vector<double> x(static_cast<size_t>(qrow()));
     const Token& tk = toks_[t];
     load_row(dt_, q_in(t), qrow(), x.data());
-    bool bad = compare_rotated(q_rot(t), x.data(), tk.pos, Hq()).bad;
+    bool bad = compare_rotated(q_rot(t), false, x.data(), tk.pos, Hq()).bad;
     if (!bad) {
       load_row(dt_, k_in(t), krow(), x.data());
-      bad = compare_rotated(k_rot(t), x.data(), tk.pos, Hk()).bad;
+      bad = compare_rotated(k_rot(t), false, x.data(), tk.pos, Hk()).bad;
     }
     if (bad) {
       int64_t cur = first_bad.load();
@@ -658,47 +811,52 @@ void Engine::check_all(int64_t layer) {
     const Token& tk = toks_[t];
     std::vector<double> x(static_cast<size_t>(qrow()));
     for (int64_t e = 0; e < qrow(); ++e) x[e] = load_elem(dt_, q_in(t), e);
-    Bad b = compare_rotated(q_rot(t), x.data(), tk.pos, Hq());
+    Bad b = compare_rotated(q_rot(t), false, x.data(), tk.pos, Hq());
     if (b.bad) report("q_rot vs reference (--check-all)", tk.req, tk.pos, tk.slot, layer, b, "q_rot", "reference");
     for (int64_t e = 0; e < krow(); ++e) x[e] = load_elem(dt_, k_in(t), e);
-    b = compare_rotated(k_rot(t), x.data(), tk.pos, Hk());
+    b = compare_rotated(k_rot(t), false, x.data(), tk.pos, Hk());
     report("k_rot vs reference (--check-all)", tk.req, tk.pos, tk.slot, layer, b, "k_rot", "reference");
   }
 }
 
 /// The cached K/V of token `pos` of request `req` at `layer`: v is bit for
-/// bit the v generated for it, k is the float64 rotation of its k within the
-/// tolerance, and bit for bit the k_rot the call returned (hash).
+/// bit the encoding of the v generated for it, k is the float64 rotation of
+/// its k within the tolerance, and bit for bit the row the call wrote (hash).
 void Engine::check_cached(int64_t req, int64_t pos, int64_t layer, const char* when) const {
   const int64_t slot = st_[req].slots[static_cast<size_t>(pos)];
-  thread_local std::vector<uint8_t> regen;
+  thread_local std::vector<uint8_t> regen, want;
   thread_local std::vector<double> x;
   regen.resize(krow_bytes());
+  want.resize(pool_row_bytes());
   x.resize(static_cast<size_t>(krow()));
   gen_row(key(req, pos, layer, 2), krow(), regen.data());
-  Bad b = compare_bits(dt_, v_pool(layer, slot), regen.data(), krow(), D());
+  encode_row(regen.data(), krow(), vscale_, want.data());
+  Bad b = compare_pool_bits(v_pool(layer, slot), want.data(), krow(), vscale_);
   if (b.bad)
     report(std::string("v pool row ") + when + " vs the v generated for the token", req, pos, slot, layer,
-           b, "v_pool", "v");
+           b, "v_pool", kv_ == KvDtype::kAuto ? "v" : "encode(v)");
   gen_row(key(req, pos, layer, 1), krow(), regen.data());
   load_row(dt_, regen.data(), krow(), x.data());
-  b = compare_rotated(k_pool(layer, slot), x.data(), pos, Hk());
+  b = compare_rotated(k_pool(layer, slot), true, x.data(), pos, Hk());
   if (b.bad)
     report(std::string("k pool row ") + when + " vs float64 reference of k rotated at its position", req,
            pos, slot, layer, b, "k_pool", "reference");
   for (int64_t hd = 0; hd < Hk(); ++hd) {
-    const uint8_t* row = k_pool(layer, slot) + hd * D() * E_;
-    if (hash_bytes(row, static_cast<size_t>(D()) * E_) == khash_[hash_index(layer, slot, hd)]) continue;
+    const uint8_t* row = k_pool(layer, slot) + hd * D() * PE_;
+    if (hash_bytes(row, static_cast<size_t>(D()) * PE_) == khash_[hash_index(layer, slot, hd)]) continue;
     // Changed since the call wrote it, yet within the tolerance (a flipped
     // low bit). Name the first element that is not the nearest rounding of
-    // the reference: that is where the row was changed.
-    Bad h = compare_rotated(row, x.data() + hd * D(), pos, 1, 0.5);
+    // the reference: that is where the row was changed. (An fp8 row is
+    // rounded twice, so no element can be named that way.)
     std::ostringstream o;
-    o << "MISMATCH (k pool row " << when << " is not the k_rot the call returned: its hash differs): request "
+    o << "MISMATCH (k pool row " << when << " is not the row the call wrote: its hash differs): request "
       << req << ", token " << pos << ", layer " << layer << ", head " << hd << "\n  slot " << slot;
-    if (h.bad)
-      o << ", dim " << h.dim << ": k_pool " << fmt_elem(dt_, h.got_bits, h.got) << ", reference " << h.want
-        << " (more than half an ulp off: not the nearest rounding)";
+    if (!is_fp8(kv_)) {
+      Bad h = compare_rotated(row, true, x.data() + hd * D(), pos, 1, 0.5);
+      if (h.bad)
+        o << ", dim " << h.dim << ": k_pool " << fmt_elem(PE_, h.got_bits, h.got) << ", reference " << h.want
+          << " (more than half an ulp off: not the nearest rounding)";
+    }
     throw VerifyError(o.str());
   }
 }
@@ -708,7 +866,7 @@ void Engine::verify_pool_end() {
   // still holds the fill pattern (the op never touched it).
   std::atomic<int64_t> first_bad{P_};
   std::atomic<int64_t> untouched{0}, checked{0};
-  const size_t kb = krow_bytes();
+  const size_t kb = pool_row_bytes();
 #pragma omp parallel for num_threads(nthreads()) schedule(dynamic, 16)
   for (int64_t s = 0; s < P_; ++s) {
     if (s > first_bad.load(std::memory_order_relaxed)) continue;
@@ -745,11 +903,11 @@ void Engine::verify_pool_end() {
       for (int kv = 0; kv < 2; ++kv) {
         const uint8_t* p = kv ? v_pool(l, s) : k_pool(l, s);
         for (int64_t e = 0; e < krow(); ++e) {
-          if (elem_bits(dt_, p, e) != (dt_ == Dtype::kF32 ? 0xFFFFFFFFu : 0xFFFFu)) {
+          if (pool_bits(p, e) != (PE_ == 4 ? 0xFFFFFFFFu : PE_ == 2 ? 0xFFFFu : 0xFFu)) {
             std::ostringstream o;
             o << "MISMATCH (" << (kv ? "v" : "k") << " pool row that no call named was written): request -, "
               << "token -, layer " << l << ", head " << e / D() << "\n  slot " << s << ", dim " << e % D()
-              << ": " << fmt_elem(dt_, elem_bits(dt_, p, e), load_elem(dt_, p, e))
+              << ": " << fmt_elem(PE_, pool_bits(p, e), pool_value(p, e, kv ? vscale_ : kscale_))
               << ", expected the fill pattern (all bits set)";
             throw VerifyError(o.str());
           }
@@ -789,7 +947,7 @@ void Engine::maybe_inject_after_checks(int64_t layer) {
   if ((f == "pool-k" || f == "pool-v") && written_ > 0) {
     const Token& tk = toks_[0];
     uint8_t* row = f == "pool-k" ? k_pool(layer, tk.slot) : v_pool(layer, tk.slot);
-    row[((Hk() - 1) * D() + 1) * E_] ^= 1;  // the lowest bit of (head Hk-1, dim 1)
+    row[((Hk() - 1) * D() + 1) * PE_] ^= 1;  // the lowest bit of (head Hk-1, dim 1)
     res_.fault_injected = true;
     std::fprintf(stderr,
                  "ropekv-replay: injected fault %s after call %lld: request %lld, token %lld, layer %lld, "
@@ -854,8 +1012,8 @@ ReplayResult Engine::run() {
   res_.pool_size = P_;
 
   // The pools, filled with all-ones bits: rows no call names must keep them.
-  pool_.reserve(static_cast<size_t>(2 * L_ * P_) * krow_bytes());
-  std::memset(pool_.data(), 0xFF, static_cast<size_t>(2 * L_ * P_) * krow_bytes());
+  pool_.reserve(static_cast<size_t>(2 * L_ * P_) * pool_row_bytes());
+  std::memset(pool_.data(), 0xFF, static_cast<size_t>(2 * L_ * P_) * pool_row_bytes());
   khash_.assign(static_cast<size_t>(L_ * P_ * Hk()), 0);
   owner_req_.assign(static_cast<size_t>(P_), -1);
   owner_pos_.assign(static_cast<size_t>(P_), -1);
@@ -865,17 +1023,7 @@ ReplayResult Engine::run() {
   for (const Request& r : w_.requests) waiting_.push_back(r.id);
 
   make_table();
-  // c and s of every position, taken from the reference itself: rope_head of
-  // x = (1,..,1, 0,..,0) gives out[i] = c_i, out[i + R/2] = s_i exactly.
-  table_.assign(static_cast<size_t>((max_pos + 1) * R()), 0.0);
-  {
-    std::vector<double> unit(static_cast<size_t>(D()), 0.0), out(static_cast<size_t>(D()));
-    for (int64_t i = 0; i < R() / 2; ++i) unit[i] = 1.0;
-    for (int64_t p = 0; p <= max_pos; ++p) {
-      ropekv::reference::rope_head(unit.data(), out.data(), D(), R(), p, m_.rope_theta);
-      std::copy(out.begin(), out.begin() + R(), table_.begin() + p * R());
-    }
-  }
+  make_cos_sin(max_pos);
 
   // Buffers for the largest step (decodes + budget, padding to a multiple of 8).
   const int64_t Tmax = o_.max_batch_tokens + o_.max_running + 8;
@@ -953,19 +1101,17 @@ double resident_mb() {
   return static_cast<double>(resident) * static_cast<double>(sysconf(_SC_PAGESIZE)) / 1e6;
 }
 
-double call_bytes(const ModelConfig& m, Dtype t, int64_t tokens, int64_t written) {
-  const double E = elem_size(t);
+double call_bytes(const ModelConfig& m, Dtype t, KvDtype kv, int64_t tokens, int64_t written) {
+  const double E = elem_size(t), PE = pool_elem_size(kv, t);
   const double T = static_cast<double>(tokens), W = static_cast<double>(written);
   const double Hq = static_cast<double>(m.num_qo_heads), Hk = static_cast<double>(m.num_kv_heads),
                D = static_cast<double>(m.head_dim);
-  return E * (2 * T * Hq * D + 3 * T * Hk * D + 2 * W * Hk * D) + T * (4 + 4);
+  return E * (2 * T * Hq * D + 3 * T * Hk * D) + PE * (2 * W * Hk * D) + T * (4 + 4);
 }
 
 ReplayResult run_replay(const ModelConfig& model, const Workload& workload, const ReplayOptions& opt) {
   Engine e(model, workload, opt);
   return e.run();
 }
-
-bool library_has_rotary_dim() { return HasRotaryDim<ropekv::RopeConfig>::value; }
 
 }  // namespace replay

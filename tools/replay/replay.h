@@ -23,6 +23,8 @@ class VerifyError : public std::runtime_error {
 
 struct ReplayOptions {
   Dtype dtype = Dtype::kBF16;
+  KvDtype kv_dtype = KvDtype::kAuto;  ///< pool format (RopeConfig::kv_cache_dtype)
+  double k_scale = 1.0, v_scale = 1.0;  ///< fp8 pools: stored = encode(x / scale)
   int threads = 0;                 ///< ExecOptions::num_threads (0 = OpenMP default)
   int64_t layers = 0;              ///< layers replayed (<= config's; 0 = all)
   int64_t pool_size = 0;           ///< KV slots per layer (0 = auto)
@@ -65,13 +67,11 @@ struct ReplayResult {
 /// and InputError when the workload does not fit the pool.
 ReplayResult run_replay(const ModelConfig& model, const Workload& workload, const ReplayOptions& opt);
 
-/// True when this build's ropekv::RopeConfig has a rotary_dim (partial rotary).
-bool library_has_rotary_dim();
-
 /// This process's resident memory in MB (Linux), or -1.
 double resident_mb();
 
-/// Bytes moved by one call (SPEC section 7), int32 positions and slots.
-double call_bytes(const ModelConfig& m, Dtype t, int64_t tokens, int64_t written);
+/// Bytes moved by one call (SPEC section 7, with the pool rows at the pool's
+/// element size), int32 positions and slots.
+double call_bytes(const ModelConfig& m, Dtype t, KvDtype kv, int64_t tokens, int64_t written);
 
 }  // namespace replay
