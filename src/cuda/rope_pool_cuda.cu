@@ -6,7 +6,9 @@
 // last dimension is contiguous and every base pointer and row/head stride is
 // a multiple of 16 bytes; 8, 4 or 2 bytes otherwise) and a strided kernel
 // when any array's last dimension is not contiguous, and shapes the grid as
-// one block per token (its teams share the token's cos/sin).
+// one block per token (its teams share the token's cos/sin). Calls with
+// options (not is_plain) run the options kernel, in its 16-byte form or else
+// its strided form.
 //
 // Device memory it owns, made once and kept for the process: a per-device
 // error flag (out-of-range slots) and one inv_freq table per (device,
@@ -15,6 +17,7 @@
 // every later call allocates nothing.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <climits>
@@ -36,6 +39,7 @@ namespace cuda {
 namespace {
 
 using detail::ErrorRecord;
+using detail::OptParams;
 using detail::Params;
 using detail::Tensor3;
 
@@ -96,6 +100,7 @@ ErrorRecord initial_record() {
   ErrorRecord r;
   std::memset(&r, 0, sizeof(r));
   r.token = LLONG_MAX;
+  r.pos_token = LLONG_MAX;
   return r;
 }
 
@@ -179,20 +184,22 @@ Tensor3 tensor3(const View3& v) {
   return Tensor3{v.data, v.stride[0], v.stride[1], v.stride[2]};
 }
 
-// True when the last dimension of every float array is contiguous and every
-// base pointer and row/head stride is a multiple of `vec` elements of `esize`
-// bytes.
-bool vector_ok(const Problem& p, int64_t vec, int64_t esize) {
-  const View3* all[] = {&p.q, &p.k, &p.v, &p.q_rot, &p.k_rot, &p.k_pool, &p.v_pool};
+// True when `vec`-element vectors tile the head (half and the tail are
+// multiples of vec), and for every array the last dimension is contiguous,
+// the row/head strides are multiples of vec elements and the base pointer is
+// aligned for one vector access (vec elements of the array's own size, at
+// most 16 bytes: a float32 pool row of a 16-bit vector takes two stores).
+bool vector_ok(const Problem& p, int64_t vec, int64_t esize, int64_t pool_esize) {
   const int64_t half = p.rotary_dim / 2;
   if (half % vec != 0 || (p.head_dim - p.rotary_dim) % vec != 0) return false;
-  for (const View3* a : all) {
-    if (a->stride[2] != 1) return false;
-    if (reinterpret_cast<uintptr_t>(a->data) % static_cast<uintptr_t>(vec * esize) != 0)
-      return false;
-    if (a->stride[0] % vec != 0 || a->stride[1] % vec != 0) return false;
-  }
-  return true;
+  const auto ok = [vec](const View3& a, int64_t es) {
+    const uintptr_t align = static_cast<uintptr_t>(std::min<int64_t>(16, vec * es));
+    return a.stride[2] == 1 && reinterpret_cast<uintptr_t>(a.data) % align == 0 &&
+           a.stride[0] % vec == 0 && a.stride[1] % vec == 0;
+  };
+  for (const View3* a : {&p.q, &p.k, &p.v, &p.q_rot, &p.k_rot})
+    if (!ok(*a, esize)) return false;
+  return ok(p.k_pool, pool_esize) && ok(p.v_pool, pool_esize);
 }
 
 struct Launch {
@@ -210,6 +217,28 @@ void launch_as(const Params& prm, const Launch& l, cudaStream_t stream) {
   cfg.stream = stream;
   check(cudaLaunchKernelEx(&cfg, detail::rope_pool_kernel<T, N, kContig, U>, prm),
         "launching the rope_pool kernel");
+}
+
+template <class T, int N, bool kContig, int U>
+void launch_options_as(const OptParams& prm, const Launch& l, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned int>(l.blocks));
+  cfg.blockDim = dim3(static_cast<unsigned int>(l.threads));
+  cfg.dynamicSmemBytes = l.smem;
+  cfg.stream = stream;
+  check(cudaLaunchKernelEx(&cfg, detail::rope_pool_options_kernel<T, N, kContig, U>, prm),
+        "launching the rope_pool options kernel");
+}
+
+// The options kernel: 16-byte vectors with U = 2 or 4, or strided (U = 1:
+// rare layouts, and the shortest code).
+template <class T>
+void launch_options_typed(const OptParams& prm, bool contig, int unroll, const Launch& l,
+                          cudaStream_t stream) {
+  constexpr int kVec = static_cast<int>(16 / sizeof(T));
+  if (!contig) return launch_options_as<T, 1, false, 1>(prm, l, stream);
+  if (unroll == 2) return launch_options_as<T, kVec, true, 2>(prm, l, stream);
+  return launch_options_as<T, kVec, true, 4>(prm, l, stream);
 }
 
 // The 16-byte kernels come in U = 1, 2, 4, 8 steps per team; the narrower
@@ -255,19 +284,22 @@ int choose_unroll(int64_t tokens, int64_t steps, int64_t vec_bytes) {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-const char* kTensorNames[] = {"q",      "k",      "v",     "positions", "slots",
-                              "k_pool", "v_pool", "q_rot", "k_rot"};
+const char* kTensorNames[] = {"q",      "k",      "v",     "positions",     "slots",
+                              "k_pool", "v_pool", "q_rot", "k_rot",         "cos_sin_cache",
+                              "q_norm_weight",    "k_norm_weight"};
 
 }  // namespace
 
 bool available() { return true; }
 
 void check_addressable(const RopePoolTensors& t) {
-  const DLTensor* all[] = {&t.q,      &t.k,      &t.v,     &t.positions, &t.slots,
-                           &t.k_pool, &t.v_pool, &t.q_rot, &t.k_rot};
+  const DLTensor* all[] = {&t.q,      &t.k,      &t.v,      &t.positions,     &t.slots,
+                           &t.k_pool, &t.v_pool, &t.q_rot,  &t.k_rot,         &t.cos_sin_cache,
+                           &t.q_norm_weight,     &t.k_norm_weight};
   RelaxedCapture relaxed;
-  for (int a = 0; a < 9; ++a) {
+  for (int a = 0; a < 12; ++a) {
     const DLTensor& x = *all[a];
+    if (a >= 9 && x.data == nullptr && x.ndim == 0) continue;  // an absent optional tensor
     int64_t n = 1;
     for (int d = 0; d < x.ndim; ++d) n *= x.shape[d];
     if (n == 0) continue;
@@ -329,15 +361,20 @@ void run(const Problem& p, const ExecOptions& options) {
   prm.slot64 = p.slot_type == IndexType::kI64;
 
   const int64_t esize = element_size(p.dtype);
+  const bool plain = is_plain(p);
   bool contig = true;
   int vec = 1;
-  for (int64_t bytes = 16; bytes >= 2; bytes /= 2) {
-    const int64_t v = bytes / esize;
-    if (v < 2) break;  // one element: the strided kernel does the same work
-    if (vector_ok(p, v, esize)) {
-      vec = static_cast<int>(v);
-      break;
+  if (plain) {
+    for (int64_t bytes = 16; bytes >= 2; bytes /= 2) {
+      const int64_t v = bytes / esize;
+      if (v < 2) break;  // one element: the strided kernel does the same work
+      if (vector_ok(p, v, esize, esize)) {
+        vec = static_cast<int>(v);
+        break;
+      }
     }
+  } else if (vector_ok(p, 16 / esize, esize, element_size(p.pool_type))) {
+    vec = static_cast<int>(16 / esize);  // the options kernel: 16 bytes or strided
   }
   if (vec == 1) contig = false;
 
@@ -358,17 +395,29 @@ void run(const Problem& p, const ExecOptions& options) {
   if (heads > INT_MAX / 4 || p.head_dim > INT_MAX / 4)
     throw Error("num_qo_heads + 2*num_kv_heads and head_dim must fit in 29 bits");
   const int64_t steps = ceil_div(heads, heads_par);
-  const int unroll = contig ? choose_unroll(p.num_tokens, steps, vec * esize) : 4;
+  int unroll = contig ? choose_unroll(p.num_tokens, steps, vec * esize) : 4;
+  if (!plain) unroll = !contig ? 1 : (unroll <= 2 ? 2 : 4);  // the options kernel's variants
   const int64_t batches = ceil_div(steps, unroll);
   // The teams of one token share a block (and its cos/sin) when they fit.
   int64_t per_block =
       std::max<int64_t>(1, std::min(batches, detail::max_block(unroll) / lanes));
   const int64_t blocks_per_token = ceil_div(batches, per_block);
   per_block = ceil_div(batches, blocks_per_token);
-  const size_t smem = static_cast<size_t>(p.rotary_dim) * sizeof(float);  // cos + sin
+  size_t smem = static_cast<size_t>(p.rotary_dim) * sizeof(float);  // cos + sin
   if (smem > 48 * 1024)
     throw Error("rotary dimension " + std::to_string(p.rotary_dim) +
                 " is too large for the CUDA backend (at most 12288)");
+  const bool norm = p.q_norm.data != nullptr || p.k_norm.data != nullptr;
+  if (norm) {
+    // q and k weights, and a sum of squares per (warp, step) of wide teams.
+    smem += static_cast<size_t>(2 * p.head_dim) * sizeof(float) +
+            static_cast<size_t>(per_block * lanes / 32 * unroll) * sizeof(float);
+    if (smem > 48 * 1024)
+      throw Error("head_dim " + std::to_string(p.head_dim) + " with rotary_dim " +
+                  std::to_string(p.rotary_dim) +
+                  " is too large for QK-norm on the CUDA backend (2 * head_dim + rotary_dim "
+                  "must stay below about 12000)");
+  }
   prm.pair_items = static_cast<int>(pairs);
   prm.items = static_cast<int>(items);
   prm.heads_par = static_cast<int>(heads_par);
@@ -382,6 +431,38 @@ void run(const Problem& p, const ExecOptions& options) {
   l.smem = smem;
   if (l.blocks > INT_MAX) throw Error("too many tokens for one launch");
 
+  if (!plain) {
+    OptParams op;
+    static_cast<Params&>(op) = prm;
+    detail::Options& o = op.o;
+    o.cos_sin = p.cos_sin_cache.data;
+    o.cs_rows = p.cos_sin_cache.rows;
+    o.cs_s0 = p.cos_sin_cache.stride[0];
+    o.cs_s1 = p.cos_sin_cache.stride[1];
+    o.cs_dtype = static_cast<int>(p.cos_sin_cache.dtype);
+    o.q_norm = p.q_norm.data;
+    o.qn_stride = p.q_norm.stride;
+    o.qn_dtype = static_cast<int>(p.q_norm.dtype);
+    o.k_norm = p.k_norm.data;
+    o.kn_stride = p.k_norm.stride;
+    o.kn_dtype = static_cast<int>(p.k_norm.dtype);
+    o.pool_mode = p.pool_type == pool_type_of(p.dtype) ? detail::kPoolSame
+                  : is_fp8(p.pool_type)                 ? detail::kPoolFp8
+                                                        : detail::kPoolF32;
+    o.fp8_kind = static_cast<int>(is_fp8(p.pool_type) ? fp8_kind(p.pool_type) : Fp8Kind::kE4M3);
+    o.interleaved = !p.is_neox;
+    o.head_dim = static_cast<int>(p.head_dim);
+    o.attention_factor = p.attention_factor;
+    o.norm_eps = p.norm_eps;
+    o.k_scale = p.k_scale;
+    o.v_scale = p.v_scale;
+    switch (p.dtype) {
+      case FloatType::kF32: return launch_options_typed<float>(op, contig, unroll, l, stream);
+      case FloatType::kF16: return launch_options_typed<__half>(op, contig, unroll, l, stream);
+      case FloatType::kBF16:
+        return launch_options_typed<__nv_bfloat16>(op, contig, unroll, l, stream);
+    }
+  }
   switch (p.dtype) {
     case FloatType::kF32: return launch_typed<float>(prm, vec, contig, unroll, l, stream);
     case FloatType::kF16: return launch_typed<__half>(prm, vec, contig, unroll, l, stream);
@@ -424,17 +505,26 @@ void check_errors(int device_id, void* stream_ptr) {
   check(cudaMemcpyAsync(&h, rec, sizeof(h), cudaMemcpyDeviceToHost, stream),
         "reading the device error flag");
   check(cudaStreamSynchronize(stream), "reading the device error flag");
-  if (h.count == 0) return;
+  if (h.count == 0 && h.pos_count == 0) return;
   const ErrorRecord init = initial_record();
   check(cudaMemcpyAsync(rec, &init, sizeof(init), cudaMemcpyHostToDevice, stream),
         "clearing the device error flag");
   check(cudaStreamSynchronize(stream), "clearing the device error flag");
-  throw Error("slots[" + std::to_string(h.token) + "] = " + std::to_string(h.slot) +
-              " is out of range for a pool of " + std::to_string(h.pool_size) +
-              " rows (k_pool.shape[0]); the CUDA kernel skipped the pool writes of " +
-              std::to_string(h.count) +
-              " token(s) with such slots since the last check (their pool rows were not "
-              "written; q_rot and k_rot were)");
+  std::string slots;
+  if (h.count != 0)
+    slots = "slots[" + std::to_string(h.token) + "] = " + std::to_string(h.slot) +
+            " is out of range for a pool of " + std::to_string(h.pool_size) +
+            " rows (k_pool.shape[0]); the CUDA kernel skipped the pool writes of " +
+            std::to_string(h.count) +
+            " token(s) with such slots since the last check (their pool rows were not "
+            "written; q_rot and k_rot were)";
+  if (h.pos_count == 0) throw Error(slots);
+  // Positions first, as the CPU's validation checks them first.
+  throw Error(position_error(h.pos_token, h.position, h.rows) +
+              "; the CUDA kernel skipped " + std::to_string(h.pos_count) +
+              " token(s) with such positions since the last check (nothing of them was "
+              "written: not q_rot, k_rot nor their pool rows)" +
+              (slots.empty() ? std::string() : "; also " + slots));
 }
 
 }  // namespace cuda

@@ -22,6 +22,18 @@
 // Out-of-range slots (>= pool_size) are never written: the token's pool
 // writes are skipped and one thread per token records it in the per-device
 // ErrorRecord that check_errors reads.
+//
+// Calls with options (interleaved pairs, yarn's attention factor, a
+// cos_sin_cache, QK-norm, float32 or fp8 pools) run rope_pool_options_kernel:
+// the same decomposition and loads, one instantiation per vector width that
+// branches on the (block-uniform) options at run time, so the plain kernel
+// stays as it is. Interleaved pairs (2i, 2i+1) keep the chunk layout: chunk c
+// is the 2N elements from 2cN, loaded as two N-vectors whose adjacent
+// elements pair up, with the same N frequencies cN.. as a NeoX chunk. The
+// QK-norm's sum of squares is reduced over the lanes of a head with shuffles
+// (and, for teams wider than a warp, through shared memory at the cos/sin
+// barrier) before any lane writes; a position outside the cos_sin_cache
+// skips the whole token (the block's threads agree: one token per block).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -30,6 +42,7 @@
 
 #include <cstdint>
 
+#include "common/fp8.h"
 #include "common/sincos.h"
 
 namespace ropekv {
@@ -49,13 +62,19 @@ struct Tensor3 {
 };
 
 /// The device-side error flag of one device: tokens whose slot was >= the
-/// pool size since the last check, and the smallest such token's details.
+/// pool size since the last check, and the smallest such token's details;
+/// then the same for positions outside a cos_sin_cache (options kernel).
 struct ErrorRecord {
   unsigned int count;
   int lock;
   long long token;  // LLONG_MAX when no error is recorded
   long long slot;
   long long pool_size;
+  unsigned int pos_count;
+  int unused;
+  long long pos_token;  // LLONG_MAX when no error is recorded
+  long long position;
+  long long rows;
 };
 
 struct Params {
@@ -76,6 +95,34 @@ struct Params {
   int teams_per_block;
   int blocks_per_token;
   int num_batches;       // batches per token
+};
+
+/// How the options kernel writes a pool element.
+enum PoolMode : int {
+  kPoolSame = 0,  // q's dtype: the bits of k_rot / v
+  kPoolF32 = 1,   // float32 pool: exact widening
+  kPoolFp8 = 2,   // uint8 pool: encode_fp8(x / scale)
+};
+
+/// The options of a call that is not plain (see is_plain in problem.h).
+struct Options {
+  const void* cos_sin;  // [rows, R] table, or nullptr: sincos of the angle
+  const void* q_norm;   // [D] QK-norm weights, or nullptr: no norm of q
+  const void* k_norm;   // likewise for k
+  long long cs_rows, cs_s0, cs_s1;
+  long long qn_stride, kn_stride;
+  int cs_dtype, qn_dtype, kn_dtype;  // FloatType codes: 0 f32, 1 f16, 2 bf16
+  int pool_mode;                     // PoolMode
+  int fp8_kind;                      // Fp8Kind of a kPoolFp8 pool
+  int interleaved;                   // pairs (2i, 2i+1) instead of (i, i + half)
+  int head_dim;
+  float attention_factor;  // multiplies cos and sin (1 = off)
+  float norm_eps;
+  float k_scale, v_scale;  // fp8 pools: stored = encode(x / scale)
+};
+
+struct OptParams : Params {
+  Options o;
 };
 
 // ------------------------------------------------------------------ vectors
@@ -248,14 +295,32 @@ __device__ __forceinline__ T* at(const Tensor3& a, long long row, int h) {
   return static_cast<T*>(a.data) + row * a.s0 + h * a.s1;
 }
 
-// One chunk of one team: the loads of its U steps.
-template <class T, int N, bool kContig, int U>
+// Element offsets of chunk c's vectors in a head: the pair (off1, off2) of
+// a rotated chunk, or the one tail vector at off1. Interleaved pairs (options
+// kernel) put a chunk's two vectors side by side at 2cN.
+template <int N>
+__device__ __forceinline__ void options_offsets(const Params& p, int c, bool interleaved,
+                                                int* off1, int* off2) {
+  const bool pair = c < p.pair_items;
+  *off1 = pair ? (interleaved ? 2 * c * N : c * N) : p.rotary_dim + (c - p.pair_items) * N;
+  *off2 = interleaved ? 2 * c * N + N : p.half + c * N;
+}
+
+// One chunk of one team: the loads of its U steps. kOpt: the options
+// kernel's (run-time) layout of pairs.
+template <class T, int N, bool kContig, int U, bool kOpt = false>
 __device__ __forceinline__ void load_batch(const Params& p, long long t, int first_vh, int hp,
-                                           int c, Vec<T, N> (&a)[U], Vec<T, N> (&b)[U]) {
+                                           int c, Vec<T, N> (&a)[U], Vec<T, N> (&b)[U],
+                                           bool interleaved = false) {
   const int Hq = p.num_qo_heads, Hk = p.num_kv_heads, HP = p.heads_par;
   const bool pair = c < p.pair_items;
-  const int off1 = pair ? c * N : p.rotary_dim + (c - p.pair_items) * N;
-  const int off2 = p.half + c * N;
+  int off1, off2;
+  if constexpr (kOpt) {
+    options_offsets<N>(p, c, interleaved, &off1, &off2);
+  } else {
+    off1 = pair ? c * N : p.rotary_dim + (c - p.pair_items) * N;
+    off2 = p.half + c * N;
+  }
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int vh = first_vh + u * HP + hp;
@@ -358,6 +423,433 @@ __global__ void __launch_bounds__(max_block(U)) rope_pool_kernel(const __grid_co
     c += TL;
     if (c >= items) break;
     load_batch<T, N, kContig, U>(p, t, first_vh, hp, c, a, b);
+  }
+}
+
+// ------------------------------------------------------------------ options
+
+// A vector as N floats (exact) and back (each rounded once, nearest even).
+template <class T, int N>
+__device__ __forceinline__ void to_floats(const Vec<T, N>& v, float (&x)[N]) {
+  if constexpr (sizeof(T) == 4) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) x[j] = __uint_as_float(v.w[j]);
+  } else if constexpr (N == 1) {
+    x[0] = to_f32(v.v);
+  } else {
+#pragma unroll
+    for (int j = 0; j < N / 2; ++j) {
+      const float2 f = unpack2(v.w[j], T());
+      x[2 * j] = f.x;
+      x[2 * j + 1] = f.y;
+    }
+  }
+}
+
+template <class T, int N>
+__device__ __forceinline__ Vec<T, N> from_floats(const float (&x)[N]) {
+  Vec<T, N> v;
+  if constexpr (sizeof(T) == 4) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) v.w[j] = __float_as_uint(x[j]);
+  } else if constexpr (N == 1) {
+    v.v = from_f32(x[0], T());
+  } else {
+#pragma unroll
+    for (int j = 0; j < N / 2; ++j) v.w[j] = pack2(make_float2(x[2 * j], x[2 * j + 1]), T());
+  }
+  return v;
+}
+
+// Element i of a float vector of dtype code 0 f32, 1 f16, 2 bf16, widened.
+__device__ __forceinline__ float load_float(const void* base, long long i, int dtype) {
+  if (dtype == 0) return __ldg(static_cast<const float*>(base) + i);
+  const unsigned int u = __ldg(static_cast<const unsigned short*>(base) + i);
+  if (dtype == 2) return __uint_as_float(u << 16);
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(u)));
+}
+
+__device__ __noinline__ void report_bad_position(ErrorRecord* e, long long t, long long position,
+                                                 long long rows) {
+  atomicAdd(&e->pos_count, 1u);
+  while (atomicCAS(&e->lock, 0, 1) != 0) __nanosleep(64);
+  __threadfence();
+  volatile ErrorRecord* ve = e;
+  if (t < ve->pos_token) {
+    ve->pos_token = t;
+    ve->position = position;
+    ve->rows = rows;
+  }
+  __threadfence();
+  atomicExch(&e->lock, 0);
+}
+
+// Writes the N values of v (already rounded to T) at element `off` of pool
+// row (row, h) in the pool's format. 16-byte kernel: one vector store of
+// N * pool-element bytes (two for float32 pools of 16-bit inputs).
+template <class T, int N, bool kContig>
+__device__ __forceinline__ void store_pool(const Tensor3& y, const Options& o, long long row,
+                                           int h, int off, const Vec<T, N>& v, float scale) {
+  if (o.pool_mode == kPoolSame) {
+    store_vec<T, N, kContig>(at<T>(y, row, h) + (kContig ? off : off * y.s2), v);
+    return;
+  }
+  float x[N];
+  to_floats<T, N>(v, x);
+  if (o.pool_mode == kPoolF32) {
+    float* dst = at<float>(y, row, h) + (kContig ? off : off * y.s2);
+    if constexpr (kContig) {
+      static_assert(N % 4 == 0, "the options kernel's vectors hold 16 bytes");
+#pragma unroll
+      for (int j = 0; j < N; j += 4)
+        *reinterpret_cast<float4*>(dst + j) = make_float4(x[j], x[j + 1], x[j + 2], x[j + 3]);
+    } else {
+      *dst = x[0];
+    }
+    return;
+  }
+  // fp8: an IEEE division by the scale, then the encoder the CPU uses.
+  const Fp8Kind kind = static_cast<Fp8Kind>(o.fp8_kind);
+  unsigned int code[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) code[j] = encode_fp8(__fdiv_rn(x[j], scale), kind);
+  unsigned char* dst = at<unsigned char>(y, row, h) + (kContig ? off : off * y.s2);
+  if constexpr (kContig) {
+    unsigned int w[N / 4];
+#pragma unroll
+    for (int j = 0; j < N / 4; ++j)
+      w[j] = code[4 * j] | code[4 * j + 1] << 8 | code[4 * j + 2] << 16 | code[4 * j + 3] << 24;
+    if constexpr (N == 8) {
+      *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+    } else {
+      *reinterpret_cast<unsigned int*>(dst) = w[0];
+    }
+  } else {
+    *dst = static_cast<unsigned char>(code[0]);
+  }
+}
+
+// Sum of squares of one chunk's elements (QK-norm), in fp32.
+template <class T, int N>
+__device__ __forceinline__ float sum_squares(const Vec<T, N>& a, const Vec<T, N>& b, bool pair) {
+  float x[N];
+  float s = 0.0f;
+  to_floats<T, N>(a, x);
+#pragma unroll
+  for (int j = 0; j < N; ++j) s = __fmaf_rn(x[j], x[j], s);
+  if (pair) {
+    to_floats<T, N>(b, x);
+#pragma unroll
+    for (int j = 0; j < N; ++j) s = __fmaf_rn(x[j], x[j], s);
+  }
+  return s;
+}
+
+// Adds to ss[u] the squares of the lane's chunk c of each q/k head of the
+// batch that has a QK-norm weight.
+template <class T, int N, int U>
+__device__ __forceinline__ void add_squares(const OptParams& p, int first_vh, int hp, int c,
+                                            const Vec<T, N> (&a)[U], const Vec<T, N> (&b)[U],
+                                            float (&ss)[U]) {
+  const int Hq = p.num_qo_heads, Hk = p.num_kv_heads, HP = p.heads_par;
+  const bool pair = c < p.pair_items;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int vh = first_vh + u * HP + hp;
+    if (vh >= Hq + 2 * Hk) continue;
+    int h;
+    const int kind = kind_of(vh, Hq, Hk, &h);
+    if (kind == 0 ? p.o.q_norm != nullptr : (kind == 1 && p.o.k_norm != nullptr))
+      ss[u] += sum_squares<T, N>(a[u], b[u], pair);
+  }
+}
+
+// a[u] for a run-time u, by selects (no local-memory array).
+template <class T, int N, int U>
+__device__ __forceinline__ Vec<T, N> pick(const Vec<T, N> (&a)[U], int u) {
+  Vec<T, N> r = a[0];
+#pragma unroll
+  for (int k = 1; k < U; ++k)
+    if (u == k) r = a[k];
+  return r;
+}
+
+// N weights from shared memory (16-byte aligned in the contiguous kernel).
+template <int N, bool kContig>
+__device__ __forceinline__ void load_weights(const float* w, float (&x)[N]) {
+  if constexpr (kContig) {
+#pragma unroll
+    for (int j = 0; j < N; j += 4) {
+      const float4 f = *reinterpret_cast<const float4*>(w + j);
+      x[j] = f.x;
+      x[j + 1] = f.y;
+      x[j + 2] = f.z;
+      x[j + 3] = f.w;
+    }
+  } else {
+    x[0] = w[0];
+  }
+}
+
+// The options kernel's store of one chunk: QK-norm when `norm` (r[u] and the
+// weights wq / wk in shared memory; 1 for a tensor without weights, which
+// leaves x as it is), rotation (NeoX or interleaved) in fp32, one rounding
+// to T, then the pools in their format.
+template <class T, int N, bool kContig, int U>
+__device__ __forceinline__ void store_batch_options(const OptParams& p, long long t,
+                                                    long long row, int first_vh, int hp, int c,
+                                                    const float* cs_smem, bool norm,
+                                                    const float* wq, const float* wk,
+                                                    const float (&r)[U], Vec<T, N> (&a)[U],
+                                                    Vec<T, N> (&b)[U]) {
+  const Options& o = p.o;
+  const int Hq = p.num_qo_heads, Hk = p.num_kv_heads, HP = p.heads_par;
+  const bool pair = c < p.pair_items;
+  const bool interleaved = o.interleaved != 0;
+  int off1, off2;
+  options_offsets<N>(p, c, interleaved, &off1, &off2);
+  float cs_c[N], cs_s[N];
+  if (pair) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      cs_c[j] = cs_smem[c * N + j];
+      cs_s[j] = cs_smem[p.half + c * N + j];
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int vh = first_vh + u * HP + hp;
+    if (vh >= Hq + 2 * Hk) continue;
+    int h;
+    const int kind = kind_of(vh, Hq, Hk, &h);
+    if (kind != 2) {
+      float xa[N], xb[N];
+      to_floats<T, N>(a[u], xa);
+      if (pair) to_floats<T, N>(b[u], xb);
+      if (norm) {
+        const float* w = kind == 0 ? wq : wk;
+        float wv[N];
+        load_weights<N, kContig>(w + off1, wv);
+#pragma unroll
+        for (int j = 0; j < N; ++j) xa[j] = __fmul_rn(__fmul_rn(xa[j], r[u]), wv[j]);
+        if (pair) {
+          load_weights<N, kContig>(w + off2, wv);
+#pragma unroll
+          for (int j = 0; j < N; ++j) xb[j] = __fmul_rn(__fmul_rn(xb[j], r[u]), wv[j]);
+        }
+      }
+      if (pair) {
+        if (N > 1 && interleaved) {
+          // xa holds pairs cN + j, xb pairs cN + N/2 + j, each (x[2i], x[2i+1]).
+#pragma unroll
+          for (int j = 0; j < N / 2; ++j) {
+            const float a1 = xa[2 * j], a2 = xa[2 * j + 1];
+            xa[2 * j] = rot1(a1, a2, cs_c[j], cs_s[j]);
+            xa[2 * j + 1] = rot2(a1, a2, cs_c[j], cs_s[j]);
+            const float b1 = xb[2 * j], b2 = xb[2 * j + 1];
+            xb[2 * j] = rot1(b1, b2, cs_c[N / 2 + j], cs_s[N / 2 + j]);
+            xb[2 * j + 1] = rot2(b1, b2, cs_c[N / 2 + j], cs_s[N / 2 + j]);
+          }
+        } else {
+          // NeoX, or one interleaved pair (x[2c], x[2c+1]) in the strided kernel.
+#pragma unroll
+          for (int j = 0; j < N; ++j) {
+            const float x1 = xa[j], x2 = xb[j];
+            xa[j] = rot1(x1, x2, cs_c[j], cs_s[j]);
+            xb[j] = rot2(x1, x2, cs_c[j], cs_s[j]);
+          }
+        }
+      }
+      a[u] = from_floats<T, N>(xa);
+      if (pair) b[u] = from_floats<T, N>(xb);
+      const Tensor3& y = kind == 0 ? p.q_rot : p.k_rot;
+      T* dst = at<T>(y, t, h);
+      const long long s2 = kContig ? 1 : y.s2;
+      store_vec<T, N, kContig>(dst + off1 * s2, a[u]);
+      if (pair) store_vec<T, N, kContig>(dst + off2 * s2, b[u]);
+    }
+  }
+  if (row < 0) return;
+  // The pool rows: k_rot's values (now in a, b) and v's. One store site in a
+  // loop over the steps and the two vectors, which picks its vector from the
+  // registers: the fp8 encoder is long, and U * 4 copies of it cost compile
+  // time for nothing.
+#pragma unroll 1
+  for (int u = 0; u < U; ++u) {
+    const int vh = first_vh + u * HP + hp;
+    if (vh >= Hq + 2 * Hk) break;
+    int h;
+    const int kind = kind_of(vh, Hq, Hk, &h);
+    if (kind == 0) continue;
+    const Tensor3& y = kind == 1 ? p.k_pool : p.v_pool;
+    const float scale = kind == 1 ? o.k_scale : o.v_scale;
+#pragma unroll 1
+    for (int e = 0; e < (pair ? 2 : 1); ++e)
+      store_pool<T, N, kContig>(y, o, row, h, e ? off2 : off1, e ? pick(b, u) : pick(a, u), scale);
+  }
+}
+
+// The kernel of calls with options: rope_pool_kernel's decomposition, with
+// the options as run-time branches on uniform parameters. Dynamic shared
+// memory: cos[half], sin[half]; with a QK-norm also q and k weights [D] each
+// (fp32) and a sum of squares per (warp, step) for teams wider than a warp.
+template <class T, int N, bool kContig, int U>
+__global__ void __launch_bounds__(max_block(U))
+    rope_pool_options_kernel(const __grid_constant__ OptParams p) {
+  extern __shared__ float4 smem4[];  // float4: 16-byte aligned weights
+  float* smem = reinterpret_cast<float*>(smem4);
+  const Options& o = p.o;
+  const int tid = threadIdx.x;
+  long long t = blockIdx.x;
+  int j = 0;
+  if (p.blocks_per_token > 1) {
+    t = blockIdx.x / p.blocks_per_token;
+    j = static_cast<int>(blockIdx.x - t * p.blocks_per_token);
+  }
+  const int TL = p.team_lanes, items = p.items, HP = p.heads_par;
+  const int lane = tid & (TL - 1);
+  const int batch = j * p.teams_per_block + tid / TL;
+  const int hp = HP > 1 ? lane / items : 0;
+  const int c0 = HP > 1 ? lane - hp * items : lane;
+  // No early return: every thread reaches the shuffles and the barrier.
+  const bool active = hp < HP && batch < p.num_batches && c0 < items;
+  const int first_vh = batch * U * HP;
+  const bool interleaved = o.interleaved != 0;
+
+  const long long slot = load_index(p.slots, p.slot_stride, p.slot64, t);
+  const long long position = load_index(p.positions, p.pos_stride, p.pos64, t);
+
+  Vec<T, N> a[U], b[U];
+  if (active) load_batch<T, N, kContig, U, true>(p, t, first_vh, hp, c0, a, b, interleaved);
+
+  float* cs_smem = smem;
+  const int D = o.head_dim;
+  const bool norm = o.q_norm != nullptr || o.k_norm != nullptr;
+  float* wq = smem + p.rotary_dim;  // with a QK-norm: the weights of q, k
+  float* wk = wq + D;
+  float* partial = wk + D;
+  // A position outside the table skips the token: the same for the block.
+  bool skip = false;
+  if (o.cos_sin != nullptr) {
+    skip = position < 0 || position >= o.cs_rows;
+    if (!skip) {
+      const long long base = position * o.cs_s0;
+      for (int i = tid; i < p.half; i += blockDim.x) {
+        cs_smem[i] = load_float(o.cos_sin, base + i * o.cs_s1, o.cs_dtype);
+        cs_smem[p.half + i] = load_float(o.cos_sin, base + (p.half + i) * o.cs_s1, o.cs_dtype);
+      }
+    } else if (j == 0 && tid == 0) {
+      report_bad_position(p.err, t, position, o.cs_rows);
+    }
+  } else {
+    const float pos = static_cast<float>(position);
+    const float m = o.attention_factor;
+    for (int i = tid; i < p.half; i += blockDim.x) {
+      float s, c;
+      sincos_fp32(__fmul_rn(pos, __ldg(p.inv_freq + i)), &s, &c);
+      if (m != 1.0f) {
+        c = __fmul_rn(c, m);
+        s = __fmul_rn(s, m);
+      }
+      cs_smem[i] = c;
+      cs_smem[p.half + i] = s;
+    }
+  }
+  if (norm) {
+    for (int i = tid; i < D; i += blockDim.x) {
+      wq[i] = o.q_norm ? load_float(o.q_norm, i * o.qn_stride, o.qn_dtype) : 1.0f;
+      wk[i] = o.k_norm ? load_float(o.k_norm, i * o.kn_stride, o.kn_dtype) : 1.0f;
+    }
+  }
+  if (!skip && slot >= p.pool_size && j == 0 && tid == 0)
+    report_bad_slot(p.err, t, slot, p.pool_size);
+
+  // QK-norm: each lane's sum of squares over its chunks, then over the lanes
+  // of the head, in a fixed order (the result does not depend on timing).
+  float ss[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) ss[u] = 0.0f;
+  if (norm) {
+    if (active) {
+      add_squares<T, N, U>(p, first_vh, hp, c0, a, b, ss);
+      // A head wider than the team: its other chunks are read here and again
+      // below, by this lane only (in place stays safe).
+      for (int c = c0 + TL; c < items; c += TL) {
+#pragma unroll 1
+        for (int u = 0; u < U; ++u) {  // rare: one step at a time, short code
+          Vec<T, N> a2[1], b2[1];
+          float s[1] = {0.0f};
+          load_batch<T, N, kContig, 1, true>(p, t, first_vh + u * HP, hp, c, a2, b2, interleaved);
+          add_squares<T, N, 1>(p, first_vh + u * HP, hp, c, a2, b2, s);
+#pragma unroll
+          for (int k = 0; k < U; ++k)
+            if (k == u) ss[k] += s[0];
+        }
+      }
+    }
+    // Within a warp: a tree over the head's lanes (a segment of `items`
+    // lanes of a one-warp team, or the whole warp of a wider team), summed
+    // into the segment's first lane and broadcast.
+    const int wl = tid & 31;
+    const int seg = TL == 32 ? items : 32;
+    const int off = TL == 32 ? c0 : wl;
+    for (int d = 1; d < seg; d <<= 1) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float other = __shfl_down_sync(0xFFFFFFFFu, ss[u], d);
+        if (off + d < seg) ss[u] += other;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) ss[u] = __shfl_sync(0xFFFFFFFFu, ss[u], wl - off);
+    if (TL > 32 && wl == 0) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) partial[(tid >> 5) * U + u] = ss[u];
+    }
+  }
+  __syncthreads();
+  if (!active || skip) return;
+
+  float r[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) r[u] = 1.0f;
+  if (norm) {
+    if (TL > 32) {
+      const int w0 = (tid - lane) >> 5;  // the team's first warp
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        float s = 0.0f;
+        for (int w = 0; w < TL / 32; ++w) s += partial[(w0 + w) * U + u];
+        ss[u] = s;
+      }
+    }
+    // r = 1 / sqrt(ss / D + eps), each step correctly rounded (one copy of
+    // the IEEE division and square root: a loop, the values picked).
+    // A head without weights keeps r = 1.
+#pragma unroll 1
+    for (int u = 0; u < U; ++u) {
+      const int vh = first_vh + u * HP + hp;
+      int h;
+      const int kind = kind_of(vh, p.num_qo_heads, p.num_kv_heads, &h);
+      if (kind == 2 || (kind == 0 ? o.q_norm : o.k_norm) == nullptr) continue;
+      float x = ss[0];
+#pragma unroll
+      for (int k = 1; k < U; ++k)
+        if (k == u) x = ss[k];
+      x = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(x, static_cast<float>(D)), o.norm_eps)));
+#pragma unroll
+      for (int k = 0; k < U; ++k)
+        if (k == u) r[k] = x;
+    }
+  }
+
+  const long long row = slot >= 0 && slot < p.pool_size ? slot : -1;
+  for (int c = c0;;) {
+    store_batch_options<T, N, kContig, U>(p, t, row, first_vh, hp, c, cs_smem, norm, wq, wk, r,
+                                          a, b);
+    c += TL;
+    if (c >= items) break;
+    load_batch<T, N, kContig, U, true>(p, t, first_vh, hp, c, a, b, interleaved);
   }
 }
 
