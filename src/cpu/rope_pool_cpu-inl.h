@@ -12,7 +12,9 @@
 
 #include <hwy/highway.h>
 
+#include "common/fp8.h"
 #include "common/sincos.h"
+#include "problem.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace ropekv {
@@ -29,6 +31,22 @@ using DI32 = hn::RebindToSigned<DF>;
 using VF = hn::Vec<DF>;
 
 using VU16 = hn::Vec<DU16>;
+
+// Row (t, h) of a [rows, heads, D] view.
+template <class T>
+HWY_INLINE T* Row(const View3& a, int64_t r, int64_t h) {
+  return static_cast<T*>(a.data) + r * a.stride[0] + h * a.stride[1];
+}
+
+template <class T>
+void Gather(const T* src, int64_t stride, int64_t n, T* dst) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = src[d * stride];
+}
+
+template <class T>
+void Scatter(const T* src, int64_t n, T* dst, int64_t stride) {
+  for (int64_t d = 0; d < n; ++d) dst[d * stride] = src[d];
+}
 
 // Each storage type: Load (to fp32), Pack (fp32 to the storage vector,
 // rounded), Put (store a packed vector; kStream = non-temporal, the address
@@ -158,6 +176,57 @@ struct F16 {
   static HWY_INLINE void Put(VU16 v, T* p) { Put16<kStream>(v, p); }
   static HWY_INLINE void Store(VF v, T* p) { Put16<false>(Pack(v), p); }
 };
+
+// fp8 (OCP E4M3 "fn" / E5M2) of fp32 lanes, bit for bit common/fp8.h's
+// encode_fp8: round to nearest even, saturate to the largest finite value
+// (Inf included), NaN -> 0x7F with the input's sign. One byte per lane.
+using DU8 = hn::Rebind<uint8_t, DF>;
+
+template <Fp8Kind kKind>
+struct Fp8Consts;
+template <>
+struct Fp8Consts<Fp8Kind::kE4M3> {
+  static constexpr int kMantissa = 3, kBias = 7;
+  static constexpr float kMax = 448.0f;
+  static constexpr uint32_t kMaxCode = 0x7E;
+};
+template <>
+struct Fp8Consts<Fp8Kind::kE5M2> {
+  static constexpr int kMantissa = 2, kBias = 15;
+  static constexpr float kMax = 57344.0f;
+  static constexpr uint32_t kMaxCode = 0x7B;
+};
+
+template <Fp8Kind kKind>
+HWY_INLINE hn::Vec<DU8> EncodeFp8(VF x) {
+  using C = Fp8Consts<kKind>;
+  constexpr int kShift = 23 - C::kMantissa;
+  const DU32 du;
+  const DI32 di;
+  const DF df;
+  const auto u = hn::BitCast(du, x);
+  const auto sign = hn::And(hn::ShiftRight<24>(u), hn::Set(du, 0x80u));
+  const auto a = hn::And(u, hn::Set(du, 0x7FFFFFFFu));  // |x| bits, < 2^31: signed compares
+  const auto ax = hn::BitCast(df, a);
+  // Below the smallest normal: quanta of 2^(1 - bias - M), rounded to the
+  // nearest integer (ties to even); the scaling is exact.
+  const auto scaled =
+      hn::Mul(ax, hn::Set(df, static_cast<float>(1u << (C::kBias + C::kMantissa - 1))));
+  const auto sub = hn::BitCast(du, hn::ConvertTo(di, hn::Round(scaled)));
+  // Normal: the mantissa rounded to M bits in integers, exponent rebiased.
+  const auto odd = hn::And(hn::ShiftRight<kShift>(a), hn::Set(du, 1u));
+  const auto r =
+      hn::ShiftRight<kShift>(hn::Add(hn::Add(a, hn::Set(du, (1u << (kShift - 1)) - 1u)), odd));
+  const auto norm = hn::Sub(r, hn::Set(du, static_cast<uint32_t>(127 - C::kBias) << C::kMantissa));
+  const auto ai = hn::BitCast(di, a);
+  auto code = hn::IfThenElse(
+      hn::RebindMask(du, hn::Lt(ai, hn::Set(di, (128 - C::kBias) << 23))), sub, norm);
+  code = hn::IfThenElse(hn::RebindMask(du, hn::Gt(ax, hn::Set(df, C::kMax))),
+                        hn::Set(du, C::kMaxCode), code);
+  code = hn::IfThenElse(hn::RebindMask(du, hn::Gt(ai, hn::Set(di, 0x7F800000))),
+                        hn::Set(du, 0x7Fu), code);
+  return hn::U8FromU32(hn::Or(code, sign));
+}
 
 // sin/cos of `count` fp32 angles (count a multiple of Lanes(DF)), the vector
 // form of common/sincos.h: reduction by pi/2 in f64 lanes, polynomials in f64

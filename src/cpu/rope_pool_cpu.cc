@@ -27,6 +27,7 @@
 #include <hwy/cache_control.h>
 #include <hwy/highway.h>
 
+#include "cpu/rope_options-inl.h"
 #include "cpu/rope_pool_cpu-inl.h"
 #include "cpu/scratch.h"
 
@@ -94,21 +95,6 @@ HWY_INLINE void StreamCopy(const typename Ops::T* HWY_RESTRICT src, typename Ops
   const uint8_t* s = reinterpret_cast<const uint8_t*>(src);
   uint8_t* d = reinterpret_cast<uint8_t*>(dst);
   for (int64_t i = 0; i < bytes; i += n) hn::Stream(hn::LoadU(d8, s + i), d8, d + i);
-}
-
-template <class T>
-HWY_INLINE T* Row(const View3& a, int64_t r, int64_t h) {
-  return static_cast<T*>(a.data) + r * a.stride[0] + h * a.stride[1];
-}
-
-template <class T>
-void Gather(const T* src, int64_t stride, int64_t n, T* dst) {
-  for (int64_t d = 0; d < n; ++d) dst[d] = src[d * stride];
-}
-
-template <class T>
-void Scatter(const T* src, int64_t n, T* dst, int64_t stride) {
-  for (int64_t d = 0; d < n; ++d) dst[d * stride] = src[d];
 }
 
 // One head of q or k whose rows are not all contiguous: gathered into a
@@ -278,6 +264,24 @@ void ProcessHeads(const Problem& p, const float* c, const float* s, int64_t t, i
   }
 }
 
+// The options path (every call that is not is_plain): see rope_options-inl.h.
+void ProcessOptions(const OptWork& w) {
+  switch (w.p->dtype) {
+    case FloatType::kF32: return RunOptions<F32>(w);
+    case FloatType::kF16: return RunOptions<F16>(w);
+    case FloatType::kBF16:
+#if defined(ROPEKV_HAVE_BF16_NATIVE)
+      if (CpuHasAvx512Bf16()) return RunOptions<BF16Native>(w);
+#endif
+      return RunOptions<BF16>(w);
+  }
+}
+
+void OptionsCosSinTable(const Problem& p, const OptionData& od, float* table, int64_t stride,
+                        const Scratch& sc) {
+  CosSinTableOpt(p, od, table, stride, sc);
+}
+
 const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
 
 }  // namespace HWY_NAMESPACE
@@ -292,6 +296,8 @@ namespace cpu {
 HWY_EXPORT(ProcessTokens);
 HWY_EXPORT(SinCosTable);
 HWY_EXPORT(ProcessHeads);
+HWY_EXPORT(ProcessOptions);
+HWY_EXPORT(OptionsCosSinTable);
 HWY_EXPORT(TargetName);
 
 namespace {
@@ -328,11 +334,21 @@ const float* inv_freq_table(const FreqSpec& spec) {
 Scratch thread_scratch(const Problem& p) {
   thread_local std::vector<float> buf;
   const int64_t hp = round_up(p.rotary_dim / 2, kPad);
+  const int64_t rp = round_up(p.rotary_dim, kPad);
   const int64_t dp = round_up(p.head_dim, kPad);
-  const size_t need = static_cast<size_t>(3 * hp + 2 * dp + 64);
+  const size_t need = static_cast<size_t>(2 * rp + 3 * hp + 3 * dp + 64);
   if (buf.size() < need) buf.resize(need);
   float* b = buf.data();
-  return Scratch{b, b + hp, b + 2 * hp, b + 3 * hp, b + 3 * hp + dp};
+  Scratch sc;
+  sc.cos = b;
+  sc.sin = b + rp;
+  sc.theta = b + 2 * rp;
+  sc.row_in = b + 2 * rp + hp;
+  sc.row_out = b + 2 * rp + hp + dp;
+  sc.half_cos = b + 2 * rp + hp + 2 * dp;
+  sc.half_sin = b + 2 * rp + 2 * hp + 2 * dp;
+  sc.row_pool = b + 2 * rp + 3 * hp + 2 * dp;
+  return sc;
 }
 
 int64_t bytes_moved(const Problem& p) {
@@ -345,9 +361,116 @@ int64_t bytes_written(const Problem& p) {
   return e * p.num_tokens * p.head_dim * (p.num_qo_heads + 3 * p.num_kv_heads);
 }
 
+// Element i of the float array `data` of `dtype`, widened exactly to fp32.
+float widen(const void* data, FloatType dtype, int64_t i) {
+  if (dtype == FloatType::kF32) return static_cast<const float*>(data)[i];
+  const uint16_t h = static_cast<const uint16_t*>(data)[i];
+  uint32_t u;
+  if (dtype == FloatType::kBF16) {
+    u = static_cast<uint32_t>(h) << 16;
+  } else {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    const uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    if (e == 0x1F) {
+      u = sign | 0x7F800000u | (m << 13);  // Inf, NaN
+    } else if (e != 0) {
+      u = sign | ((e + 112u) << 23) | (m << 13);
+    } else {  // zero or subnormal: m * 2^-24, exact in fp32
+      const float f = static_cast<float>(m) * 5.9604644775390625e-8f;
+      std::memcpy(&u, &f, 4);
+      u |= sign;
+    }
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// QK-norm weight w widened to fp32 into out [padded], zeros after D; null
+// when absent.
+const float* widen_weight(const Weight& w, int64_t D, int64_t padded, float* out) {
+  if (w.data == nullptr) return nullptr;
+  for (int64_t d = 0; d < padded; ++d) out[d] = d < D ? widen(w.data, w.dtype, d * w.stride) : 0.0f;
+  return out;
+}
+
+int64_t option_bytes_moved(const Problem& p) {
+  const int64_t e = element_size(p.dtype), pe = element_size(p.pool_type);
+  return p.num_tokens * p.head_dim *
+         (e * (2 * p.num_qo_heads + 3 * p.num_kv_heads) + pe * 2 * p.num_kv_heads);
+}
+
+// Every call that is not is_plain: the same thread plan as the plain path,
+// through the options kernels. Results do not depend on the plan: each
+// element is computed from its own head alone.
+void run_options(const Problem& p, const ExecOptions& options) {
+  OptionData od;
+  if (p.cos_sin_cache.data == nullptr) od.inv_freq = inv_freq_table(p.freq);
+  // The weights once per call, read by every thread. Padded beyond a vector
+  // past D: the kernels' tail vectors read whole vectors.
+  thread_local std::vector<float> weights;
+  const int64_t wp = round_up(p.head_dim, kPad) + kPad;
+  if (weights.size() < static_cast<size_t>(2 * wp)) weights.resize(2 * wp);
+  od.q_norm = widen_weight(p.q_norm, p.head_dim, wp, weights.data());
+  od.k_norm = widen_weight(p.k_norm, p.head_dim, wp, weights.data() + wp);
+
+  const int64_t T = p.num_tokens;
+  const int64_t heads = p.num_qo_heads + p.num_kv_heads;
+  int threads = 1;
+#ifdef _OPENMP
+  threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+#endif
+  const int64_t by_size = std::max<int64_t>(1, option_bytes_moved(p) / kMinBytesPerThread);
+  threads = static_cast<int>(std::min<int64_t>(threads, by_size));
+
+  if (threads <= 1) {
+    const Scratch sc = thread_scratch(p);
+    HWY_DYNAMIC_DISPATCH(ProcessOptions)(
+        OptWork{&p, &od, &sc, 0, T, false, nullptr, nullptr, 0, 0});
+    return;
+  }
+#ifdef _OPENMP
+  if (T >= 2 * threads) {
+#pragma omp parallel num_threads(threads)
+    {
+      const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
+      const int64_t t0 = T * i / n, t1 = T * (i + 1) / n;
+      const Scratch sc = thread_scratch(p);
+      if (t0 < t1)
+        HWY_DYNAMIC_DISPATCH(ProcessOptions)(
+            OptWork{&p, &od, &sc, t0, t1, false, nullptr, nullptr, 0, 0});
+    }
+    return;
+  }
+  // Few large tokens: (token, head-group) units, cos/sin made once here.
+  thread_local std::vector<float> table;
+  const int64_t part = round_up(p.is_neox ? p.rotary_dim / 2 : p.rotary_dim, kPad);
+  const int64_t stride = 2 * part;
+  if (table.size() < static_cast<size_t>(T * stride)) table.resize(T * stride);
+  {
+    const Scratch sc = thread_scratch(p);
+    HWY_DYNAMIC_DISPATCH(OptionsCosSinTable)(p, od, table.data(), stride, sc);
+  }
+  const float* tab = table.data();
+  const int64_t groups = std::min<int64_t>(heads, (2 * threads + T - 1) / T);
+  const int64_t heads_per_group = (heads + groups - 1) / groups;
+  const int64_t units = T * groups;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t t = u / groups, g = u % groups;
+    const int64_t h0 = g * heads_per_group, h1 = std::min(heads, h0 + heads_per_group);
+    const Scratch sc = thread_scratch(p);
+    if (h0 < h1)
+      HWY_DYNAMIC_DISPATCH(ProcessOptions)(
+          OptWork{&p, &od, &sc, t, t + 1, true, tab + t * stride, tab + t * stride + part, h0, h1});
+  }
+#endif
+}
+
 }  // namespace
 
 void run(const Problem& p, const ExecOptions& options) {
+  if (!is_plain(p)) return run_options(p, options);
   const float* inv_freq = inv_freq_table(p.freq);
   const int64_t T = p.num_tokens;
   const int64_t heads = p.num_qo_heads + p.num_kv_heads;
