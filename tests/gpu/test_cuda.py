@@ -524,7 +524,8 @@ def test_second_device_if_present():
 @pytest.mark.parametrize("unroll", [1, 2, 4, 8])
 def test_every_steps_per_team_variant(unroll):
     """The 16-byte kernels come in 1, 2, 4 and 8 steps per team (the library
-    picks by size; ROPEKV_CUDA_UNROLL forces one): each against the CPU."""
+    picks by size; ROPEKV_CUDA_UNROLL forces one), the options kernel in 2
+    and 4: each against the CPU."""
     code = textwrap.dedent("""
         import sys, torch, ropekv
         sys.path.insert(0, %r)
@@ -542,6 +543,12 @@ def test_every_steps_per_team_variant(unroll):
                     mag = abs(ref) + abs(tc.f64(x)).max(axis=-1, keepdims=True)
                     tc.assert_close(g, ref, mag, f"U={%d} {dtype} T={T}")
                 tc.check_pools(cpu[4], gk.cpu(), cpu[2], gkp.cpu(), gvp.cpu(), k0, v0)
+            # The options kernel (U = 2 for 1 and 2, 4 for 4 and 8).
+            tc.run_options(37, 32, 8, 128, dtype, is_neox=False, q_norm=torch.float32,
+                           k_norm=dtype, kv_cache_dtype="fp8_e4m3", k_scale=0.5, what="opt")
+            tc.run_options(9, 16, 2, 1024, dtype, table_dtype=torch.float32, q_norm=dtype,
+                           kv_cache_dtype="float32" if dtype != torch.float32 else "auto",
+                           what="opt wide")
         print("OK")
     """) % (os.path.dirname(os.path.abspath(__file__)), unroll)
     env = dict(os.environ, ROPEKV_CUDA_UNROLL=str(unroll))
@@ -629,3 +636,459 @@ def test_partial_rotary(shape, dtype):
     assert_close(k_rot, ref, mag, "k_rot")
     assert same_bits(q_rot[..., R:], q[..., R:])
     check_pools(slots, k_rot, v, kp, vp, k0, v0)
+
+
+
+# ---------------------------------------------------------------- options (variants)
+#
+# Every option of the variants issue, alone and combined, against the float64
+# reference and (on CUDA) against the CPU backend on the same inputs: outputs
+# poisoned, pool rows exactly encode(k_rot) / encode(v), rows no token names
+# bit-identical. On CUDA these calls run the options kernel (its 16-byte or
+# strided form); the plain calls above run the original kernels.
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+YARN_MSCALE = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+               "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}
+LINEAR = {"rope_type": "linear", "factor": 2.5}
+FP8_TORCH = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+TOKEN_ARRAYS = ("q", "k", "v", "positions", "slots")
+OPTIONAL = ("cos_sin_cache", "q_norm_weight", "k_norm_weight")
+
+
+def raw(x):
+    """A pool as plain bits: 1-byte (fp8) pools as uint8, others as they are."""
+    return x.view(torch.uint8) if x.element_size() == 1 else x
+
+
+def raw_bits(x) -> np.ndarray:
+    x = raw(x.detach()).contiguous().cpu()
+    return x.numpy() if x.element_size() == 1 else bits(x).numpy()
+
+
+def encode_pool(x, kv_cache_dtype, pool_dtype, scale) -> np.ndarray:
+    """The bits pool rows must hold for values x (q's dtype): the reference
+    quantiser's fp8 of fp32(x / scale), else x widened exactly."""
+    if kv_cache_dtype in reference.FP8:
+        return reference.fp8_encode(as_numpy(x).astype(np.float32), kv_cache_dtype, scale)
+    return raw_bits(x.to(pool_dtype))
+
+
+def snapshot(t):
+    return {n: x.detach().cpu().clone() for n, x in t.items()}
+
+
+def tokens(d, idx):
+    """d with its per-token arrays restricted to the tokens idx."""
+    return {n: (x[idx.to(x.device)] if n in TOKEN_ARRAYS else x) for n, x in d.items()}
+
+
+def options_case(T, Hq, Hk, D, dtype, *, seed=0, base=10000.0, rotary_dim=None, is_neox=True,
+                 rope_scaling=None, table_dtype=None, table_rows=4096, kv_cache_dtype="auto",
+                 k_scale=1.0, v_scale=1.0, q_norm=None, k_norm=None, norm_eps=1e-6,
+                 strided=False, misaligned=False, fp8_typed=False, idx=torch.int64,
+                 device=DEV):
+    """The tensors (a dict, on `device`) and keyword arguments of one options
+    call. q_norm / k_norm: the weight's torch dtype, or None for no QK-norm."""
+    g = torch.Generator().manual_seed(seed)
+    R = D if rotary_dim is None else rotary_dim
+
+    def rn(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g).to(dt)
+
+    if strided:  # views of one fused projection, last dimension strided by 2
+        qkv = rn(T, Hq + 2 * Hk, 2 * D)
+        q, k, v = qkv[:, :Hq, ::2], qkv[:, Hq:Hq + Hk, ::2], qkv[:, Hq + Hk:, ::2]
+    elif misaligned:  # one element in: no 16-byte vectors
+        buf = rn(T * (Hq + 2 * Hk) * D + 1)[1:]
+        q = buf[: T * Hq * D].view(T, Hq, D)
+        k = buf[T * Hq * D: T * (Hq + Hk) * D].view(T, Hk, D)
+        v = buf[T * (Hq + Hk) * D:].view(T, Hk, D)
+    else:
+        q, k, v = rn(T, Hq, D), rn(T, Hk, D), rn(T, Hk, D)
+    t = {}
+    if table_dtype is not None:
+        pos = torch.randint(0, table_rows, (T,), generator=g)
+        inv = reference.hf_inv_freq(base, R)
+        ang = np.arange(table_rows, dtype=np.float64)[:, None] * inv[None, :]
+        table = np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
+        t["cos_sin_cache"] = torch.from_numpy(table).to(table_dtype)
+    else:
+        pos = torch.randint(0, 1 << 22, (T,), generator=g)
+        pos[: min(T, 2)] = torch.tensor([0, (1 << 24) - 1])[: min(T, 2)]
+    P = 2 * T + 5
+    slots = torch.randperm(P, generator=g)[:T]
+    slots[torch.rand(T, generator=g) < 0.2] = -1
+    if kv_cache_dtype in reference.FP8:
+        k_pool = torch.randint(0, 256, (P, Hk, D), generator=g, dtype=torch.uint8)
+        v_pool = torch.randint(0, 256, (P, Hk, D), generator=g, dtype=torch.uint8)
+        if fp8_typed:  # torch float8 tensors rather than uint8
+            k_pool = k_pool.view(FP8_TORCH[kv_cache_dtype])
+            v_pool = v_pool.view(FP8_TORCH[kv_cache_dtype])
+    else:
+        pdt = torch.float32 if kv_cache_dtype == "float32" else dtype
+        k_pool, v_pool = rn(P, Hk, D, dt=pdt), rn(P, Hk, D, dt=pdt)
+    t.update(q=q, k=k, v=v, positions=pos.to(idx), slots=slots.to(idx), k_pool=k_pool,
+             v_pool=v_pool)
+    kw = dict(rope_base=base, rotary_dim=rotary_dim, is_neox=is_neox, rope_scaling=rope_scaling,
+              kv_cache_dtype=kv_cache_dtype, norm_eps=norm_eps)
+    if kv_cache_dtype in reference.FP8:
+        kw.update(k_scale=k_scale, v_scale=v_scale)
+    if q_norm is not None:
+        t["q_norm_weight"] = (1.0 + 0.3 * torch.randn(D, generator=g)).to(q_norm)
+    if k_norm is not None:
+        t["k_norm_weight"] = (1.0 + 0.3 * torch.randn(D, generator=g)).to(k_norm)
+    return {n: x.to(device) for n, x in t.items()}, kw
+
+
+def options_call(t, kw, *, inplace=False, q_out=None, k_out=None):
+    """The call; outputs poisoned unless given (or inplace)."""
+    q, k = t["q"], t["k"]
+    if not inplace:
+        q_out = poisoned(q) if q_out is None else q_out
+        k_out = poisoned(k) if k_out is None else k_out
+    extra = {n: t[n] for n in OPTIONAL if n in t}
+    return ropekv.rope_pool_fused(q, k, t["v"], t["positions"], t["slots"], t["k_pool"],
+                                  t["v_pool"], head_dim=q.shape[-1], num_qo_heads=q.shape[1],
+                                  num_kv_heads=k.shape[1], inplace=inplace, q_out=q_out,
+                                  k_out=k_out, **kw, **extra)
+
+
+def options_reference(t, kw, snap):
+    """{"q_rot"/"k_rot": (reference, magnitude, rel)} for the inputs in snap."""
+    D = snap["q"].shape[-1]
+    R = kw["rotary_dim"] or D
+    cache = t.get("cos_sin_cache")
+    args = dict(is_neox=kw["is_neox"], norm_eps=kw["norm_eps"],
+                cos_sin_cache=None if cache is None else f64(cache),
+                inv_freq=None if cache is not None else
+                reference.hf_inv_freq(kw["rope_base"], R, kw["rope_scaling"]),
+                attention_factor=reference.hf_attention_factor(kw["rope_scaling"]))
+    extra = 1.0 if args["attention_factor"] != 1 else 0.0
+    out = {}
+    for x, wname, name in (("q", "q_norm_weight", "q_rot"), ("k", "k_norm_weight", "k_rot")):
+        w = t.get(wname)
+        ref, mag = ref_rope(f64(snap[x]), snap["positions"].numpy(), kw["rope_base"], R,
+                            norm_weight=None if w is None else f64(w), **args)
+        out[name] = (ref, mag, 4.0 + extra + (0 if w is None else D / 2 + 6))
+    return out
+
+
+def check_options(t, kw, res, snap, what=""):
+    """q_rot / k_rot against the reference; the named pool rows exactly
+    encode(k_rot) / encode(v); every other pool row as in snap (the arrays
+    before the call, on the CPU)."""
+    q_rot, k_rot, kp, vp = res
+    refs = options_reference(t, kw, snap)
+    for name, out in (("q_rot", q_rot), ("k_rot", k_rot)):
+        ref, mag, rel = refs[name]
+        reference.assert_close(as_numpy(out), ref, mag, f"{what} {name}", rel)
+    s = t["slots"].long().cpu()
+    P = kp.shape[0]
+    ok = (s >= 0) & (s < P)
+    rows, toks = s[ok], torch.nonzero(ok).flatten()
+    kvd = kw["kv_cache_dtype"]
+    kp, vp = raw(kp).cpu(), raw(vp).cpu()
+    want_k = encode_pool(k_rot.cpu()[toks], kvd, kp.dtype, kw.get("k_scale", 1.0))
+    want_v = encode_pool(snap["v"][toks], kvd, vp.dtype, kw.get("v_scale", 1.0))
+    assert np.array_equal(raw_bits(kp[rows]), want_k), f"{what}: k_pool rows != encode(k_rot)"
+    assert np.array_equal(raw_bits(vp[rows]), want_v), f"{what}: v_pool rows != encode(v)"
+    rest = torch.ones(P, dtype=torch.bool)
+    rest[rows] = False
+    assert np.array_equal(raw_bits(kp[rest]), raw_bits(raw(snap["k_pool"])[rest])), \
+        f"{what}: a k_pool row no token names was written"
+    assert np.array_equal(raw_bits(vp[rest]), raw_bits(raw(snap["v_pool"])[rest])), \
+        f"{what}: a v_pool row no token names was written"
+    return refs
+
+
+def run_options(T, Hq, Hk, D, dtype, *, inplace=False, against_cpu=True, what="", **opts):
+    """One options call on DEV, checked by check_options; on CUDA also the
+    same call on the CPU backend: q_rot / k_rot within one rounding (plus the
+    fp32 bound) of each other, v pools bit-identical, k pools bit-identical
+    for every token whose k_rot is (fp8: both encode with encode_fp8)."""
+    t, kw = options_case(T, Hq, Hk, D, dtype, **opts)
+    snap = snapshot(t)
+    res = options_call(t, kw, inplace=inplace)
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    if inplace:
+        assert res[0] is t["q"] and res[1] is t["k"]
+    assert res[2] is t["k_pool"] and res[3] is t["v_pool"]
+    refs = check_options(t, kw, res, snap, what)
+    if DEV != "cuda" or not against_cpu:
+        return res
+    c = {n: x.clone() for n, x in snap.items()}
+    cres = options_call(c, kw, inplace=inplace)
+    for i, name in ((0, "q_rot"), (1, "k_rot")):
+        _, mag, rel = refs[name]
+        reference.assert_close(as_numpy(res[i]), f64(cres[i]), mag, f"{what} {name} GPU vs CPU",
+                               rel + 4)
+    assert np.array_equal(raw_bits(res[3]), raw_bits(cres[3])), f"{what}: v_pool GPU != CPU"
+    equal_k = (bits(res[1].cpu()) == bits(cres[1])).flatten(1).all(1)
+    s = snap["slots"].long()
+    rows = s[equal_k & (s >= 0)]
+    assert np.array_equal(raw_bits(raw(res[2]).cpu()[rows]), raw_bits(raw(cres[2])[rows])), \
+        f"{what}: k_pool GPU != CPU for tokens with equal k_rot"
+    return res
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("D,R", [(64, 64), (128, 128), (256, 64), (80, 32), (34, 34), (6, 4)])
+def test_options_interleaved(D, R, dtype):
+    # (34, 34) and (6, 4): no 16-byte vectors, the strided options kernel.
+    for T in (1, 7, 150):
+        run_options(T, 4, 2, D, DTYPES[dtype], seed=T + D, rotary_dim=R, is_neox=False,
+                    what=f"interleaved D={D} R={R} T={T}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_options_gptj_interleaved_partial(dtype):
+    """GPT-J: 16 heads of 256, 64 rotated dims, interleaved; decode to prefill."""
+    for T in (1, 33, 700):
+        run_options(T, 16, 16, 256, DTYPES[dtype], seed=T, rotary_dim=64, is_neox=False,
+                    what=f"GPT-J T={T}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("scaling", [LINEAR, LLAMA3, YARN, YARN_MSCALE],
+                         ids=["linear", "llama3", "yarn", "yarn-mscale"])
+def test_options_rope_scaling(scaling, dtype):
+    # linear and llama3 change only the frequencies (plain kernel); yarn also
+    # multiplies cos and sin (options kernel).
+    for T in (1, 40, 3000):
+        run_options(T, 8, 2, 128, DTYPES[dtype], seed=T, base=500000.0, rope_scaling=scaling,
+                    what=f"scaling T={T}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("table", ["float32", "same"])
+def test_options_cos_sin_cache(dtype, table):
+    dt = DTYPES[dtype]
+    tdt = torch.float32 if table == "float32" else dt
+    for T, D, R, neox in ((1, 128, 128, True), (37, 80, 32, True), (12, 256, 64, False),
+                          (5, 34, 34, True), (2000, 128, 128, True)):
+        run_options(T, 4, 2, D, dt, seed=T, rotary_dim=R, is_neox=neox, table_dtype=tdt,
+                    what=f"cos_sin_cache T={T} D={D} R={R}")
+
+
+def test_options_cos_sin_cache_strided_table():
+    """The table as a strided view (every other row of a larger one)."""
+    t, kw = options_case(9, 4, 2, 64, torch.bfloat16, table_dtype=torch.float32, table_rows=512)
+    big = torch.zeros(1024, 64, dtype=torch.float32, device=DEV)
+    big[::2] = t["cos_sin_cache"]
+    t["cos_sin_cache"] = big[::2]
+    snap = snapshot(t)
+    check_options(t, kw, options_call(t, kw), snap, "strided table")
+
+
+def position_case():
+    """Tokens 2 and 4 lie outside a 100-row table (positions 100 and -3)."""
+    t, kw = options_case(7, 8, 2, 128, torch.bfloat16, table_dtype=torch.float32, table_rows=100,
+                         kv_cache_dtype="fp8_e4m3", k_scale=0.5, q_norm=torch.float32)
+    t["positions"][2] = 100
+    t["positions"][4] = -3
+    t["slots"].copy_(torch.arange(7, device=DEV))
+    return t, kw
+
+
+def check_skipped(t, kw, snap, q_out, k_out, bad):
+    """Tokens `bad` left nothing (outputs still poisoned, their pool rows as
+    they were); every other token is right."""
+    for tok in bad:
+        assert torch.isnan(q_out[tok].float()).all() and torch.isnan(k_out[tok].float()).all()
+    good = torch.tensor([i for i in range(t["q"].shape[0]) if i not in bad])
+    # The bad tokens' rows are rows no good token names: check_options
+    # requires them unchanged.
+    check_options(tokens(t, good), kw, (q_out[good.to(DEV)], k_out[good.to(DEV)], t["k_pool"],
+                                        t["v_pool"]), tokens(snap, good), "good tokens")
+
+
+@cuda_only
+def test_options_position_outside_cos_sin_cache_is_skipped_and_raised():
+    t, kw = position_case()
+    snap = snapshot(t)
+    q_out, k_out = poisoned(t["q"]), poisoned(t["k"])
+    with pytest.raises(ValueError, match=r"^positions\[2\] = 100 is outside cos_sin_cache, which "
+                                         r"has 100 rows \(positions must be in \[0, 100\)\); the "
+                                         r"CUDA kernel skipped 2 token"):
+        options_call(t, kw, q_out=q_out, k_out=k_out)
+    torch.cuda.synchronize()
+    check_skipped(t, kw, snap, q_out, k_out, (2, 4))
+    # The raise cleared the flag: the call with good positions passes.
+    t["positions"][2] = 7
+    t["positions"][4] = 9
+    options_call(t, kw)
+
+
+@cuda_only
+def test_options_position_and_slot_errors_unchecked_then_check_device_errors():
+    ropekv.set_checked(False)
+    t, kw = position_case()
+    t["slots"][5] = 10**6
+    options_call(t, kw)  # no sync, no raise
+    dev = t["q"].device.index
+    with pytest.raises(ValueError, match=r"^positions\[2\] = 100 is outside cos_sin_cache.*"
+                                         r"skipped 2 token.*; also slots\[5\] = 1000000 is out "
+                                         r"of range for a pool of 19 rows"):
+        ropekv.check_device_errors(dev)
+    ropekv.check_device_errors(dev)  # cleared
+
+
+@cuda_only
+def test_options_out_of_table_token_with_several_blocks_per_token():
+    """Heads of 1024 (teams of two warps, five blocks per token): every block
+    of the token skips it, and the QK-norm's sums cross warps."""
+    t, kw = options_case(3, 32, 4, 1024, torch.bfloat16, table_dtype=torch.float32,
+                         table_rows=64, q_norm=torch.bfloat16, k_norm=torch.float32)
+    t["positions"][1] = 64
+    t["slots"].copy_(torch.tensor([0, 1, 2], device=DEV))
+    snap = snapshot(t)
+    q_out, k_out = poisoned(t["q"]), poisoned(t["k"])
+    with pytest.raises(ValueError, match=r"^positions\[1\] = 64 is outside cos_sin_cache"):
+        options_call(t, kw, q_out=q_out, k_out=k_out)
+    check_skipped(t, kw, snap, q_out, k_out, (1,))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_options_float32_pools(dtype):
+    for T in (1, 30, 3000):
+        run_options(T, 8, 2, 128, DTYPES[dtype], seed=T, kv_cache_dtype="float32",
+                    what=f"float32 pools T={T}")
+    run_options(6, 4, 2, 64, DTYPES[dtype], kv_cache_dtype="float32", strided=True,
+                what="float32 pools, strided")
+    run_options(6, 4, 2, 64, DTYPES[dtype], kv_cache_dtype="float32", misaligned=True,
+                what="float32 pools, misaligned")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2"])
+def test_options_fp8_pools(kind, dtype):
+    g = np.random.default_rng(len(kind) + len(dtype))
+    for T, D, typed in ((1, 128, False), (50, 128, True), (9, 80, False), (4, 34, True),
+                        (2000, 128, False)):
+        ks, vs = float(g.uniform(0.01, 2.0)), float(g.uniform(0.01, 2.0))
+        run_options(T, 8, 4, D, DTYPES[dtype], seed=T + D, kv_cache_dtype=kind, k_scale=ks,
+                    v_scale=vs, fp8_typed=typed, what=f"{kind} T={T} D={D}")
+
+
+def test_options_fp8_saturates_and_keeps_nan():
+    """Beyond the format's range saturates (infinities too), NaN stays NaN,
+    tiny values round to zero: exactly the reference quantiser's bits."""
+    T, D = 2, 16
+    k = (torch.randn(T, 1, D) * 1e4).to(DEV)
+    v = (torch.randn(T, 1, D) * 1e6).to(DEV)
+    v[0, 0, 3] = float("nan")
+    v[1, 0, 4] = float("inf")
+    v[1, 0, 5] = 1e-9
+    kp = torch.zeros(T, 1, D, dtype=torch.uint8, device=DEV)
+    vp = torch.zeros(T, 1, D, dtype=torch.uint8, device=DEV)
+    pos = torch.arange(T, device=DEV)
+    _, k_rot, _, _ = ropekv.rope_pool_fused(k, k, v, pos, pos, kp, vp, head_dim=D, num_qo_heads=1,
+                                            num_kv_heads=1, rope_base=1e4,
+                                            kv_cache_dtype="fp8_e4m3", k_scale=0.5, v_scale=3.0)
+    assert np.array_equal(raw_bits(kp), reference.fp8_encode(as_numpy(k_rot), "fp8_e4m3", 0.5))
+    assert np.array_equal(raw_bits(vp), reference.fp8_encode(as_numpy(v), "fp8_e4m3", 3.0))
+    assert raw_bits(vp)[0, 0, 3] & 0x7F == 0x7F and raw_bits(vp)[1, 0, 4] == 0x7E
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("weights", ["float32", "same"])
+def test_options_qk_norm(dtype, weights):
+    dt = DTYPES[dtype]
+    wdt = torch.float32 if weights == "float32" else dt
+    # 96: six lanes per head, five heads per warp; 34: strided; 1024: teams of
+    # two warps; 300 tokens: four steps per team.
+    for T, D, R in ((1, 128, 128), (23, 128, 128), (5, 80, 32), (3, 34, 34), (7, 96, 96),
+                    (4, 1024, 1024), (300, 128, 128)):
+        run_options(T, 8, 2, D, dt, seed=T + D, rotary_dim=R, q_norm=wdt, k_norm=wdt,
+                    what=f"qk-norm T={T} D={D} R={R}")
+
+
+def test_options_qk_norm_one_side_and_eps():
+    f32 = torch.float32
+    run_options(7, 4, 2, 64, f32, q_norm=f32, what="q only")
+    run_options(7, 4, 2, 64, f32, k_norm=f32, norm_eps=0.5, what="k only, eps 0.5")
+
+
+def test_options_qk_norm_head_wider_than_a_team():
+    """More chunks per head than lanes in a team (300+ items > 256 lanes): the
+    sum of squares reads every chunk before any is written."""
+    for dtype in (torch.float32, torch.bfloat16):
+        run_options(3, 2, 1, 600, dtype, rotary_dim=512, q_norm=torch.float32,
+                    k_norm=torch.float32, strided=True, what="600 wide, strided")
+    run_options(3, 2, 1, 2400, torch.float32, q_norm=torch.float32, k_norm=torch.float32,
+                what="2400 wide, f32 16-byte")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_options_inplace(dtype):
+    dt = DTYPES[dtype]
+    run_options(21, 8, 4, 128, dt, inplace=True, is_neox=False, what="inplace interleaved")
+    run_options(5, 4, 2, 64, dt, inplace=True, q_norm=torch.float32, k_norm=torch.float32,
+                kv_cache_dtype="fp8_e5m2", k_scale=0.3, v_scale=0.7, what="inplace norm fp8")
+    run_options(3, 2, 1, 600, dt, inplace=True, q_norm=torch.float32, k_norm=torch.float32,
+                rotary_dim=512, strided=True, what="inplace wide head strided")
+    run_options(9, 8, 2, 128, dt, inplace=True, table_dtype=torch.float32,
+                kv_cache_dtype="float32" if dt != torch.float32 else "auto",
+                what="inplace cos_sin_cache")
+
+
+@pytest.mark.parametrize("T", [1, 64, 3000])
+def test_options_qwen3_like(T):
+    """Qwen3-8B: QK-norm (bf16 weights), fp8_e4m3 pools, yarn scaling."""
+    run_options(T, 32, 8, 128, torch.bfloat16, seed=T, base=1e6, rope_scaling=YARN,
+                q_norm=torch.bfloat16, k_norm=torch.bfloat16, kv_cache_dtype="fp8_e4m3",
+                k_scale=0.25, v_scale=0.5, what=f"Qwen3 T={T}")
+
+
+def test_options_combined_layouts():
+    """Options with strided, misaligned and int32-indexed inputs."""
+    run_options(5, 32, 8, 128, torch.bfloat16, q_norm=torch.float32, k_norm=torch.float32,
+                kv_cache_dtype="fp8_e4m3", strided=True, what="norm fp8 strided")
+    run_options(11, 6, 2, 64, torch.float16, is_neox=False, rope_scaling=YARN_MSCALE,
+                misaligned=True, idx=torch.int32, what="interleaved yarn misaligned")
+    run_options(13, 4, 4, 256, torch.float32, rotary_dim=64, is_neox=False,
+                table_dtype=torch.float32, kv_cache_dtype="fp8_e5m2", k_scale=2.0,
+                q_norm=torch.float32, idx=torch.int32, what="everything, f32")
+
+
+@cuda_only
+def test_options_first_use_inside_a_graph_capture_and_replay():
+    """A rope_scaling never seen before (its inv_freq table is made inside the
+    capture) with QK-norm and fp8 pools, captured once and replayed with new
+    positions and slots."""
+    ropekv.set_checked(False)  # checked mode syncs, which a capture forbids
+    scaling = {"rope_type": "yarn", "factor": 3.0, "original_max_position_embeddings": 12345}
+    t, kw = options_case(24, 16, 4, 128, torch.bfloat16, rope_scaling=scaling,
+                         q_norm=torch.bfloat16, k_norm=torch.bfloat16,
+                         kv_cache_dtype="fp8_e4m3", k_scale=0.5, v_scale=0.25)
+    q_out, k_out = torch.empty_like(t["q"]), torch.empty_like(t["k"])
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        options_call(t, kw, q_out=q_out, k_out=k_out)
+    gen = torch.Generator().manual_seed(11)
+    for rep in range(2):
+        t["positions"].copy_(torch.randint(0, 1 << 20, (24,), generator=gen))
+        t["slots"].copy_(torch.randperm(t["k_pool"].shape[0], generator=gen)[:24])
+        snap = snapshot(t)
+        g.replay()
+        torch.cuda.synchronize()
+        check_options(t, kw, (q_out, k_out, t["k_pool"], t["v_pool"]), snap, f"replay {rep}")
+    ropekv.check_device_errors(t["q"].device.index)
+
+
+@cuda_only
+def test_options_results_are_reproducible():
+    """Identical calls give identical bits (the QK-norm sums in a fixed order)."""
+    outs = []
+    for _ in range(2):
+        t, kw = options_case(500, 32, 8, 128, torch.bfloat16, seed=3, q_norm=torch.float32,
+                             k_norm=torch.float32, is_neox=False, kv_cache_dtype="fp8_e5m2")
+        outs.append([raw_bits(x) for x in options_call(t, kw)])
+    for a, b in zip(*outs):
+        assert np.array_equal(a, b)
