@@ -206,19 +206,140 @@ void run_case(const char* name, int T, int Hq, int Hk, int D, DLDataType dt, boo
   if (!ok) ++g_failures;
 }
 
+// A call with options (the options kernel) for the sanitizers: interleaved
+// pairs or not, a cos_sin_cache (f32) with token 1 outside it, QK-norm
+// weights (f32), fp8_e4m3 or float32 pools. Checks that the call raises the
+// position error, leaves token 1's outputs and pool row untouched, writes
+// every element of the other tokens' outputs (no NaN from the poison) and no
+// pool row that no token names. The math is the pytest suite's job.
+void run_options_case(const char* name, int T, int Hq, int Hk, int D, DLDataType dt,
+                      int64_t last_stride, bool interleaved, ropekv::KvCacheDtype pool_type) {
+  const int esize = dt.bits / 8;
+  const bool fp8 = pool_type == ropekv::KvCacheDtype::kFp8E4M3;
+  const int pesize = fp8 ? 1 : 4;
+  const int64_t P = 2 * T + 3, rows = 50;
+  std::mt19937 rng(99 + T + D);
+  std::uniform_real_distribution<float> uni(-1.f, 1.f);
+  auto fill = [&](size_t n, int es) {
+    std::vector<uint8_t> h(n * es);
+    for (size_t i = 0; i < n; ++i) {
+      const float x = uni(rng);
+      if (es == 1) {
+        h[i] = static_cast<uint8_t>(rng());
+      } else if (es == 4) {
+        std::memcpy(&h[i * 4], &x, 4);
+      } else if (dt.code == kDLBfloat) {
+        __nv_bfloat16 b = __float2bfloat16_rn(x);
+        std::memcpy(&h[i * 2], &b, 2);
+      } else {
+        __half b = __float2half_rn(x);
+        std::memcpy(&h[i * 2], &b, 2);
+      }
+    }
+    return h;
+  };
+  const size_t nq = size_t(T) * Hq * D * last_stride, nk = size_t(T) * Hk * D * last_stride;
+  const size_t np = size_t(P) * Hk * D;
+  Buf q(nq * esize), k(nk * esize), v(nk * esize), qr(nq * esize), kr(nk * esize);
+  Buf kp(np * pesize), vp(np * pesize), cs(size_t(rows) * D * 4), w(size_t(D) * 4);
+  auto hq = fill(nq, esize), hk = fill(nk, esize), hv = fill(nk, esize);
+  auto hkp = fill(np, pesize), hvp = fill(np, pesize), hcs = fill(size_t(rows) * D, 4),
+       hw = fill(D, 4);
+  CK(cudaMemcpy(q.ptr, hq.data(), q.bytes, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(k.ptr, hk.data(), k.bytes, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(v.ptr, hv.data(), v.bytes, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(kp.ptr, hkp.data(), kp.bytes, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(vp.ptr, hvp.data(), vp.bytes, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(cs.ptr, hcs.data(), cs.bytes, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(w.ptr, hw.data(), w.bytes, cudaMemcpyHostToDevice));
+  CK(cudaMemset(qr.ptr, 0xFF, qr.bytes));  // NaN in every float format
+  CK(cudaMemset(kr.ptr, 0xFF, kr.bytes));
+  std::vector<int64_t> pos(T), slot(T);
+  for (int t = 0; t < T; ++t) {
+    pos[t] = static_cast<int64_t>(rng() % rows);
+    slot[t] = t;
+  }
+  pos[1] = rows;  // outside the table: the token is skipped
+  Buf dpos(size_t(T) * 8), dslot(size_t(T) * 8);
+  CK(cudaMemcpy(dpos.ptr, pos.data(), dpos.bytes, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(dslot.ptr, slot.data(), dslot.bytes, cudaMemcpyHostToDevice));
+
+  int64_t sq[3] = {T, Hq, D}, sk[3] = {T, Hk, D}, sp[3] = {P, Hk, D}, s1[1] = {T};
+  int64_t scs[2] = {rows, D}, sw[1] = {D};
+  int64_t stq[3] = {Hq * D * last_stride, D * last_stride, last_stride};
+  int64_t stk[3] = {Hk * D * last_stride, D * last_stride, last_stride};
+  const DLDataType it{kDLInt, 64, 1}, f32{kDLFloat, 32, 1};
+  const DLDataType pt = fp8 ? DLDataType{kDLUInt, 8, 1} : f32;
+  ropekv::RopePoolTensors t{view(q.ptr, dt, 3, sq, stq),     view(k.ptr, dt, 3, sk, stk),
+                            view(v.ptr, dt, 3, sk, stk),     view(dpos.ptr, it, 1, s1, nullptr),
+                            view(dslot.ptr, it, 1, s1, nullptr), view(kp.ptr, pt, 3, sp, nullptr),
+                            view(vp.ptr, pt, 3, sp, nullptr), view(qr.ptr, dt, 3, sq, stq),
+                            view(kr.ptr, dt, 3, sk, stk),    view(cs.ptr, f32, 2, scs, nullptr),
+                            view(w.ptr, f32, 1, sw, nullptr), view(w.ptr, f32, 1, sw, nullptr)};
+  ropekv::RopeConfig cfg;
+  cfg.head_dim = D;
+  cfg.num_qo_heads = Hq;
+  cfg.num_kv_heads = Hk;
+  cfg.is_neox = !interleaved;
+  cfg.kv_cache_dtype = pool_type;
+  if (fp8) cfg.k_scale = 0.5, cfg.v_scale = 2.0;
+  ropekv::rope_pool_fused(t, cfg);
+  bool raised = false;
+  try {
+    ropekv::check_device_errors(0, nullptr);
+  } catch (const ropekv::Error& e) {
+    raised = std::strstr(e.what(), "positions[1] = 50 is outside cos_sin_cache") != nullptr;
+  }
+  CK(cudaDeviceSynchronize());
+  std::vector<uint8_t> gqr(qr.bytes), gkr(kr.bytes), gkp(kp.bytes), gvp(vp.bytes);
+  CK(cudaMemcpy(gqr.data(), qr.ptr, qr.bytes, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(gkr.data(), kr.ptr, kr.bytes, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(gkp.data(), kp.ptr, kp.bytes, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(gvp.data(), vp.ptr, vp.bytes, cudaMemcpyDeviceToHost));
+  // Poison left: token 1 everywhere, nowhere else (outputs are NaN-free).
+  int bad = 0;
+  auto poisoned = [&](const std::vector<uint8_t>& h, int H, int tt) {
+    int n = 0;
+    for (int64_t e = 0; e < int64_t(H) * D; ++e) {
+      const size_t off = (size_t(tt) * H * D * last_stride + e * last_stride) * esize;
+      bool all = true;
+      for (int b = 0; b < esize; ++b) all = all && h[off + b] == 0xFF;
+      n += all;
+    }
+    return n;
+  };
+  for (int tt = 0; tt < T; ++tt) {
+    const int want = tt == 1 ? 1 : 0;
+    bad += (poisoned(gqr, Hq, tt) == want * Hq * D) ? 0 : 1;
+    bad += (poisoned(gkr, Hk, tt) == want * Hk * D) ? 0 : 1;
+  }
+  const size_t row = size_t(Hk) * D * pesize;
+  for (int64_t r = 0; r < P; ++r) {
+    if (r < T && r != 1) continue;  // written by token r
+    bad += std::memcmp(&gkp[r * row], &hkp[r * row], row) != 0;
+    bad += std::memcmp(&gvp[r * row], &hvp[r * row], row) != 0;
+  }
+  const bool ok = bad == 0 && raised;
+  std::printf("%-34s T=%-4d Hq=%-2d Hk=%-2d D=%-4d %s: mismatches %d, raised %d\n", name, T, Hq,
+              Hk, D, ok ? "ok  " : "FAIL", bad, raised);
+  if (!ok) ++g_failures;
+}
+
 // Llama-3.1-8B bf16 buffers for T tokens (pool of 2^19 rows, random slots).
+// With `options`: Qwen3's QK-norm (bf16 weights) and fp8_e4m3 pools, the
+// options kernel.
 struct LlamaCall {
   static constexpr int Hq = 32, Hk = 8, D = 128;
   static constexpr int64_t P = 1 << 19;
   int T;
-  Buf q, k, v, qr, kr, kp, vp, dpos, dslot;
-  int64_t sq[3], sk[3], sp[3], s1[1];
+  Buf q, k, v, qr, kr, kp, vp, dpos, dslot, w;
+  int64_t sq[3], sk[3], sp[3], s1[1], sw[1];
   ropekv::RopePoolTensors t;
   ropekv::RopeConfig cfg;
-  explicit LlamaCall(int T_)
+  explicit LlamaCall(int T_, bool options = false)
       : T(T_), q(size_t(T_) * Hq * D * 2), k(size_t(T_) * Hk * D * 2), v(k.bytes), qr(q.bytes),
-        kr(k.bytes), kp(size_t(P) * Hk * D * 2), vp(kp.bytes), dpos(T_ * 4), dslot(T_ * 4),
-        sq{T_, Hq, D}, sk{T_, Hk, D}, sp{P, Hk, D}, s1{T_} {
+        kr(k.bytes), kp(size_t(P) * Hk * D * (options ? 1 : 2)), vp(kp.bytes), dpos(T_ * 4),
+        dslot(T_ * 4), w(D * 2), sq{T_, Hq, D}, sk{T_, Hk, D}, sp{P, Hk, D}, s1{T_}, sw{D} {
     CK(cudaMemset(q.ptr, 0x3c, q.bytes));
     CK(cudaMemset(k.ptr, 0x3c, k.bytes));
     CK(cudaMemset(v.ptr, 0x3c, v.bytes));
@@ -240,6 +361,16 @@ struct LlamaCall {
     cfg.num_qo_heads = Hq;
     cfg.num_kv_heads = Hk;
     cfg.rope_base = 500000.0;
+    if (options) {
+      CK(cudaMemset(w.ptr, 0x3f, w.bytes));
+      const DLDataType u8{kDLUInt, 8, 1};
+      t.k_pool.dtype = u8;
+      t.v_pool.dtype = u8;
+      t.q_norm_weight = view(w.ptr, dt, 1, sw, nullptr);
+      t.k_norm_weight = view(w.ptr, dt, 1, sw, nullptr);
+      cfg.kv_cache_dtype = ropekv::KvCacheDtype::kFp8E4M3;
+      cfg.k_scale = 0.5;
+    }
     // The uploads above ran on the legacy stream (a pageable cudaMemcpy may
     // return before its DMA lands): finish them before a non-blocking stream
     // reads the buffers.
@@ -308,26 +439,34 @@ void latency() {
     return us;
   };
   const char* u = std::getenv("ROPEKV_CUDA_UNROLL");
-  std::printf("U=%s graph us/call: empty %.2f", u ? u : "auto",
-              time_graph([&] { empty_kernel<<<1, 32, 0, s>>>(0); }));
-  for (int T : {1, 8, 64, 512}) {
-    LlamaCall c(T);
-    c.run(s);
-    CK(cudaStreamSynchronize(s));
-    std::printf(" | T=%d %.2f", T, time_graph([&] { c.run(s); }));
+  for (bool options : {false, true}) {
+    if (options)
+      std::printf("U=%s options (QK-norm, fp8 pools)", u ? u : "auto");
+    else
+      std::printf("U=%s graph us/call: empty %.2f", u ? u : "auto",
+                  time_graph([&] { empty_kernel<<<1, 32, 0, s>>>(0); }));
+    for (int T : {1, 8, 64, 512}) {
+      LlamaCall c(T, options);
+      c.run(s);
+      CK(cudaStreamSynchronize(s));
+      std::printf(" | T=%d %.2f", T, time_graph([&] { c.run(s); }));
+    }
+    for (int T : {2048, 8192, 32768}) {
+      LlamaCall c(T, options);
+      for (int i = 0; i < 3; ++i) c.run(s);
+      const double us = median_us(
+          [&] {
+            for (int i = 0; i < 10; ++i) c.run(s);
+          },
+          10);
+      // q read and written, k read and written, v read; pool rows of 2 or 1 bytes.
+      const double pool = options ? 1.0 : 2.0;
+      const double bytes = 2.0 * (2.0 * T * 32 * 128 + 3.0 * T * 8 * 128) +
+                           pool * 2.0 * T * 8 * 128 + 8.0 * T;
+      std::printf(" | T=%d %.1f us %.0f GB/s", T, us, bytes / us / 1e3);
+    }
+    std::printf("\n");
   }
-  for (int T : {2048, 8192, 32768}) {
-    LlamaCall c(T);
-    for (int i = 0; i < 3; ++i) c.run(s);
-    const double us = median_us(
-        [&] {
-          for (int i = 0; i < 10; ++i) c.run(s);
-        },
-        10);
-    const double bytes = 2.0 * (2.0 * T * 32 * 128 + 5.0 * T * 8 * 128) + 8.0 * T;
-    std::printf(" | T=%d %.1f us %.0f GB/s", T, us, bytes / us / 1e3);
-  }
-  std::printf("\n");
   ropekv::check_device_errors(0, s);
 }
 
@@ -355,6 +494,15 @@ int main(int argc, char** argv) {
   run_case("f32 D=600 (inv_freq past table)", 2, 2, 1, 600, f32, false, 1, false);
   run_case("bf16 out-of-range slot", 8, 8, 2, 128, bf16, false, 1, true);
   run_case("f16 out-of-range slot, int64", 3, 8, 2, 64, f16, true, 1, true);
+  using KV = ropekv::KvCacheDtype;
+  run_options_case("opt bf16 norm fp8 cache", 9, 32, 8, 128, bf16, 1, false, KV::kFp8E4M3);
+  run_options_case("opt f16 interleaved f32 pools", 5, 8, 2, 96, f16, 1, true, KV::kFloat32);
+  run_options_case("opt f32 interleaved fp8", 4, 4, 2, 64, f32, 1, true, KV::kFp8E4M3);
+  run_options_case("opt bf16 strided", 6, 4, 2, 64, bf16, 2, true, KV::kFp8E4M3);
+  run_options_case("opt bf16 D=1024 (two-warp teams)", 3, 32, 4, 1024, bf16, 1, false,
+                   KV::kFp8E4M3);
+  run_options_case("opt f32 D=600 strided (wide head)", 2, 2, 1, 600, f32, 2, false,
+                   KV::kFloat32);
   std::printf("%s: %d failure(s)\n", g_failures ? "FAIL" : "PASS", g_failures);
   return g_failures ? 1 : 0;
 }
