@@ -13,6 +13,9 @@
 #   cputest   the CPU Python suite tests/python
 #   bench     bench/gpu_bench.py (ropekv vs PyTorch eager, torch.compile, copy)
 #   options   bench/gpu_bench.py --options (each option's cost vs the plain call)
+#   peers     .peers/tools/build.sh, then bench/gpu_peers.py: ropekv next to vLLM,
+#             FlashInfer and SGLang kernels built from .peers/ (git-ignored, carried;
+#             not a default step; about 8 minutes, PEERS_BUDGET seconds)
 #
 # Usage: scripts/gpu-check.sh [STEP ...]   (default: every step, in that order)
 # Logs go to $OUT (default ./gpu-out): log.txt (everything), ncu.txt and the
@@ -170,6 +173,23 @@ do_bench() {
   (cd /tmp && timeout "${BENCH_TIMEOUT:-560}" $PY "$ROOT/bench/gpu_bench.py" --out "$OUT" ${BENCH_ARGS:-})
 }
 
+do_peers() {
+  # The serving engines' own kernels next to ropekv, on the same inputs: built
+  # from .peers/ (filled by .peers/tools/fetch_sources.sh on a machine with
+  # network, carried here); a peer that does not build is reported and skipped.
+  local t0=$SECONDS budget=${PEERS_BUDGET:-480} build=${PEERS_BUILD:-$ROOT/.peers/build}
+  if [ -f .peers/tools/build.sh ]; then
+    PYTHON=$PY PEERS_BUILD=$build PEER_BUILD_TIMEOUT=$((budget / 2 - 15)) \
+      timeout $((budget / 2)) bash .peers/tools/build.sh "$ARCH" ||
+      echo "(not every peer built: the benchmark skips those)"
+  else
+    echo "no .peers/tools/build.sh (carry .peers): ropekv and the copy only"
+  fi
+  local left=$((budget - (SECONDS - t0)))
+  (cd /tmp && timeout "$left" $PY "$ROOT/bench/gpu_peers.py" --out "$OUT" --peers-build "$build" \
+     --budget-s $((left - 60)) ${PEERS_ARGS:-})
+}
+
 for s in "${STEPS[@]}"; do
   case $s in
     build) step build do_build ;;
@@ -181,6 +201,7 @@ for s in "${STEPS[@]}"; do
     cputest) step cputest do_cputest ;;
     bench) step bench do_bench ;;
     options) step options do_options ;;
+    peers) step peers do_peers ;;
     *) log "unknown step $s"; exit 2 ;;
   esac
 done
