@@ -133,7 +133,9 @@ def test_interleaved_matches_mlx_traditional():
     mx = pytest.importorskip("mlx.core")
     T, H, D = 5, 3, 64
     x = randn((T, H, D), np.float32)
-    pos = RNG.integers(0, 4096, T).astype(np.int32)
+    # Small positions: MLX derives its angles in fp32 its own way, so at large
+    # positions the two differ by the angle's rounding; the pairing is the point.
+    pos = RNG.integers(0, 64, T).astype(np.int32)
     got = ropekv.rope_pool_fused(x, x[:, :1], x[:, :1], pos, -np.ones(T, np.int32),
                                  np.zeros((1, 1, D), np.float32), np.zeros((1, 1, D), np.float32),
                                  head_dim=D, num_qo_heads=H, num_kv_heads=1, rope_base=10000.0,
