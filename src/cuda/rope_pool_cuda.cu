@@ -92,6 +92,7 @@ constexpr int kMaxDevices = 64;
 // Per-device state, made once: the error record.
 struct DeviceState {
   std::atomic<ErrorRecord*> err{nullptr};
+  bool pdl = false;  // programmatic dependent launch (sm_90+); set before err
 };
 std::array<DeviceState, kMaxDevices> g_devices;
 std::mutex g_init_mutex;
@@ -138,6 +139,10 @@ DeviceState& device_state(int device) {
     cudaFree(rec);
     throw;
   }
+  int major = 0;
+  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+        "reading the compute capability");
+  st.pdl = major >= 9;
   st.err.store(rec, std::memory_order_release);
   return st;
 }
@@ -206,27 +211,44 @@ struct Launch {
   long long blocks;
   int threads;
   size_t smem;
+  bool pdl;  // launch with programmatic stream serialization
+};
+
+// The launch configuration of `l`. With l.pdl (Hopper and later), the kernel
+// may be launched while the previous kernel of the stream still runs: its
+// blocks become resident and wait in griddepcontrol.wait (first statement of
+// both kernels) until that kernel's memory is visible. This hides the launch
+// gap between back-to-back kernels, e.g. the calls of successive layers in a
+// CUDA graph; results are the same as with ordinary stream order.
+struct LaunchConfig {
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  LaunchConfig(const Launch& l, cudaStream_t stream) {
+    cfg.gridDim = dim3(static_cast<unsigned int>(l.blocks));
+    cfg.blockDim = dim3(static_cast<unsigned int>(l.threads));
+    cfg.dynamicSmemBytes = l.smem;
+    cfg.stream = stream;
+    if (l.pdl) {
+      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[0].val.programmaticStreamSerializationAllowed = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+    }
+  }
+  LaunchConfig(const LaunchConfig&) = delete;  // cfg.attrs points into this object
 };
 
 template <class T, int N, bool kContig, int U>
 void launch_as(const Params& prm, const Launch& l, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned int>(l.blocks));
-  cfg.blockDim = dim3(static_cast<unsigned int>(l.threads));
-  cfg.dynamicSmemBytes = l.smem;
-  cfg.stream = stream;
-  check(cudaLaunchKernelEx(&cfg, detail::rope_pool_kernel<T, N, kContig, U>, prm),
+  LaunchConfig lc(l, stream);
+  check(cudaLaunchKernelEx(&lc.cfg, detail::rope_pool_kernel<T, N, kContig, U>, prm),
         "launching the rope_pool kernel");
 }
 
 template <class T, int N, bool kContig, int U>
 void launch_options_as(const OptParams& prm, const Launch& l, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned int>(l.blocks));
-  cfg.blockDim = dim3(static_cast<unsigned int>(l.threads));
-  cfg.dynamicSmemBytes = l.smem;
-  cfg.stream = stream;
-  check(cudaLaunchKernelEx(&cfg, detail::rope_pool_options_kernel<T, N, kContig, U>, prm),
+  LaunchConfig lc(l, stream);
+  check(cudaLaunchKernelEx(&lc.cfg, detail::rope_pool_options_kernel<T, N, kContig, U>, prm),
         "launching the rope_pool options kernel");
 }
 
@@ -429,6 +451,7 @@ void run(const Problem& p, const ExecOptions& options) {
   l.blocks = p.num_tokens * blocks_per_token;
   l.threads = static_cast<int>(per_block * lanes);
   l.smem = smem;
+  l.pdl = st.pdl;
   if (l.blocks > INT_MAX) throw Error("too many tokens for one launch");
 
   if (!plain) {

@@ -379,9 +379,22 @@ __device__ __forceinline__ void store_batch(const Params& p, long long t, long l
 // !kContig: any element strides). Dynamic shared memory: 2 * half floats.
 // U: steps per team (1 for small calls: more warps, shorter code; 4 for
 // large ones: more bytes in flight per warp).
+// Programmatic dependent launch (sm_90+; the launcher sets the attribute):
+// wait until the previous kernel of the stream has finished and its writes
+// are visible (q, k, v, positions, slots may be its outputs), then let the
+// next kernel of the stream start its launch. A no-op without the attribute
+// and on older GPUs.
+__device__ __forceinline__ void grid_dependency_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 template <class T, int N, bool kContig, int U>
 __global__ void __launch_bounds__(max_block(U)) rope_pool_kernel(const __grid_constant__ Params p) {
   extern __shared__ float cs_smem[];  // cos[half], then sin[half]
+  grid_dependency_sync();
   const int tid = threadIdx.x;
   long long t = blockIdx.x;
   int j = 0;
@@ -697,6 +710,7 @@ template <class T, int N, bool kContig, int U>
 __global__ void __launch_bounds__(max_block(U))
     rope_pool_options_kernel(const __grid_constant__ OptParams p) {
   extern __shared__ float4 smem4[];  // float4: 16-byte aligned weights
+  grid_dependency_sync();
   float* smem = reinterpret_cast<float*>(smem4);
   const Options& o = p.o;
   const int tid = threadIdx.x;
