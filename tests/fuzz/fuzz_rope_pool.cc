@@ -1,6 +1,8 @@
 // libFuzzer target over ropekv::rope_pool_fused's arguments: ranks, shapes,
 // strides (negative, zero, padded), dtypes, devices, config values, slot and
-// position values, thread counts and checked mode.
+// position values, thread counts and checked mode, and every option (pool
+// formats incl. fp8, interleaved pairs, partial rotary, rope_scaling,
+// cos_sin_cache, QK-norm weights).
 //
 // Every array is allocated to cover exactly the elements its shape and
 // strides reach, so AddressSanitizer reports any access outside them. The
@@ -108,6 +110,44 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     default: cfg.rope_base = 10000.0; break;
   }
 
+  // The options: each off most of the time, sometimes on, sometimes invalid.
+  cfg.is_neox = in.ConsumeIntegralInRange<int>(0, 3) != 0;
+  if (in.ConsumeIntegralInRange<int>(0, 3) == 0) cfg.rotary_dim = in.ConsumeIntegralInRange<int64_t>(-2, 22);
+  const int64_t R = cfg.rotary_dim == 0 ? D : cfg.rotary_dim;
+  if (in.ConsumeIntegralInRange<int>(0, 4) == 0) {
+    auto& sc = cfg.rope_scaling;
+    sc.type = static_cast<ropekv::RopeScalingType>(in.ConsumeIntegralInRange<int>(0, 3));
+    auto num = [&](double good) {
+      switch (in.ConsumeIntegralInRange<int>(0, 7)) {
+        case 0: return std::numeric_limits<double>::quiet_NaN();
+        case 1: return -good;
+        case 2: return 0.0;
+        case 3: return in.ConsumeFloatingPoint<double>();
+        default: return good;
+      }
+    };
+    sc.factor = num(8.0);
+    sc.low_freq_factor = num(1.0);
+    sc.high_freq_factor = num(4.0);
+    sc.original_max_position_embeddings = num(8192.0);
+    sc.beta_fast = num(32.0);
+    sc.beta_slow = num(1.0);
+    sc.attention_factor = in.ConsumeBool() ? 0.0 : num(1.2);
+    sc.truncate = in.ConsumeBool();
+  }
+  DLDataType pool_t{};  // set below: q's dtype unless kv_cache_dtype says otherwise
+  switch (in.ConsumeIntegralInRange<int>(0, 7)) {
+    case 0: cfg.kv_cache_dtype = ropekv::KvCacheDtype::kFloat32; break;
+    case 1: cfg.kv_cache_dtype = ropekv::KvCacheDtype::kFp8E4M3; break;
+    case 2: cfg.kv_cache_dtype = ropekv::KvCacheDtype::kFp8E5M2; break;
+    default: break;
+  }
+  if (in.ConsumeIntegralInRange<int>(0, 3) == 0) {
+    cfg.k_scale = in.ConsumeBool() ? 0.5 : in.ConsumeFloatingPoint<double>();
+    cfg.v_scale = in.ConsumeBool() ? 2.0 : in.ConsumeFloatingPoint<double>();
+  }
+  if (in.ConsumeIntegralInRange<int>(0, 5) == 0) cfg.norm_eps = in.ConsumeFloatingPoint<double>();
+
   // Mostly well-formed ranks and shapes, sometimes not.
   auto rank = [&](int good) { return in.ConsumeIntegralInRange<int>(0, 7) ? good : in.ConsumeIntegralInRange<int>(0, 4); };
   const DLDataType ft = pick_float(in);
@@ -120,10 +160,42 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   arrays[2].build(in, rank(3), ks, ft2);
   arrays[3].build(in, rank(1), ts, pick_index(in));
   arrays[4].build(in, rank(1), ts, pick_index(in));
-  arrays[5].build(in, rank(3), ps, ft);
-  arrays[6].build(in, rank(3), ps, ft2);
+  switch (cfg.kv_cache_dtype) {
+    case ropekv::KvCacheDtype::kFloat32: pool_t = {kDLFloat, 32, 1}; break;
+    case ropekv::KvCacheDtype::kFp8E4M3:
+    case ropekv::KvCacheDtype::kFp8E5M2: pool_t = {kDLUInt, 8, 1}; break;
+    default: pool_t = ft; break;
+  }
+  if (in.ConsumeIntegralInRange<int>(0, 9) == 0) pool_t = pick_float(in);
+  arrays[5].build(in, rank(3), ps, pool_t);
+  arrays[6].build(in, rank(3), ps, in.ConsumeIntegralInRange<int>(0, 9) ? pool_t : ft2);
   arrays[7].build(in, rank(3), qs, ft);
   arrays[8].build(in, rank(3), ks, ft);
+  // Optional arrays: cos_sin_cache [rows, R], q/k norm weights [D].
+  Array optional[3];
+  const int64_t rows = in.ConsumeIntegralInRange<int64_t>(0, 6);
+  // (4 entries each: a wrong rank reads up to 4.)
+  const int64_t cs[4] = {rows, in.ConsumeIntegralInRange<int>(0, 5) ? R : R + 2, 2, 2};
+  const int64_t ws[4] = {in.ConsumeIntegralInRange<int>(0, 5) ? D : D + 1, 2, 2, 2};
+  if (in.ConsumeIntegralInRange<int>(0, 3) == 0)
+    optional[0].build(in, rank(2), cs, in.ConsumeBool() ? DLDataType{kDLFloat, 32, 1} : pick_float(in));
+  if (in.ConsumeIntegralInRange<int>(0, 3) == 0)
+    optional[1].build(in, rank(1), ws, in.ConsumeBool() ? DLDataType{kDLFloat, 32, 1} : pick_float(in));
+  if (in.ConsumeIntegralInRange<int>(0, 3) == 0)
+    optional[2].build(in, rank(1), ws, in.ConsumeBool() ? ft : pick_float(in));
+  // Positions: with a table, mostly inside it.
+  Array& positions = arrays[3];
+  if (optional[0].t.ndim != 0 && positions.t.ndim == 1 && positions.t.dtype.code == kDLInt &&
+      positions.t.data) {
+    for (int64_t i = 0; i < positions.shape[0]; ++i) {
+      const int64_t v = in.ConsumeIntegralInRange<int64_t>(-1, rows);
+      const int64_t off = i * positions.strides[0];
+      if (positions.t.dtype.bits == 32)
+        static_cast<int32_t*>(positions.t.data)[off] = static_cast<int32_t>(v);
+      else
+        static_cast<int64_t*>(positions.t.data)[off] = v;
+    }
+  }
 
   // Slot values: mostly in range, sometimes negative, repeated or too large.
   Array& slots = arrays[4];
@@ -140,9 +212,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   std::vector<std::vector<uint8_t>> before;
   for (const Array& a : arrays) before.push_back(a.bytes);
+  std::vector<std::vector<uint8_t>> optional_before;
+  for (const Array& a : optional) optional_before.push_back(a.bytes);
 
   ropekv::RopePoolTensors t{arrays[0].t, arrays[1].t, arrays[2].t, arrays[3].t, arrays[4].t,
-                            arrays[5].t, arrays[6].t, arrays[7].t, arrays[8].t};
+                            arrays[5].t, arrays[6].t, arrays[7].t, arrays[8].t,
+                            optional[0].t, optional[1].t, optional[2].t};
   ropekv::ExecOptions opts;
   opts.num_threads = in.ConsumeIntegralInRange<int>(0, 3);
   opts.checked = in.ConsumeBool();
@@ -155,11 +230,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (threw) {
     for (int i = 0; i < 9; ++i)
       if (arrays[i].bytes != before[i]) __builtin_trap();  // a failed call wrote
+    for (int i = 0; i < 3; ++i)
+      if (optional[i].bytes != optional_before[i]) __builtin_trap();
     return 0;
   }
   // Success: the inputs q, k, v, positions, slots are unchanged, unless an
   // output aliases them (it cannot here: every array has its own buffer).
   for (int i = 0; i < 5; ++i)
     if (arrays[i].bytes != before[i]) __builtin_trap();
+  for (int i = 0; i < 3; ++i)  // the optional arrays are read only
+    if (optional[i].bytes != optional_before[i]) __builtin_trap();
   return 0;
 }
