@@ -57,14 +57,25 @@ struct PoolF32 {  // exact widening
   static HWY_INLINE void PutWide(VF v, VF, T* dst) { hn::StoreU(v, DF(), dst); }
 };
 
-template <Fp8Kind kKind>
-struct PoolFp8 {  // encode_fp8(fp32(x / scale)), an IEEE division
+// encode_fp8(fp32(x / scale)), an IEEE division. For a power-of-two scale
+// (1 included) the product with its exact reciprocal is the same correctly
+// rounded quotient, and far cheaper: then kDiv = false and `scale` holds the
+// reciprocal.
+template <Fp8Kind kKind, bool kDiv>
+struct PoolFp8 {
   using T = uint8_t;
   static constexpr bool kSame = false;
   static HWY_INLINE void PutWide(VF v, VF scale, T* dst) {
-    hn::StoreU(EncodeFp8<kKind>(hn::Div(v, scale)), DU8(), dst);
+    const VF q = kDiv ? hn::Div(v, scale) : hn::Mul(v, scale);
+    hn::StoreU(EncodeFp8<kKind>(q), DU8(), dst);
   }
 };
+
+// Whether 1 / scale is an exact normal fp32 number (scale a power of two).
+HWY_INLINE bool ExactReciprocal(float scale) {
+  int e = 0;
+  return std::frexp(scale, &e) == 0.5f && e >= -124 && e <= 126;
+}
 
 // ------------------------------------------------------------ row helpers
 
@@ -74,14 +85,6 @@ HWY_INLINE VF LoadPartial(const typename Ops::T* x, int64_t m) {
   HWY_ALIGN typename Ops::T b[kMaxLanes] = {};
   std::memcpy(b, x, static_cast<size_t>(m) * sizeof(typename Ops::T));
   return Ops::Load(b);
-}
-
-// Stores the first m lanes of o, rounded to q's dtype, at out.
-template <class Ops>
-HWY_INLINE void StorePartial(VF o, typename Ops::T* out, int64_t m) {
-  HWY_ALIGN typename Ops::T b[kMaxLanes];
-  Ops::Store(o, b);
-  std::memcpy(out, b, static_cast<size_t>(m) * sizeof(typename Ops::T));
 }
 
 // count elements of src (q's dtype, contiguous) into a contiguous pool row.
@@ -103,56 +106,119 @@ HWY_INLINE void PutWideRow(const typename Ops::T* src, typename Pool::T* dst, in
   }
 }
 
+// `bytes` (a whole number of vectors) from src to the vector-aligned dst,
+// non-temporally.
+HWY_INLINE void StreamBytes(const void* src, void* dst, int64_t bytes) {
+  const hn::ScalableTag<uint8_t> d8;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(d8));
+  const uint8_t* s = static_cast<const uint8_t*>(src);
+  uint8_t* d = static_cast<uint8_t*>(dst);
+  for (int64_t i = 0; i < bytes; i += n) hn::Stream(hn::LoadU(d8, s + i), d8, d + i);
+}
+
+// Where a row is stored: directly (contiguous), through a scratch row and a
+// scatter (strided), or through a scratch row and non-temporal stores.
+enum class RowMode { kDirect, kStrided, kStream };
+
 template <class Ops, class Pool>
 HWY_INLINE void PutPoolRowT(const typename Ops::T* src, void* dst, int64_t dst_stride,
-                            int64_t count, float scale, const Scratch& sc) {
+                            int64_t count, VF scale, RowMode mode, const Scratch& sc) {
   using PT = typename Pool::T;
-  const VF sv = hn::Set(DF(), scale);
-  if (dst_stride == 1) return PutWideRow<Ops, Pool>(src, static_cast<PT*>(dst), count, sv);
+  if (mode == RowMode::kStream && Pool::kSame)
+    return StreamBytes(src, dst, count * static_cast<int64_t>(sizeof(PT)));
+  if (mode != RowMode::kStream && dst_stride == 1)
+    return PutWideRow<Ops, Pool>(src, static_cast<PT*>(dst), count, scale);
   PT* b = static_cast<PT*>(sc.row_pool);
-  PutWideRow<Ops, Pool>(src, b, count, sv);
+  PutWideRow<Ops, Pool>(src, b, count, scale);
+  if (mode == RowMode::kStream)
+    return StreamBytes(b, dst, count * static_cast<int64_t>(sizeof(PT)));
   Scatter(b, count, static_cast<PT*>(dst), dst_stride);
+}
+
+template <class Ops, Fp8Kind kKind>
+HWY_INLINE void PutFp8RowT(const typename Ops::T* src, void* dst, int64_t dst_stride, int64_t count,
+                           float scale, RowMode mode, const Scratch& sc) {
+  if (ExactReciprocal(scale))
+    return PutPoolRowT<Ops, PoolFp8<kKind, false>>(src, dst, dst_stride, count,
+                                                   hn::Set(DF(), 1.0f / scale), mode, sc);
+  PutPoolRowT<Ops, PoolFp8<kKind, true>>(src, dst, dst_stride, count, hn::Set(DF(), scale), mode,
+                                         sc);
 }
 
 // A pool row (k or v of one head) from the contiguous row src of q's dtype:
 // the pool format is picked here, once per row.
 template <class Ops>
 HWY_NOINLINE void PutPoolRow(PoolType type, const typename Ops::T* src, void* dst,
-                             int64_t dst_stride, int64_t count, float scale, const Scratch& sc) {
+                             int64_t dst_stride, int64_t count, float scale, RowMode mode,
+                             const Scratch& sc) {
+  const VF one = hn::Set(DF(), 1.0f);
   switch (type) {
     case PoolType::kFp8E4M3:
-      return PutPoolRowT<Ops, PoolFp8<Fp8Kind::kE4M3>>(src, dst, dst_stride, count, scale, sc);
+      return PutFp8RowT<Ops, Fp8Kind::kE4M3>(src, dst, dst_stride, count, scale, mode, sc);
     case PoolType::kFp8E5M2:
-      return PutPoolRowT<Ops, PoolFp8<Fp8Kind::kE5M2>>(src, dst, dst_stride, count, scale, sc);
+      return PutFp8RowT<Ops, Fp8Kind::kE5M2>(src, dst, dst_stride, count, scale, mode, sc);
     case PoolType::kF32:
       // (f32 inputs: a float32 pool is q's dtype.)
       if constexpr (!std::is_same_v<typename Ops::T, float>) {
-        return PutPoolRowT<Ops, PoolF32<Ops>>(src, dst, dst_stride, count, scale, sc);
+        return PutPoolRowT<Ops, PoolF32<Ops>>(src, dst, dst_stride, count, one, mode, sc);
       } else {
-        return PutPoolRowT<Ops, PoolSame<Ops>>(src, dst, dst_stride, count, scale, sc);
+        return PutPoolRowT<Ops, PoolSame<Ops>>(src, dst, dst_stride, count, one, mode, sc);
       }
     default:
-      return PutPoolRowT<Ops, PoolSame<Ops>>(src, dst, dst_stride, count, scale, sc);
+      return PutPoolRowT<Ops, PoolSame<Ops>>(src, dst, dst_stride, count, one, mode, sc);
   }
 }
 
-// QK-norm's r = 1 / sqrt(sum(x^2) / D + eps), all in fp32.
+// sum(x^2) over a contiguous head, in fp32.
 template <class Ops>
-HWY_INLINE float RmsFactor(const typename Ops::T* x, int64_t D, float eps) {
+HWY_INLINE float SumSquares(const typename Ops::T* x, int64_t D) {
   const DF df;
   const int64_t n = static_cast<int64_t>(hn::Lanes(df));
-  VF acc = hn::Zero(df);
+  // Four accumulators: the sum's latency, not its throughput, bounds a head.
+  VF a0 = hn::Zero(df), a1 = hn::Zero(df), a2 = hn::Zero(df), a3 = hn::Zero(df);
   int64_t d = 0;
+  for (; d + 4 * n <= D; d += 4 * n) {
+    const VF v0 = Ops::Load(x + d), v1 = Ops::Load(x + d + n);
+    const VF v2 = Ops::Load(x + d + 2 * n), v3 = Ops::Load(x + d + 3 * n);
+    a0 = hn::MulAdd(v0, v0, a0);
+    a1 = hn::MulAdd(v1, v1, a1);
+    a2 = hn::MulAdd(v2, v2, a2);
+    a3 = hn::MulAdd(v3, v3, a3);
+  }
   for (; d + n <= D; d += n) {
     const VF v = Ops::Load(x + d);
-    acc = hn::MulAdd(v, v, acc);
+    a0 = hn::MulAdd(v, v, a0);
   }
   if (d < D) {
     const VF v = LoadPartial<Ops>(x + d, D - d);
-    acc = hn::MulAdd(v, v, acc);
+    a1 = hn::MulAdd(v, v, a1);
   }
-  const float ss = hn::GetLane(hn::SumOfLanes(df, acc));
-  return 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+  return hn::GetLane(hn::SumOfLanes(df, hn::Add(hn::Add(a0, a1), hn::Add(a2, a3))));
+}
+
+// QK-norm's r = 1 / sqrt(sum(x^2) / D + eps) of heads [h0, h1) of `in` at
+// token t into r[0, h1 - h0) (padded to whole vectors), all in fp32: every
+// head's sum first, then the divisions and square roots as vectors, so the
+// heads' latencies overlap.
+template <class Ops>
+HWY_INLINE void RmsFactors(const View3& in, int64_t t, int64_t h0, int64_t h1, int64_t D, float eps,
+                           float* r, const Scratch& sc) {
+  using T = typename Ops::T;
+  const DF df;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(df));
+  for (int64_t h = h0; h < h1; ++h) {
+    const T* x = Row<T>(in, t, h);
+    if (in.stride[2] != 1) {
+      Gather(x, in.stride[2], D, static_cast<T*>(sc.row_in));
+      x = static_cast<const T*>(sc.row_in);
+    }
+    r[h - h0] = SumSquares<Ops>(x, D);
+  }
+  const VF d = hn::Set(df, static_cast<float>(D)), e = hn::Set(df, eps), one = hn::Set(df, 1.0f);
+  for (int64_t i = 0; i < h1 - h0; i += n) {
+    const VF ss = hn::LoadU(df, r + i);
+    hn::StoreU(hn::Div(one, hn::Sqrt(hn::Add(hn::Div(ss, d), e))), df, r + i);
+  }
 }
 
 // The input value the rotation uses: fp32(fp32(x * r) * w) with QK-norm.
@@ -167,17 +233,37 @@ HWY_INLINE VF Prep(VF x, VF r, const float* w) {
   }
 }
 
+// Stores v, rounded to q's dtype, at out + i and (when not null) out2 + i.
+template <class Ops>
+HWY_INLINE void Put2(VF v, typename Ops::T* out, typename Ops::T* out2, int64_t i) {
+  const auto packed = Ops::Pack(v);
+  Ops::template Put<false>(packed, out + i);
+  if (out2) Ops::template Put<false>(packed, out2 + i);
+}
+
+// The first m lanes only.
+template <class Ops>
+HWY_INLINE void Put2Partial(VF v, typename Ops::T* out, typename Ops::T* out2, int64_t i,
+                            int64_t m) {
+  HWY_ALIGN typename Ops::T b[kMaxLanes];
+  Ops::Store(v, b);
+  std::memcpy(out + i, b, static_cast<size_t>(m) * sizeof(typename Ops::T));
+  if (out2) std::memcpy(out2 + i, b, static_cast<size_t>(m) * sizeof(typename Ops::T));
+}
+
 // One contiguous head: out[0:R) = rope(x'), out[R:D) = x', x' = x or its
-// QK-norm (kNorm, w the fp32 weight, padded), rounded to q's dtype. c/s as
+// QK-norm (kNorm: w the fp32 weight, padded; rms its r), rounded to q's dtype; out2,
+// when not null, gets the same (a pool row of q's dtype). c/s as
 // TokenCosSinOpt makes them. out may be x.
 template <class Ops, bool kInterleaved, bool kNorm>
-HWY_INLINE void RotateRowOpt(const typename Ops::T* x, typename Ops::T* out, const float* c,
-                             const float* s, const float* w, float eps, int64_t R, int64_t D) {
+HWY_INLINE void RotateRowOpt(const typename Ops::T* x, typename Ops::T* out, typename Ops::T* out2,
+                             const float* HWY_RESTRICT c, const float* HWY_RESTRICT s,
+                             const float* HWY_RESTRICT w, float rms, int64_t R, int64_t D) {
   using T = typename Ops::T;
   const DF df;
   const int64_t n = static_cast<int64_t>(hn::Lanes(df));
   VF r = hn::Set(df, 1.0f);
-  if constexpr (kNorm) r = hn::Set(df, RmsFactor<Ops>(x, D, eps));
+  if constexpr (kNorm) r = hn::Set(df, rms);
   if constexpr (!kInterleaved) {
     const int64_t half = R / 2;
     int64_t i = 0;
@@ -185,16 +271,24 @@ HWY_INLINE void RotateRowOpt(const typename Ops::T* x, typename Ops::T* out, con
       const VF x1 = Prep<kNorm>(Ops::Load(x + i), r, w + i);
       const VF x2 = Prep<kNorm>(Ops::Load(x + half + i), r, w + half + i);
       const VF cv = hn::LoadU(df, c + i), sv = hn::LoadU(df, s + i);
-      Ops::Store(hn::MulSub(x1, cv, hn::Mul(x2, sv)), out + i);
-      Ops::Store(hn::MulAdd(x2, cv, hn::Mul(x1, sv)), out + half + i);
+      // Both results before the first store, as the plain path: the stores
+      // may alias x (in place), so the compiler keeps their order.
+      const auto o1 = Ops::Pack(hn::MulSub(x1, cv, hn::Mul(x2, sv)));
+      const auto o2 = Ops::Pack(hn::MulAdd(x2, cv, hn::Mul(x1, sv)));
+      Ops::template Put<false>(o1, out + i);
+      Ops::template Put<false>(o2, out + half + i);
+      if (out2) {
+        Ops::template Put<false>(o1, out2 + i);
+        Ops::template Put<false>(o2, out2 + half + i);
+      }
     }
     if (i < half) {
       const int64_t m = half - i;
       const VF x1 = Prep<kNorm>(LoadPartial<Ops>(x + i, m), r, w + i);
       const VF x2 = Prep<kNorm>(LoadPartial<Ops>(x + half + i, m), r, w + half + i);
       const VF cv = hn::LoadU(df, c + i), sv = hn::LoadU(df, s + i);
-      StorePartial<Ops>(hn::MulSub(x1, cv, hn::Mul(x2, sv)), out + i, m);
-      StorePartial<Ops>(hn::MulAdd(x2, cv, hn::Mul(x1, sv)), out + half + i, m);
+      Put2Partial<Ops>(hn::MulSub(x1, cv, hn::Mul(x2, sv)), out, out2, i, m);
+      Put2Partial<Ops>(hn::MulAdd(x2, cv, hn::Mul(x1, sv)), out, out2, half + i, m);
     }
   } else {
 #if HWY_TARGET == HWY_SCALAR
@@ -203,8 +297,8 @@ HWY_INLINE void RotateRowOpt(const typename Ops::T* x, typename Ops::T* out, con
       const VF x1 = Prep<kNorm>(Ops::Load(x + i), r, w + i);
       const VF x2 = Prep<kNorm>(Ops::Load(x + i + 1), r, w + i + 1);
       const VF cv = hn::LoadU(df, c + i), sv = hn::LoadU(df, s + i + 1);
-      Ops::Store(hn::MulSub(x1, cv, hn::Mul(x2, sv)), out + i);
-      Ops::Store(hn::MulAdd(x2, cv, hn::Mul(x1, sv)), out + i + 1);
+      Put2<Ops>(hn::MulSub(x1, cv, hn::Mul(x2, sv)), out, out2, i);
+      Put2<Ops>(hn::MulAdd(x2, cv, hn::Mul(x1, sv)), out, out2, i + 1);
     }
 #else
     // Pairs in adjacent lanes: o = x * (c, c) + swap(x) * (-s, s). Lane 2i is
@@ -214,114 +308,147 @@ HWY_INLINE void RotateRowOpt(const typename Ops::T* x, typename Ops::T* out, con
     for (; i + n <= R; i += n) {
       const VF xv = Prep<kNorm>(Ops::Load(x + i), r, w + i);
       const VF sw = hn::Reverse2(df, xv);
-      Ops::Store(hn::MulAdd(xv, hn::LoadU(df, c + i), hn::Mul(sw, hn::LoadU(df, s + i))), out + i);
+      Put2<Ops>(hn::MulAdd(xv, hn::LoadU(df, c + i), hn::Mul(sw, hn::LoadU(df, s + i))), out, out2,
+                i);
     }
     if (i < R) {  // R and the lane count are even: no pair straddles the tail
       const int64_t m = R - i;
       const VF xv = Prep<kNorm>(LoadPartial<Ops>(x + i, m), r, w + i);
       const VF sw = hn::Reverse2(df, xv);
-      StorePartial<Ops>(hn::MulAdd(xv, hn::LoadU(df, c + i), hn::Mul(sw, hn::LoadU(df, s + i))),
-                        out + i, m);
+      Put2Partial<Ops>(hn::MulAdd(xv, hn::LoadU(df, c + i), hn::Mul(sw, hn::LoadU(df, s + i))), out,
+                       out2, i, m);
     }
 #endif
   }
   if (R < D) {
     if constexpr (!kNorm) {  // copied unchanged
-      if (out != x) std::memcpy(out + R, x + R, static_cast<size_t>(D - R) * sizeof(T));
+      const size_t bytes = static_cast<size_t>(D - R) * sizeof(T);
+      if (out != x) std::memcpy(out + R, x + R, bytes);
+      if (out2) std::memcpy(out2 + R, x + R, bytes);
     } else {
       int64_t d = R;
-      for (; d + n <= D; d += n) Ops::Store(Prep<kNorm>(Ops::Load(x + d), r, w + d), out + d);
+      for (; d + n <= D; d += n) Put2<Ops>(Prep<kNorm>(Ops::Load(x + d), r, w + d), out, out2, d);
       if (d < D)
-        StorePartial<Ops>(Prep<kNorm>(LoadPartial<Ops>(x + d, D - d), r, w + d), out + d, D - d);
+        Put2Partial<Ops>(Prep<kNorm>(LoadPartial<Ops>(x + d, D - d), r, w + d), out, out2, d,
+                         D - d);
     }
   }
 }
 
-// One head of q or k whose rows are not contiguous: gathered into a scratch
-// row, rotated into row_out (left there for the pool), scattered.
+// One head of q or k, rotated into the scratch row_out (left there for the
+// pool): gathered first when its rows are strided; then scattered (strided)
+// or stored non-temporally (stream).
 template <class Ops, bool kInterleaved, bool kNorm>
-HWY_NOINLINE void RotateHeadStridedOpt(const View3& in, const View3& outv, int64_t t, int64_t h,
+HWY_NOINLINE void RotateHeadViaScratch(const View3& in, const View3& outv, int64_t t, int64_t h,
                                        const Problem& p, const float* c, const float* s,
-                                       const float* w, const Scratch& sc) {
+                                       const float* w, float rms, RowMode mode, const Scratch& sc) {
   using T = typename Ops::T;
   const int64_t D = p.head_dim;
-  T* a = static_cast<T*>(sc.row_in);
+  const T* x = Row<T>(in, t, h);
   T* b = static_cast<T*>(sc.row_out);
-  Gather(Row<T>(in, t, h), in.stride[2], D, a);
-  RotateRowOpt<Ops, kInterleaved, kNorm>(a, b, c, s, w, p.norm_eps, p.rotary_dim, D);
-  Scatter(b, D, Row<T>(outv, t, h), outv.stride[2]);
+  if (in.stride[2] != 1) {
+    T* a = static_cast<T*>(sc.row_in);
+    Gather(x, in.stride[2], D, a);
+    x = a;
+  }
+  RotateRowOpt<Ops, kInterleaved, kNorm>(x, b, nullptr, c, s, w, rms, p.rotary_dim, D);
+  if (mode == RowMode::kStream) {
+    StreamBytes(b, Row<T>(outv, t, h), D * static_cast<int64_t>(sizeof(T)));
+  } else {
+    Scatter(b, D, Row<T>(outv, t, h), outv.stride[2]);
+  }
 }
 
 // ------------------------------------------------------------ heads of a token
 
 template <class Ops, bool kInterleaved, bool kNorm>
 HWY_INLINE void QHeadsOpt(const Problem& p, const OptionData& od, int64_t t, int64_t h0, int64_t h1,
-                          const float* c, const float* s, bool contiguous, const Scratch& sc) {
+                          const float* c, const float* s, RowMode mode, const Scratch& sc) {
   using T = typename Ops::T;
+  if (kNorm) RmsFactors<Ops>(p.q, t, h0, h1, p.head_dim, p.norm_eps, sc.head_r, sc);
   for (int64_t h = h0; h < h1; ++h) {
-    if (contiguous) {
-      RotateRowOpt<Ops, kInterleaved, kNorm>(Row<T>(p.q, t, h), Row<T>(p.q_rot, t, h), c, s,
-                                             od.q_norm, p.norm_eps, p.rotary_dim, p.head_dim);
+    const float rms = kNorm ? sc.head_r[h - h0] : 1.0f;
+    if (mode == RowMode::kDirect) {
+      RotateRowOpt<Ops, kInterleaved, kNorm>(Row<T>(p.q, t, h), Row<T>(p.q_rot, t, h), nullptr, c,
+                                             s, od.q_norm, rms, p.rotary_dim, p.head_dim);
     } else {
-      RotateHeadStridedOpt<Ops, kInterleaved, kNorm>(p.q, p.q_rot, t, h, p, c, s, od.q_norm, sc);
+      RotateHeadViaScratch<Ops, kInterleaved, kNorm>(p.q, p.q_rot, t, h, p, c, s, od.q_norm, rms,
+                                                     mode, sc);
     }
   }
 }
 
-// k heads: k_rot, then the pool rows from k_rot as rounded and from v.
+// k heads: k_rot, then the pool rows from k_rot as rounded and from v. A
+// contiguous pool of q's dtype is written with k_rot, from the registers.
 template <class Ops, bool kInterleaved, bool kNorm>
 HWY_INLINE void KHeadsOpt(const Problem& p, const OptionData& od, int64_t t, int64_t h0, int64_t h1,
-                          const float* c, const float* s, bool contiguous, const Scratch& sc) {
+                          const float* c, const float* s, RowMode mode, const Scratch& sc) {
   using T = typename Ops::T;
   const int64_t D = p.head_dim;
   const int64_t slot = load_index(p.slots, p.slot_type, t);
   const int64_t pe = element_size(p.pool_type);
+  const bool same_pool = p.pool_type == pool_type_of(p.dtype) && p.k_pool.stride[2] == 1;
+  if (kNorm) RmsFactors<Ops>(p.k, t, h0, h1, D, p.norm_eps, sc.head_r, sc);
   for (int64_t hk = h0; hk < h1; ++hk) {
+    const float rms = kNorm ? sc.head_r[hk - h0] : 1.0f;
+    char* k_dst = nullptr;
+    char* v_dst = nullptr;
+    if (slot >= 0) {
+      k_dst = static_cast<char*>(p.k_pool.data) +
+              (slot * p.k_pool.stride[0] + hk * p.k_pool.stride[1]) * pe;
+      v_dst = static_cast<char*>(p.v_pool.data) +
+              (slot * p.v_pool.stride[0] + hk * p.v_pool.stride[1]) * pe;
+    }
     const T* k_rot_row;
-    if (contiguous) {
+    bool k_pool_done = false;
+    if (mode == RowMode::kDirect) {
       T* out = Row<T>(p.k_rot, t, hk);
-      RotateRowOpt<Ops, kInterleaved, kNorm>(Row<T>(p.k, t, hk), out, c, s, od.k_norm, p.norm_eps,
+      T* out2 = same_pool ? reinterpret_cast<T*>(k_dst) : nullptr;
+      RotateRowOpt<Ops, kInterleaved, kNorm>(Row<T>(p.k, t, hk), out, out2, c, s, od.k_norm, rms,
                                              p.rotary_dim, D);
       k_rot_row = out;
+      k_pool_done = same_pool;
     } else {
-      RotateHeadStridedOpt<Ops, kInterleaved, kNorm>(p.k, p.k_rot, t, hk, p, c, s, od.k_norm, sc);
+      RotateHeadViaScratch<Ops, kInterleaved, kNorm>(p.k, p.k_rot, t, hk, p, c, s, od.k_norm, rms,
+                                                     mode, sc);
       k_rot_row = static_cast<const T*>(sc.row_out);
     }
     if (slot < 0) continue;
-    char* k_dst = static_cast<char*>(p.k_pool.data) +
-                  (slot * p.k_pool.stride[0] + hk * p.k_pool.stride[1]) * pe;
-    char* v_dst = static_cast<char*>(p.v_pool.data) +
-                  (slot * p.v_pool.stride[0] + hk * p.v_pool.stride[1]) * pe;
-    PutPoolRow<Ops>(p.pool_type, k_rot_row, k_dst, p.k_pool.stride[2], D, p.k_scale, sc);
+    if (!k_pool_done)
+      PutPoolRow<Ops>(p.pool_type, k_rot_row, k_dst, p.k_pool.stride[2], D, p.k_scale, mode, sc);
     const T* v_row = Row<T>(p.v, t, hk);
+    if (same_pool && mode == RowMode::kDirect && p.v.stride[2] == 1 && p.v_pool.stride[2] == 1) {
+      std::memcpy(v_dst, v_row, static_cast<size_t>(D) * sizeof(T));  // the plain path's copy
+      continue;
+    }
     if (p.v.stride[2] != 1) {
       Gather(v_row, p.v.stride[2], D, static_cast<T*>(sc.row_in));
       v_row = static_cast<const T*>(sc.row_in);
     }
-    PutPoolRow<Ops>(p.pool_type, v_row, v_dst, p.v_pool.stride[2], D, p.v_scale, sc);
+    PutPoolRow<Ops>(p.pool_type, v_row, v_dst, p.v_pool.stride[2], D, p.v_scale, mode, sc);
   }
 }
 
 // Heads [h_begin, h_end) of token t (q heads first, then k/v heads).
 template <class Ops, bool kInterleaved>
 HWY_INLINE void TokenHeadsOpt(const Problem& p, const OptionData& od, int64_t t, int64_t h_begin,
-                              int64_t h_end, const float* c, const float* s, bool contiguous,
+                              int64_t h_end, const float* c, const float* s, RowMode mode,
                               const Scratch& sc) {
   const int64_t Hq = p.num_qo_heads;
   const int64_t hq_end = std::min(h_end, Hq);
   if (h_begin < hq_end) {
     if (od.q_norm) {
-      QHeadsOpt<Ops, kInterleaved, true>(p, od, t, h_begin, hq_end, c, s, contiguous, sc);
+      QHeadsOpt<Ops, kInterleaved, true>(p, od, t, h_begin, hq_end, c, s, mode, sc);
     } else {
-      QHeadsOpt<Ops, kInterleaved, false>(p, od, t, h_begin, hq_end, c, s, contiguous, sc);
+      QHeadsOpt<Ops, kInterleaved, false>(p, od, t, h_begin, hq_end, c, s, mode, sc);
     }
   }
   const int64_t k0 = std::max(h_begin, Hq) - Hq, k1 = h_end - Hq;
   if (k0 < k1) {
     if (od.k_norm) {
-      KHeadsOpt<Ops, kInterleaved, true>(p, od, t, k0, k1, c, s, contiguous, sc);
+      KHeadsOpt<Ops, kInterleaved, true>(p, od, t, k0, k1, c, s, mode, sc);
     } else {
-      KHeadsOpt<Ops, kInterleaved, false>(p, od, t, k0, k1, c, s, contiguous, sc);
+      KHeadsOpt<Ops, kInterleaved, false>(p, od, t, k0, k1, c, s, mode, sc);
     }
   }
 }
@@ -403,21 +530,50 @@ HWY_INLINE void TokenCosSinOpt(const Problem& p, const float* inv_freq, int64_t 
 
 // ------------------------------------------------------------ one call's work
 
+// Whether every row the call writes can take whole non-temporal vector
+// stores: contiguous, aligned to the vector, whole vectors.
+HWY_INLINE bool CanStreamOpt(const Problem& p) {
+  const int64_t vb = static_cast<int64_t>(hn::Lanes(hn::ScalableTag<uint8_t>()));
+  const int64_t e = element_size(p.dtype), pe = element_size(p.pool_type);
+  const View3* rows[] = {&p.q_rot, &p.k_rot, &p.k_pool, &p.v_pool};
+  for (const View3* a : rows) {
+    const int64_t es = (a == &p.k_pool || a == &p.v_pool) ? pe : e;
+    if (a->stride[2] != 1 || reinterpret_cast<uintptr_t>(a->data) % vb != 0) return false;
+    if ((a->stride[0] * es) % vb != 0 || (a->stride[1] * es) % vb != 0) return false;
+    if ((p.head_dim * es) % vb != 0) return false;
+  }
+  return true;
+}
+
 template <class Ops, bool kInterleaved>
 HWY_NOINLINE void RunOpt(const OptWork& w) {
   const Problem& p = *w.p;
   const Scratch& sc = *w.sc;
-  const bool contiguous =
-      p.q.stride[2] == 1 && p.k.stride[2] == 1 && p.q_rot.stride[2] == 1 && p.k_rot.stride[2] == 1;
+  RowMode mode = RowMode::kStrided;
+  if (w.stream && CanStreamOpt(p)) {
+    mode = RowMode::kStream;
+  } else if (p.q.stride[2] == 1 && p.k.stride[2] == 1 && p.q_rot.stride[2] == 1 &&
+             p.k_rot.stride[2] == 1) {
+    mode = RowMode::kDirect;
+  }
   if (w.heads) {
-    TokenHeadsOpt<Ops, kInterleaved>(p, *w.od, w.t0, w.h0, w.h1, w.c, w.s, contiguous, sc);
-    return;
+    TokenHeadsOpt<Ops, kInterleaved>(p, *w.od, w.t0, w.h0, w.h1, w.c, w.s, mode, sc);
+  } else {
+    const int64_t heads = p.num_qo_heads + p.num_kv_heads;
+    const int64_t part = sc.block_part;
+    for (int64_t t0 = w.t0; t0 < w.t1; t0 += kCosSinBlock) {
+      const int64_t t1 = std::min(w.t1, t0 + kCosSinBlock);
+      for (int64_t t = t0; t < t1; ++t) {
+        float* cs = sc.block + (t - t0) * 2 * part;
+        TokenCosSinOpt(p, w.od->inv_freq, t, cs, cs + part, sc);
+      }
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* cs = sc.block + (t - t0) * 2 * part;
+        TokenHeadsOpt<Ops, kInterleaved>(p, *w.od, t, 0, heads, cs, cs + part, mode, sc);
+      }
+    }
   }
-  const int64_t heads = p.num_qo_heads + p.num_kv_heads;
-  for (int64_t t = w.t0; t < w.t1; ++t) {
-    TokenCosSinOpt(p, w.od->inv_freq, t, sc.cos, sc.sin, sc);
-    TokenHeadsOpt<Ops, kInterleaved>(p, *w.od, t, 0, heads, sc.cos, sc.sin, contiguous, sc);
-  }
+  if (mode == RowMode::kStream) hwy::FlushStream();
 }
 
 /// The options path for one storage type (the pair layout picked here, once

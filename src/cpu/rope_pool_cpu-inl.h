@@ -10,6 +10,8 @@
 #define ROPEKV_CPU_INL_H_
 #endif
 
+#include <cstring>
+
 #include <hwy/highway.h>
 
 #include "common/fp8.h"
@@ -179,7 +181,8 @@ struct F16 {
 
 // fp8 (OCP E4M3 "fn" / E5M2) of fp32 lanes, bit for bit common/fp8.h's
 // encode_fp8: round to nearest even, saturate to the largest finite value
-// (Inf included), NaN -> 0x7F with the input's sign. One byte per lane.
+// (Inf included), every NaN -> 0x7F (no sign: the CUDA hardware's bits). One
+// byte per lane.
 using DU8 = hn::Rebind<uint8_t, DF>;
 
 template <Fp8Kind kKind>
@@ -201,31 +204,38 @@ template <Fp8Kind kKind>
 HWY_INLINE hn::Vec<DU8> EncodeFp8(VF x) {
   using C = Fp8Consts<kKind>;
   constexpr int kShift = 23 - C::kMantissa;
+  // Below the smallest normal the code counts quanta of 2^(1 - bias - M):
+  // adding kMagic, whose ulp is that quantum, rounds to a whole number of
+  // them (nearest even) and leaves the count in the low mantissa bits.
+  constexpr float kMagic = static_cast<float>(1u << (24 - C::kBias - C::kMantissa));
+  // Normal: the mantissa rounded to M bits in integers (nearest even), the
+  // exponent rebiased by the same addition: (a + half - 1 + odd - rebias)
+  // >> shift, in wrapping uint32 arithmetic.
+  constexpr uint32_t kRound =
+      ((1u << (kShift - 1)) - 1u) - (static_cast<uint32_t>(127 - C::kBias) << 23);
   const DU32 du;
   const DI32 di;
   const DF df;
   const auto u = hn::BitCast(du, x);
   const auto sign = hn::And(hn::ShiftRight<24>(u), hn::Set(du, 0x80u));
-  const auto a = hn::And(u, hn::Set(du, 0x7FFFFFFFu));  // |x| bits, < 2^31: signed compares
-  const auto ax = hn::BitCast(df, a);
-  // Below the smallest normal: quanta of 2^(1 - bias - M), rounded to the
-  // nearest integer (ties to even); the scaling is exact.
-  const auto scaled =
-      hn::Mul(ax, hn::Set(df, static_cast<float>(1u << (C::kBias + C::kMantissa - 1))));
-  const auto sub = hn::BitCast(du, hn::ConvertTo(di, hn::Round(scaled)));
-  // Normal: the mantissa rounded to M bits in integers, exponent rebiased.
+  const auto ai = hn::BitCast(di, hn::And(u, hn::Set(du, 0x7FFFFFFFu)));  // |x| bits, < 2^31
+  // Saturation: above the largest finite value (Inf too) its bits, which
+  // round to its code. NaN is set apart below.
+  uint32_t max_bits;
+  const float kMax = C::kMax;
+  std::memcpy(&max_bits, &kMax, 4);
+  const auto a = hn::BitCast(du, hn::Min(ai, hn::Set(di, static_cast<int32_t>(max_bits))));
+  const auto magic = hn::Set(df, kMagic);
+  const auto sub = hn::Sub(hn::BitCast(du, hn::Add(hn::BitCast(df, a), magic)),
+                           hn::BitCast(du, magic));
   const auto odd = hn::And(hn::ShiftRight<kShift>(a), hn::Set(du, 1u));
-  const auto r =
-      hn::ShiftRight<kShift>(hn::Add(hn::Add(a, hn::Set(du, (1u << (kShift - 1)) - 1u)), odd));
-  const auto norm = hn::Sub(r, hn::Set(du, static_cast<uint32_t>(127 - C::kBias) << C::kMantissa));
-  const auto ai = hn::BitCast(di, a);
+  const auto norm = hn::ShiftRight<kShift>(hn::Add(hn::Add(a, hn::Set(du, kRound)), odd));
   auto code = hn::IfThenElse(
-      hn::RebindMask(du, hn::Lt(ai, hn::Set(di, (128 - C::kBias) << 23))), sub, norm);
-  code = hn::IfThenElse(hn::RebindMask(du, hn::Gt(ax, hn::Set(df, C::kMax))),
-                        hn::Set(du, C::kMaxCode), code);
+      hn::RebindMask(du, hn::Lt(hn::BitCast(di, a), hn::Set(di, (128 - C::kBias) << 23))), sub,
+      norm);
   code = hn::IfThenElse(hn::RebindMask(du, hn::Gt(ai, hn::Set(di, 0x7F800000))),
-                        hn::Set(du, 0x7Fu), code);
-  return hn::U8FromU32(hn::Or(code, sign));
+                        hn::Set(du, 0x7Fu), hn::Or(code, sign));
+  return hn::U8FromU32(code);
 }
 
 // sin/cos of `count` fp32 angles (count a multiple of Lanes(DF)), the vector

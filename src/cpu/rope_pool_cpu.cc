@@ -336,7 +336,9 @@ Scratch thread_scratch(const Problem& p) {
   const int64_t hp = round_up(p.rotary_dim / 2, kPad);
   const int64_t rp = round_up(p.rotary_dim, kPad);
   const int64_t dp = round_up(p.head_dim, kPad);
-  const size_t need = static_cast<size_t>(2 * rp + 3 * hp + 3 * dp + 64);
+  const int64_t hr = round_up(std::max(p.num_qo_heads, p.num_kv_heads), kPad);
+  const size_t need =
+      static_cast<size_t>(2 * rp + 3 * hp + 3 * dp + 2 * kCosSinBlock * rp + hr + 64);
   if (buf.size() < need) buf.resize(need);
   float* b = buf.data();
   Scratch sc;
@@ -348,6 +350,9 @@ Scratch thread_scratch(const Problem& p) {
   sc.half_cos = b + 2 * rp + hp + 2 * dp;
   sc.half_sin = b + 2 * rp + 2 * hp + 2 * dp;
   sc.row_pool = b + 2 * rp + 3 * hp + 2 * dp;
+  sc.block = b + 2 * rp + 3 * hp + 3 * dp;
+  sc.block_part = rp;
+  sc.head_r = b + 2 * rp + 3 * hp + 3 * dp + 2 * kCosSinBlock * rp;
   return sc;
 }
 
@@ -394,6 +399,12 @@ const float* widen_weight(const Weight& w, int64_t D, int64_t padded, float* out
   return out;
 }
 
+int64_t option_bytes_written(const Problem& p) {
+  const int64_t e = element_size(p.dtype), pe = element_size(p.pool_type);
+  return p.num_tokens * p.head_dim *
+         (e * (p.num_qo_heads + p.num_kv_heads) + pe * 2 * p.num_kv_heads);
+}
+
 int64_t option_bytes_moved(const Problem& p) {
   const int64_t e = element_size(p.dtype), pe = element_size(p.pool_type);
   return p.num_tokens * p.head_dim *
@@ -416,6 +427,7 @@ void run_options(const Problem& p, const ExecOptions& options) {
 
   const int64_t T = p.num_tokens;
   const int64_t heads = p.num_qo_heads + p.num_kv_heads;
+  const bool stream = option_bytes_written(p) >= kStreamMinBytes;
   int threads = 1;
 #ifdef _OPENMP
   threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
@@ -426,7 +438,7 @@ void run_options(const Problem& p, const ExecOptions& options) {
   if (threads <= 1) {
     const Scratch sc = thread_scratch(p);
     HWY_DYNAMIC_DISPATCH(ProcessOptions)(
-        OptWork{&p, &od, &sc, 0, T, false, nullptr, nullptr, 0, 0});
+        OptWork{&p, &od, &sc, 0, T, false, stream, nullptr, nullptr, 0, 0});
     return;
   }
 #ifdef _OPENMP
@@ -438,7 +450,7 @@ void run_options(const Problem& p, const ExecOptions& options) {
       const Scratch sc = thread_scratch(p);
       if (t0 < t1)
         HWY_DYNAMIC_DISPATCH(ProcessOptions)(
-            OptWork{&p, &od, &sc, t0, t1, false, nullptr, nullptr, 0, 0});
+            OptWork{&p, &od, &sc, t0, t1, false, stream, nullptr, nullptr, 0, 0});
     }
     return;
   }
@@ -462,7 +474,8 @@ void run_options(const Problem& p, const ExecOptions& options) {
     const Scratch sc = thread_scratch(p);
     if (h0 < h1)
       HWY_DYNAMIC_DISPATCH(ProcessOptions)(
-          OptWork{&p, &od, &sc, t, t + 1, true, tab + t * stride, tab + t * stride + part, h0, h1});
+          OptWork{&p, &od, &sc, t, t + 1, true, stream, tab + t * stride, tab + t * stride + part, h0,
+                  h1});
   }
 #endif
 }

@@ -9,7 +9,7 @@
 // angle fp32(fp32(pos) * inv_freq[i]) (inv_freq from ropekv::rope_inv_freq,
 // the fp32 table the op is defined with), the norm and the rotation in
 // double, fp8 by the nearest value of a table of every code (ties to the
-// even code, saturation, NaN -> 0x7F with the sign).
+// even code, saturation, every NaN -> 0x7F).
 //
 // Every call: outputs poisoned with NaN bit patterns beforehand (except in
 // place), every element within one rounding of the output dtype plus the
@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "common/fp8.h"
 #include "test_util.h"
 
 namespace ropekv_test {
@@ -83,10 +84,10 @@ const std::vector<double>& fp8_values(bool e4m3) {
 }
 
 // The fp8 code of x: the nearest finite value (ties to the even code), the
-// largest one above it (Inf included), NaN -> 0x7F; the sign of x kept.
+// largest one above it (Inf included), the sign of x kept; every NaN -> 0x7F.
 uint8_t fp8_ref(float x, bool e4m3) {
   const uint32_t sign = std::signbit(x) ? 0x80u : 0u;
-  if (std::isnan(x)) return static_cast<uint8_t>(sign | 0x7Fu);
+  if (std::isnan(x)) return 0x7Fu;
   const double a = std::fabs(static_cast<double>(x));
   const std::vector<double>& v = fp8_values(e4m3);
   if (a >= v.back()) return static_cast<uint8_t>(sign | (v.size() - 1));
@@ -111,7 +112,7 @@ TEST(CpuOptions, Fp8OracleSelfCheck) {
   EXPECT_EQ(fp8_ref(464.0f, true), 0x7E);   // beyond the largest: saturate
   EXPECT_EQ(fp8_ref(-INFINITY, true), 0xFE);
   EXPECT_EQ(fp8_ref(INFINITY, false), 0x7B);
-  EXPECT_EQ(fp8_ref(-NAN, true), 0xFF);
+  EXPECT_EQ(fp8_ref(-NAN, true), 0x7F);
   EXPECT_EQ(fp8_ref(-0.0f, false), 0x80);
   EXPECT_EQ(fp8_ref(std::ldexp(1.0f, -11), true), 0x00);  // a quarter quantum
   EXPECT_EQ(fp8_ref(std::ldexp(3.0f, -11), true), 0x01);  // three quarters
@@ -152,9 +153,30 @@ struct Pool {
   }
 };
 
-Pool make_pool(PoolKind kind, DType dt, int64_t P, int64_t Hk, int64_t D, const Layout& L) {
+// A compact [rows, heads, D] array of dt whose first element is 64-byte
+// aligned (the non-temporal store path needs aligned rows).
+Tensor aligned_compact(DType dt, int64_t rows, int64_t heads, int64_t D) {
+  const int64_t es = dtype_size(dt);
+  auto st = std::make_shared<Storage>(static_cast<size_t>((rows * heads * D) * es + 64));
+  const int64_t off = ((64 - reinterpret_cast<uintptr_t>(st->base) % 64) % 64) / es;
+  return Tensor::view(st, dt, {rows, heads, D}, {heads * D, D, 1}, off);
+}
+
+Pool make_pool(PoolKind kind, DType dt, int64_t P, int64_t Hk, int64_t D, const Layout& L,
+               bool align64 = false) {
   Pool p;
   p.kind = kind;
+  if (align64) {
+    if (!is_fp8(kind)) {
+      p.t = aligned_compact(kind == PoolKind::kF32 ? DType::kF32 : dt, P, Hk, D);
+      return p;
+    }
+    p.st = std::make_shared<Storage>(static_cast<size_t>(P * Hk * D + 64));
+    p.shape = {P, Hk, D};
+    p.strides = {Hk * D, D, 1};
+    p.offset = static_cast<int64_t>((64 - reinterpret_cast<uintptr_t>(p.st->base) % 64) % 64);
+    return p;
+  }
   if (!is_fp8(kind)) {
     p.t = packed_views(kind == PoolKind::kF32 ? DType::kF32 : dt, P, {Hk}, D, L.pool_last_stride,
                        L.pool_head_pad, L.pool_row_pad, L.lead, L.byte_offset)[0];
@@ -189,6 +211,7 @@ struct OptSpec {
   PoolKind pool = PoolKind::kAuto;
   double k_scale = 1.0, v_scale = 1.0;
   bool inplace = false;
+  bool align64 = false;  // compact arrays whose element [0, 0, 0] is 64-byte aligned
   Layout layout;
 
   int64_t rotary() const { return R == 0 ? D : R; }
@@ -293,7 +316,11 @@ OptCase make_opt_case(const OptSpec& s, std::mt19937_64& rng) {
   c.s = s;
   const Layout& L = s.layout;
   const int64_t R = s.rotary();
-  if (L.fused_qkv) {
+  if (s.align64) {
+    c.q = aligned_compact(s.dtype, s.T, s.Hq, s.D);
+    c.k = aligned_compact(s.dtype, s.T, s.Hk, s.D);
+    c.v = aligned_compact(s.dtype, s.T, s.Hk, s.D);
+  } else if (L.fused_qkv) {
     auto qkv = packed_views(s.dtype, s.T, {s.Hq, s.Hk, s.Hk}, s.D, L.in_last_stride, L.in_head_pad,
                             L.in_row_pad, L.lead, L.byte_offset);
     c.q = qkv[0];
@@ -309,6 +336,9 @@ OptCase make_opt_case(const OptSpec& s, std::mt19937_64& rng) {
   if (s.inplace) {
     c.q_rot = c.q;
     c.k_rot = c.k;
+  } else if (s.align64) {
+    c.q_rot = aligned_compact(s.dtype, s.T, s.Hq, s.D);
+    c.k_rot = aligned_compact(s.dtype, s.T, s.Hk, s.D);
   } else if (L.fused_out) {
     auto out = packed_views(s.dtype, s.T, {s.Hq, s.Hk}, s.D, L.out_last_stride, L.out_head_pad, 0,
                             L.lead, L.byte_offset);
@@ -320,8 +350,8 @@ OptCase make_opt_case(const OptSpec& s, std::mt19937_64& rng) {
     c.k_rot = packed_views(s.dtype, s.T, {s.Hk}, s.D, L.out_last_stride, L.out_head_pad, 0, L.lead,
                            L.byte_offset)[0];
   }
-  c.k_pool = make_pool(s.pool, s.dtype, s.P, s.Hk, s.D, L);
-  c.v_pool = make_pool(s.pool, s.dtype, s.P, s.Hk, s.D, L);
+  c.k_pool = make_pool(s.pool, s.dtype, s.P, s.Hk, s.D, L, s.align64);
+  c.v_pool = make_pool(s.pool, s.dtype, s.P, s.Hk, s.D, L, s.align64);
   random_bytes(*c.k_pool.storage(), rng);
   random_bytes(*c.v_pool.storage(), rng);
 
@@ -864,6 +894,39 @@ TEST(CpuOptions, ThreadCountsGiveBitIdenticalResults) {
     }
 }
 
+// Calls large enough (8 MiB written) for non-temporal stores, with aligned
+// rows, so that they take them: each option, and the plain call; 1 and 2
+// threads give the same bytes.
+TEST(CpuOptions, LargeAlignedCallsOnEveryTarget) {
+  std::mt19937_64 rng(test_seed());
+  std::vector<Option> options = {kOptions[0], kOptions[1], kOptions[2], kOptions[6], kOptions[7],
+                                 kOptions[8], kOptions[9], kOptions[11]};
+  options.push_back({"plain", [](OptSpec*) {}});
+  int n = 0;
+  for (const Option& op : options) {
+    OptSpec s;
+    s.T = 400;  // with 64 + 8 heads of 128: > 8 MiB written for every option
+    s.Hq = 64;
+    s.Hk = 8;
+    s.D = 128;
+    s.P = s.T + 5;
+    s.base = 500000.0;
+    s.dtype = n % 2 ? DType::kBF16 : DType::kF32;
+    s.align64 = true;
+    s.cache_rows = 2048;
+    ++n;
+    op.apply(&s);
+    OptCase c = make_opt_case(s, rng);
+    const OptExpected e = expect_opt(c);
+    SCOPED_TRACE(std::string(op.name) + ": " + describe(s));
+    check_opt_on_all_targets(c, e);
+    run_and_check_opt(c, e, 1);
+    const std::vector<uint8_t> one = opt_result_bytes(c);
+    run_and_check_opt(c, e, 2);
+    EXPECT_TRUE(opt_result_bytes(c) == one) << "2 threads differ from 1";
+  }
+}
+
 // The vector fp8 encoder against the table oracle, bit for bit, on every
 // target: v (v_scale 1, then others) holds every sign and exponent with
 // mantissas at and around each rounding boundary, the special values, and
@@ -898,7 +961,23 @@ TEST(CpuOptions, Fp8EncoderBitExactOnEveryTarget) {
       }
       const OptExpected e = expect_opt(c);
       SCOPED_TRACE(describe(s));
-      check_opt_on_all_targets(c, e);
+      // The oracle, and the shared scalar encoder the other backends use.
+      const ropekv::Fp8Kind fk =
+          kind == PoolKind::kE4M3 ? ropekv::Fp8Kind::kE4M3 : ropekv::Fp8Kind::kE5M2;
+      for_each_target([&](int64_t) {
+        run_and_check_opt(c, e);
+        int64_t bad = 0;
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t d = 0; d < D; ++d) {
+            const float v = f32_from_bits(static_cast<uint32_t>(c.v.raw(c.v.off(t, 0, d))));
+            const uint8_t want = ropekv::encode_fp8(v / static_cast<float>(v_scale), fk);
+            const uint64_t got = c.v_pool.raw(T - 1 - t, 0, d);
+            if (got != want && bad++ < 8)
+              ADD_FAILURE() << "v 0x" << std::hex << f32_bits(v) << ": v_pool 0x" << got
+                            << ", encode_fp8 0x" << int{want} << std::dec;
+          }
+        EXPECT_EQ(bad, 0);
+      });
     }
 }
 
