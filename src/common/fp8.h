@@ -1,7 +1,8 @@
 // fp32 -> fp8 (OCP E4M3 "fn" and E5M2) encoding shared by the host, the CPU
 // backend's scalar paths and the CUDA kernel, so every backend stores the
 // same bits: round to nearest even, saturate to the largest finite value
-// (Inf included), NaN stays NaN (0x7F with the input's sign).
+// (Inf included), every NaN -> 0x7F (a NaN in both formats, sign clear: the
+// bits of the hardware conversion of sm_89 and later, cvt.rn.satfinite).
 #pragma once
 
 #include <cstdint>
@@ -37,7 +38,7 @@ ROPEKV_HD uint8_t encode_fp8(float x, Fp8Kind kind) {
   std::memcpy(&u, &x, 4);
   const uint32_t sign = (u >> 24) & 0x80u;
   const uint32_t a = u & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return static_cast<uint8_t>(sign | 0x7Fu);  // NaN
+  if (a > 0x7F800000u) return 0x7Fu;  // NaN, whatever its sign
   float ax;
   std::memcpy(&ax, &a, 4);
   if (ax > f.max_finite) return static_cast<uint8_t>(sign | f.max_code);  // saturate
@@ -49,8 +50,12 @@ ROPEKV_HD uint8_t encode_fp8(float x, Fp8Kind kind) {
     // removing 2^23 rounds it to the nearest integer, ties to even. A result
     // of 2^M is the smallest normal's code, as wanted.
     const float scaled = ax * static_cast<float>(1u << (f.bias + f.mantissa_bits - 1));
+#if defined(__CUDA_ARCH__)
+    code = __float2uint_rn(scaled);  // round to nearest even, in registers
+#else
     volatile float t = scaled + 8388608.0f;  // volatile: keep the rounding step
     code = static_cast<uint32_t>(t - 8388608.0f);
+#endif
   } else {
     // Normal: round the fp32 mantissa to M bits (nearest even) in integers,
     // then rebias the exponent.

@@ -245,22 +245,38 @@ void launch_as(const Params& prm, const Launch& l, cudaStream_t stream) {
         "launching the rope_pool kernel");
 }
 
-template <class T, int N, bool kContig, int U>
+template <class T, int N, bool kContig, int U, int kPools, bool kNorm>
 void launch_options_as(const OptParams& prm, const Launch& l, cudaStream_t stream) {
   LaunchConfig lc(l, stream);
-  check(cudaLaunchKernelEx(&lc.cfg, detail::rope_pool_options_kernel<T, N, kContig, U>, prm),
+  check(cudaLaunchKernelEx(&lc.cfg,
+                           detail::rope_pool_options_kernel<T, N, kContig, U, kPools, kNorm>, prm),
         "launching the rope_pool options kernel");
 }
 
-// The options kernel: 16-byte vectors with U = 2 or 4, or strided (U = 1:
-// rare layouts, and the shortest code).
-template <class T>
-void launch_options_typed(const OptParams& prm, bool contig, int unroll, const Launch& l,
-                          cudaStream_t stream) {
+// The 16-byte options kernels (kOptSteps steps at most, o.steps taken): one
+// for fp8 pools and one for the others, each with or without the QK-norm
+// code; or the strided one (one step, every option at run time: rare
+// layouts, and the shortest code).
+template <class T, bool kNorm>
+void launch_options_pools(const OptParams& prm, const Launch& l, cudaStream_t stream) {
   constexpr int kVec = static_cast<int>(16 / sizeof(T));
-  if (!contig) return launch_options_as<T, 1, false, 1>(prm, l, stream);
-  if (unroll == 2) return launch_options_as<T, kVec, true, 2>(prm, l, stream);
-  return launch_options_as<T, kVec, true, 4>(prm, l, stream);
+  constexpr int kU = detail::kOptSteps;
+  if (prm.o.pool_mode == detail::kPoolFp8)
+    return launch_options_as<T, kVec, true, kU, detail::kPoolsFp8, kNorm>(prm, l, stream);
+  return launch_options_as<T, kVec, true, kU, detail::kPoolsWide, kNorm>(prm, l, stream);
+}
+
+// float32 inputs (rarer with options, and lighter on registers) take the
+// kernels with the QK-norm code for every call: fewer kernels to compile.
+template <class T>
+void launch_options_typed(const OptParams& prm, bool contig, const Launch& l,
+                          cudaStream_t stream) {
+  if (!contig) return launch_options_as<T, 1, false, 1, detail::kPoolsAny, true>(prm, l, stream);
+  if constexpr (sizeof(T) == 2) {
+    if (prm.o.q_norm == nullptr && prm.o.k_norm == nullptr)
+      return launch_options_pools<T, false>(prm, l, stream);
+  }
+  return launch_options_pools<T, true>(prm, l, stream);
 }
 
 // The 16-byte kernels come in U = 1, 2, 4, 8 steps per team; the narrower
@@ -305,6 +321,12 @@ int choose_unroll(int64_t tokens, int64_t steps, int64_t vec_bytes) {
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Whether 1 / scale is an exact normal fp32 number (scale a power of two).
+bool exact_reciprocal(float scale) {
+  int e = 0;
+  return std::frexp(scale, &e) == 0.5f && e >= -124 && e <= 126;
+}
 
 const char* kTensorNames[] = {"q",      "k",      "v",     "positions",     "slots",
                               "k_pool", "v_pool", "q_rot", "k_rot",         "cos_sin_cache",
@@ -397,6 +419,10 @@ void run(const Problem& p, const ExecOptions& options) {
     }
   } else if (vector_ok(p, 16 / esize, esize, element_size(p.pool_type))) {
     vec = static_cast<int>(16 / esize);  // the options kernel: 16 bytes or strided
+    // A QK-norm over more chunks of a head (items, below) than a team has
+    // lanes reads the head twice: only the strided kernel does.
+    const bool norm = p.q_norm.data != nullptr || p.k_norm.data != nullptr;
+    if (norm && (p.head_dim - p.rotary_dim / 2) / vec > detail::kMaxTeam) vec = 1;
   }
   if (vec == 1) contig = false;
 
@@ -418,11 +444,14 @@ void run(const Problem& p, const ExecOptions& options) {
     throw Error("num_qo_heads + 2*num_kv_heads and head_dim must fit in 29 bits");
   const int64_t steps = ceil_div(heads, heads_par);
   int unroll = contig ? choose_unroll(p.num_tokens, steps, vec * esize) : 4;
-  if (!plain) unroll = !contig ? 1 : (unroll <= 2 ? 2 : 4);  // the options kernel's variants
+  // The options kernels: U = kOptSteps compiled, `unroll` of them taken
+  // (1, 2 or 4), or the strided kernel's one.
+  const int kernel_u = plain ? unroll : (contig ? detail::kOptSteps : 1);
+  if (!plain) unroll = !contig ? 1 : std::min(unroll, detail::kOptSteps);
   const int64_t batches = ceil_div(steps, unroll);
   // The teams of one token share a block (and its cos/sin) when they fit.
   int64_t per_block =
-      std::max<int64_t>(1, std::min(batches, detail::max_block(unroll) / lanes));
+      std::max<int64_t>(1, std::min(batches, detail::max_block(kernel_u) / lanes));
   const int64_t blocks_per_token = ceil_div(batches, per_block);
   per_block = ceil_div(batches, blocks_per_token);
   size_t smem = static_cast<size_t>(p.rotary_dim) * sizeof(float);  // cos + sin
@@ -433,7 +462,7 @@ void run(const Problem& p, const ExecOptions& options) {
   if (norm) {
     // q and k weights, and a sum of squares per (warp, step) of wide teams.
     smem += static_cast<size_t>(2 * p.head_dim) * sizeof(float) +
-            static_cast<size_t>(per_block * lanes / 32 * unroll) * sizeof(float);
+            static_cast<size_t>(per_block * lanes / 32 * kernel_u) * sizeof(float);
     if (smem > 48 * 1024)
       throw Error("head_dim " + std::to_string(p.head_dim) + " with rotary_dim " +
                   std::to_string(p.rotary_dim) +
@@ -475,15 +504,21 @@ void run(const Problem& p, const ExecOptions& options) {
     o.fp8_kind = static_cast<int>(is_fp8(p.pool_type) ? fp8_kind(p.pool_type) : Fp8Kind::kE4M3);
     o.interleaved = !p.is_neox;
     o.head_dim = static_cast<int>(p.head_dim);
+    o.steps = unroll;
     o.attention_factor = p.attention_factor;
     o.norm_eps = p.norm_eps;
     o.k_scale = p.k_scale;
     o.v_scale = p.v_scale;
+    // x / scale is x * (1 / scale), the same correctly rounded quotient, when
+    // 1 / scale is an exact normal number (a power-of-two scale, 1 included).
+    const bool exact = exact_reciprocal(p.k_scale) && exact_reciprocal(p.v_scale);
+    o.fp8_div = exact ? 0 : 1;
+    o.k_mul = exact ? 1.0f / p.k_scale : 1.0f;
+    o.v_mul = exact ? 1.0f / p.v_scale : 1.0f;
     switch (p.dtype) {
-      case FloatType::kF32: return launch_options_typed<float>(op, contig, unroll, l, stream);
-      case FloatType::kF16: return launch_options_typed<__half>(op, contig, unroll, l, stream);
-      case FloatType::kBF16:
-        return launch_options_typed<__nv_bfloat16>(op, contig, unroll, l, stream);
+      case FloatType::kF32: return launch_options_typed<float>(op, contig, l, stream);
+      case FloatType::kF16: return launch_options_typed<__half>(op, contig, l, stream);
+      case FloatType::kBF16: return launch_options_typed<__nv_bfloat16>(op, contig, l, stream);
     }
   }
   switch (p.dtype) {

@@ -25,9 +25,16 @@
 //
 // Calls with options (interleaved pairs, yarn's attention factor, a
 // cos_sin_cache, QK-norm, float32 or fp8 pools) run rope_pool_options_kernel:
-// the same decomposition and loads, one instantiation per vector width that
-// branches on the (block-uniform) options at run time, so the plain kernel
-// stays as it is. Interleaved pairs (2i, 2i+1) keep the chunk layout: chunk c
+// the same decomposition and loads, so the plain kernel stays as it is. Its
+// 16-byte form is compiled per pool family (fp8, or q's dtype / float32) and
+// with or without the QK-norm code, U = 4 steps of which a call takes 1 to 4
+// (2 for small calls, 4 for large ones, as the plain kernel's U); the other
+// options are uniform run-time branches. Each chunk's cos/sin and weights are
+// read from shared memory as the work goes, in blocks of 4 elements, which
+// keeps these kernels at the plain kernel's 80 registers. fp8 uses the
+// hardware conversion on sm_89 and later (cvt.rn.satfinite, encode_fp8's
+// bits). The strided form (U = 1) branches on every option at run time.
+// Interleaved pairs (2i, 2i+1) keep the chunk layout: chunk c
 // is the 2N elements from 2cN, loaded as two N-vectors whose adjacent
 // elements pair up, with the same N frequencies cN.. as a NeoX chunk. The
 // QK-norm's sum of squares is reduced over the lanes of a head with shuffles
@@ -97,12 +104,24 @@ struct Params {
   int num_batches;       // batches per token
 };
 
-/// How the options kernel writes a pool element.
+/// How the options kernel writes a pool element (o.pool_mode).
 enum PoolMode : int {
   kPoolSame = 0,  // q's dtype: the bits of k_rot / v
   kPoolF32 = 1,   // float32 pool: exact widening
   kPoolFp8 = 2,   // uint8 pool: encode_fp8(x / scale)
 };
+
+/// The pool formats an options kernel is compiled for (its kPools).
+enum PoolCode : int {
+  kPoolsAny = 0,   // every format, o.pool_mode at run time (the strided kernel)
+  kPoolsWide = 1,  // kPoolSame or kPoolF32 (exact: the values as they are)
+  kPoolsFp8 = 2,   // kPoolFp8
+};
+
+/// Steps per team of the 16-byte options kernels: the most a batch takes;
+/// o.steps (1 to kOptSteps) is how many it takes, so one binary serves small
+/// calls (2, like the plain kernel's U = 2) and large ones (4).
+constexpr int kOptSteps = 4;
 
 /// The options of a call that is not plain (see is_plain in problem.h).
 struct Options {
@@ -116,9 +135,13 @@ struct Options {
   int fp8_kind;                      // Fp8Kind of a kPoolFp8 pool
   int interleaved;                   // pairs (2i, 2i+1) instead of (i, i + half)
   int head_dim;
+  int steps;                         // steps per team (the batch); <= the kernel's U
+  int fp8_div;  // 1: x / scale (IEEE division); 0: x * k_mul / v_mul, the same
+                // quotient (both scales are powers of two, their reciprocals exact)
   float attention_factor;  // multiplies cos and sin (1 = off)
   float norm_eps;
   float k_scale, v_scale;  // fp8 pools: stored = encode(x / scale)
+  float k_mul, v_mul;      // 1 / k_scale, 1 / v_scale when fp8_div == 0
 };
 
 struct OptParams : Params {
@@ -311,7 +334,7 @@ __device__ __forceinline__ void options_offsets(const Params& p, int c, bool int
 template <class T, int N, bool kContig, int U, bool kOpt = false>
 __device__ __forceinline__ void load_batch(const Params& p, long long t, int first_vh, int hp,
                                            int c, Vec<T, N> (&a)[U], Vec<T, N> (&b)[U],
-                                           bool interleaved = false) {
+                                           bool interleaved = false, int vh_end = 0) {
   const int Hq = p.num_qo_heads, Hk = p.num_kv_heads, HP = p.heads_par;
   const bool pair = c < p.pair_items;
   int off1, off2;
@@ -324,7 +347,7 @@ __device__ __forceinline__ void load_batch(const Params& p, long long t, int fir
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int vh = first_vh + u * HP + hp;
-    if (vh < Hq + 2 * Hk) {
+    if (vh < (kOpt ? vh_end : Hq + 2 * Hk)) {
       int h;
       const int kind = kind_of(vh, Hq, Hk, &h);
       const Tensor3& x = kind == 0 ? p.q : (kind == 1 ? p.k : p.v);
@@ -497,19 +520,102 @@ __device__ __noinline__ void report_bad_position(ErrorRecord* e, long long t, lo
   atomicExch(&e->lock, 0);
 }
 
-// Writes the N values of v (already rounded to T) at element `off` of pool
-// row (row, h) in the pool's format. 16-byte kernel: one vector store of
-// N * pool-element bytes (two for float32 pools of 16-bit inputs).
-template <class T, int N, bool kContig>
+// B floats from shared memory: float4 / float2 loads in the contiguous
+// kernel (p aligned to B floats, at most 16 bytes), else one at a time.
+template <int B, bool kContig>
+__device__ __forceinline__ void load_floats(const float* p, float (&x)[B]) {
+  if constexpr (kContig && B % 4 == 0) {
+#pragma unroll
+    for (int j = 0; j < B; j += 4) {
+      const float4 f = *reinterpret_cast<const float4*>(p + j);
+      x[j] = f.x;
+      x[j + 1] = f.y;
+      x[j + 2] = f.z;
+      x[j + 3] = f.w;
+    }
+  } else if constexpr (kContig && B == 2) {
+    const float2 f = *reinterpret_cast<const float2*>(p);
+    x[0] = f.x;
+    x[1] = f.y;
+  } else {
+#pragma unroll
+    for (int j = 0; j < B; ++j) x[j] = p[j];
+  }
+}
+
+// Elements [k, k + B) of a vector as floats (exact), and back (each rounded
+// once to T); k a multiple of B, B even unless N == 1.
+template <class T, int N, int B>
+__device__ __forceinline__ void get_floats(const Vec<T, N>& v, int k, float (&x)[B]) {
+  if constexpr (sizeof(T) == 4) {
+#pragma unroll
+    for (int j = 0; j < B; ++j) x[j] = __uint_as_float(v.w[k + j]);
+  } else if constexpr (N == 1) {
+    x[0] = to_f32(v.v);
+  } else {
+#pragma unroll
+    for (int j = 0; j < B / 2; ++j) {
+      const float2 f = unpack2(v.w[k / 2 + j], T());
+      x[2 * j] = f.x;
+      x[2 * j + 1] = f.y;
+    }
+  }
+}
+
+template <class T, int N, int B>
+__device__ __forceinline__ void set_floats(Vec<T, N>& v, int k, const float (&x)[B]) {
+  if constexpr (sizeof(T) == 4) {
+#pragma unroll
+    for (int j = 0; j < B; ++j) v.w[k + j] = __float_as_uint(x[j]);
+  } else if constexpr (N == 1) {
+    v.v = from_f32(x[0], T());
+  } else {
+#pragma unroll
+    for (int j = 0; j < B / 2; ++j)
+      v.w[k / 2 + j] = pack2(make_float2(x[2 * j], x[2 * j + 1]), T());
+  }
+}
+
+// fp8 codes of two fp32 values, lo in bits 0-7 and hi in bits 8-15. On
+// sm_89 and later the hardware conversion: round to nearest even, saturate
+// to the largest finite value (Inf included), NaN -> 0x7F, which are
+// encode_fp8's bits for every input; before, encode_fp8 itself.
+__device__ __forceinline__ unsigned int fp8x2(float lo, float hi, Fp8Kind kind) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  unsigned short r;
+  if (kind == Fp8Kind::kE4M3) {
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  }
+  return r;
+#else
+  return encode_fp8(lo, kind) | static_cast<unsigned int>(encode_fp8(hi, kind)) << 8;
+#endif
+}
+
+// Writes the N values of v (q's dtype: k_rot as rounded, or v) at element
+// `off` of pool row (row, h) in the pool's format (o.pool_mode, one of the
+// formats kPools). 16-byte kernel: one vector store of N pool elements (two for a
+// float32 pool of 16-bit inputs). fp8: the IEEE quotient x / scale, or the
+// same quotient as x * mul when the host found the reciprocal exact.
+template <class T, int N, bool kContig, int kPools>
 __device__ __forceinline__ void store_pool(const Tensor3& y, const Options& o, long long row,
-                                           int h, int off, const Vec<T, N>& v, float scale) {
-  if (o.pool_mode == kPoolSame) {
+                                           int h, int off, const Vec<T, N>& v, float scale,
+                                           float mul) {
+  // (A float32 pool of float32 inputs is kPoolSame.)
+  const int mode = kPools == kPoolsFp8    ? kPoolFp8
+                   : kPools == kPoolsAny  ? o.pool_mode
+                   : sizeof(T) == 4       ? kPoolSame
+                   : o.pool_mode == kPoolF32 ? kPoolF32
+                                             : kPoolSame;
+  if (mode == kPoolSame) {
     store_vec<T, N, kContig>(at<T>(y, row, h) + (kContig ? off : off * y.s2), v);
     return;
   }
-  float x[N];
-  to_floats<T, N>(v, x);
-  if (o.pool_mode == kPoolF32) {
+  if (mode == kPoolF32) {
+    float x[N];
+    to_floats<T, N>(v, x);
     float* dst = at<float>(y, row, h) + (kContig ? off : off * y.s2);
     if constexpr (kContig) {
       static_assert(N % 4 == 0, "the options kernel's vectors hold 16 bytes");
@@ -521,24 +627,34 @@ __device__ __forceinline__ void store_pool(const Tensor3& y, const Options& o, l
     }
     return;
   }
-  // fp8: an IEEE division by the scale, then the encoder the CPU uses.
+  // fp8, four elements (one word of codes) at a time.
   const Fp8Kind kind = static_cast<Fp8Kind>(o.fp8_kind);
-  unsigned int code[N];
+  constexpr int B = N < 4 ? N : 4;
+  unsigned int w[(N + 3) / 4];
 #pragma unroll
-  for (int j = 0; j < N; ++j) code[j] = encode_fp8(__fdiv_rn(x[j], scale), kind);
-  unsigned char* dst = at<unsigned char>(y, row, h) + (kContig ? off : off * y.s2);
-  if constexpr (kContig) {
-    unsigned int w[N / 4];
+  for (int k = 0; k < N; k += B) {
+    float x[B];
+    get_floats<T, N, B>(v, k, x);
+    if (o.fp8_div) {
 #pragma unroll
-    for (int j = 0; j < N / 4; ++j)
-      w[j] = code[4 * j] | code[4 * j + 1] << 8 | code[4 * j + 2] << 16 | code[4 * j + 3] << 24;
-    if constexpr (N == 8) {
-      *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+      for (int j = 0; j < B; ++j) x[j] = __fdiv_rn(x[j], scale);
     } else {
-      *reinterpret_cast<unsigned int*>(dst) = w[0];
+#pragma unroll
+      for (int j = 0; j < B; ++j) x[j] = __fmul_rn(x[j], mul);
     }
+    if constexpr (B == 4) {
+      w[k / 4] = fp8x2(x[0], x[1], kind) | fp8x2(x[2], x[3], kind) << 16;
+    } else {
+      w[0] = fp8x2(x[0], 0.0f, kind);
+    }
+  }
+  unsigned char* dst = at<unsigned char>(y, row, h) + (kContig ? off : off * y.s2);
+  if constexpr (!kContig) {
+    *dst = static_cast<unsigned char>(w[0]);
+  } else if constexpr (N == 8) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
   } else {
-    *dst = static_cast<unsigned char>(code[0]);
+    *reinterpret_cast<unsigned int*>(dst) = w[0];
   }
 }
 
@@ -559,17 +675,17 @@ __device__ __forceinline__ float sum_squares(const Vec<T, N>& a, const Vec<T, N>
 }
 
 // Adds to ss[u] the squares of the lane's chunk c of each q/k head of the
-// batch that has a QK-norm weight.
+// batch (virtual heads below vh_end) that has a QK-norm weight.
 template <class T, int N, int U>
-__device__ __forceinline__ void add_squares(const OptParams& p, int first_vh, int hp, int c,
-                                            const Vec<T, N> (&a)[U], const Vec<T, N> (&b)[U],
-                                            float (&ss)[U]) {
+__device__ __forceinline__ void add_squares(const OptParams& p, int first_vh, int vh_end, int hp,
+                                            int c, const Vec<T, N> (&a)[U],
+                                            const Vec<T, N> (&b)[U], float (&ss)[U]) {
   const int Hq = p.num_qo_heads, Hk = p.num_kv_heads, HP = p.heads_par;
   const bool pair = c < p.pair_items;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int vh = first_vh + u * HP + hp;
-    if (vh >= Hq + 2 * Hk) continue;
+    if (vh >= vh_end) continue;
     int h;
     const int kind = kind_of(vh, Hq, Hk, &h);
     if (kind == 0 ? p.o.q_norm != nullptr : (kind == 1 && p.o.k_norm != nullptr))
@@ -577,42 +693,83 @@ __device__ __forceinline__ void add_squares(const OptParams& p, int first_vh, in
   }
 }
 
-// a[u] for a run-time u, by selects (no local-memory array).
-template <class T, int N, int U>
-__device__ __forceinline__ Vec<T, N> pick(const Vec<T, N> (&a)[U], int u) {
-  Vec<T, N> r = a[0];
+// One chunk of a q or k head: the QK-norm when `norm` (x * r, times the
+// weights w at off1 / off2), the rotation of a pair chunk (NeoX, or
+// interleaved), in fp32, then one rounding to T; without a norm an
+// unrotated chunk is left as it is. The work goes in blocks of 4 elements
+// of each vector, each with its cos/sin (cos_c, sin_c: the chunk's) and
+// weights read from shared memory then: fewer values live at once than with
+// the chunk's cos/sin held in registers for every step (as the plain kernel
+// does), which keeps the registers of these kernels at the plain one's.
+template <class T, int N, bool kContig, bool kNorm>
+__device__ __forceinline__ void transform(Vec<T, N>& a, Vec<T, N>& b, bool pair, bool interleaved,
+                                          bool norm, const float* w, int off1, int off2, float r,
+                                          const float* cos_c, const float* sin_c) {
+  const bool normed = kNorm && norm;
+  if (!normed && !pair) return;
+  constexpr int B = N < 4 ? N : 4;
 #pragma unroll
-  for (int k = 1; k < U; ++k)
-    if (u == k) r = a[k];
-  return r;
-}
-
-// N weights from shared memory (16-byte aligned in the contiguous kernel).
-template <int N, bool kContig>
-__device__ __forceinline__ void load_weights(const float* w, float (&x)[N]) {
-  if constexpr (kContig) {
+  for (int k = 0; k < N; k += B) {
+    float xa[B], xb[B];
+    get_floats<T, N, B>(a, k, xa);
+    if (pair) get_floats<T, N, B>(b, k, xb);
+    if (normed) {
+      float wv[B];
+      load_floats<B, kContig>(w + off1 + k, wv);
 #pragma unroll
-    for (int j = 0; j < N; j += 4) {
-      const float4 f = *reinterpret_cast<const float4*>(w + j);
-      x[j] = f.x;
-      x[j + 1] = f.y;
-      x[j + 2] = f.z;
-      x[j + 3] = f.w;
+      for (int j = 0; j < B; ++j) xa[j] = __fmul_rn(__fmul_rn(xa[j], r), wv[j]);
+      if (pair) {
+        load_floats<B, kContig>(w + off2 + k, wv);
+#pragma unroll
+        for (int j = 0; j < B; ++j) xb[j] = __fmul_rn(__fmul_rn(xb[j], r), wv[j]);
+      }
     }
-  } else {
-    x[0] = w[0];
+    if (pair) {
+      if (N > 1 && interleaved) {
+        // xa holds pairs cN + k/2 + i, xb pairs cN + N/2 + k/2 + i, each
+        // (x[2i], x[2i+1]).
+        constexpr int P = B > 1 ? B / 2 : 1;  // (N == 1: not reached)
+        float ca[P], sa[P], cb[P], sb[P];
+        load_floats<P, kContig>(cos_c + k / 2, ca);
+        load_floats<P, kContig>(sin_c + k / 2, sa);
+        load_floats<P, kContig>(cos_c + N / 2 + k / 2, cb);
+        load_floats<P, kContig>(sin_c + N / 2 + k / 2, sb);
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+          const float a1 = xa[2 * i], a2 = xa[2 * i + 1];
+          xa[2 * i] = rot1(a1, a2, ca[i], sa[i]);
+          xa[2 * i + 1] = rot2(a1, a2, ca[i], sa[i]);
+          const float b1 = xb[2 * i], b2 = xb[2 * i + 1];
+          xb[2 * i] = rot1(b1, b2, cb[i], sb[i]);
+          xb[2 * i + 1] = rot2(b1, b2, cb[i], sb[i]);
+        }
+      } else {
+        // NeoX, or one interleaved pair (x[2c], x[2c+1]) in the strided kernel.
+        float c[B], s[B];
+        load_floats<B, kContig>(cos_c + k, c);
+        load_floats<B, kContig>(sin_c + k, s);
+#pragma unroll
+        for (int j = 0; j < B; ++j) {
+          const float x1 = xa[j], x2 = xb[j];
+          xa[j] = rot1(x1, x2, c[j], s[j]);
+          xb[j] = rot2(x1, x2, c[j], s[j]);
+        }
+      }
+      set_floats<T, N, B>(b, k, xb);
+    }
+    set_floats<T, N, B>(a, k, xa);
   }
 }
 
-// The options kernel's store of one chunk: QK-norm when `norm` (r[u] and the
-// weights wq / wk in shared memory; 1 for a tensor without weights, which
-// leaves x as it is), rotation (NeoX or interleaved) in fp32, one rounding
-// to T, then the pools in their format.
-template <class T, int N, bool kContig, int U>
+// The options kernel's store of one chunk for each step of the batch: q and
+// k through `transform` into q_rot / k_rot, then k_rot's values and v's into
+// their pool rows in the pool's format; the same order of work as
+// store_batch.
+template <class T, int N, bool kContig, int U, int kPools, bool kNorm>
 __device__ __forceinline__ void store_batch_options(const OptParams& p, long long t,
-                                                    long long row, int first_vh, int hp, int c,
-                                                    const float* cs_smem, bool norm,
-                                                    const float* wq, const float* wk,
+                                                    long long row, int first_vh, int vh_end,
+                                                    int hp, int c, const float* cs_smem,
+                                                    bool norm, const float* wq, const float* wk,
                                                     const float (&r)[U], Vec<T, N> (&a)[U],
                                                     Vec<T, N> (&b)[U]) {
   const Options& o = p.o;
@@ -621,92 +778,41 @@ __device__ __forceinline__ void store_batch_options(const OptParams& p, long lon
   const bool interleaved = o.interleaved != 0;
   int off1, off2;
   options_offsets<N>(p, c, interleaved, &off1, &off2);
-  float cs_c[N], cs_s[N];
-  if (pair) {
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      cs_c[j] = cs_smem[c * N + j];
-      cs_s[j] = cs_smem[p.half + c * N + j];
-    }
-  }
+  const float* cos_c = cs_smem + c * N;  // the chunk's cos/sin
+  const float* sin_c = cs_smem + p.half + c * N;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int vh = first_vh + u * HP + hp;
-    if (vh >= Hq + 2 * Hk) continue;
+    if (vh >= vh_end) continue;
     int h;
     const int kind = kind_of(vh, Hq, Hk, &h);
     if (kind != 2) {
-      float xa[N], xb[N];
-      to_floats<T, N>(a[u], xa);
-      if (pair) to_floats<T, N>(b[u], xb);
-      if (norm) {
-        const float* w = kind == 0 ? wq : wk;
-        float wv[N];
-        load_weights<N, kContig>(w + off1, wv);
-#pragma unroll
-        for (int j = 0; j < N; ++j) xa[j] = __fmul_rn(__fmul_rn(xa[j], r[u]), wv[j]);
-        if (pair) {
-          load_weights<N, kContig>(w + off2, wv);
-#pragma unroll
-          for (int j = 0; j < N; ++j) xb[j] = __fmul_rn(__fmul_rn(xb[j], r[u]), wv[j]);
-        }
-      }
-      if (pair) {
-        if (N > 1 && interleaved) {
-          // xa holds pairs cN + j, xb pairs cN + N/2 + j, each (x[2i], x[2i+1]).
-#pragma unroll
-          for (int j = 0; j < N / 2; ++j) {
-            const float a1 = xa[2 * j], a2 = xa[2 * j + 1];
-            xa[2 * j] = rot1(a1, a2, cs_c[j], cs_s[j]);
-            xa[2 * j + 1] = rot2(a1, a2, cs_c[j], cs_s[j]);
-            const float b1 = xb[2 * j], b2 = xb[2 * j + 1];
-            xb[2 * j] = rot1(b1, b2, cs_c[N / 2 + j], cs_s[N / 2 + j]);
-            xb[2 * j + 1] = rot2(b1, b2, cs_c[N / 2 + j], cs_s[N / 2 + j]);
-          }
-        } else {
-          // NeoX, or one interleaved pair (x[2c], x[2c+1]) in the strided kernel.
-#pragma unroll
-          for (int j = 0; j < N; ++j) {
-            const float x1 = xa[j], x2 = xb[j];
-            xa[j] = rot1(x1, x2, cs_c[j], cs_s[j]);
-            xb[j] = rot2(x1, x2, cs_c[j], cs_s[j]);
-          }
-        }
-      }
-      a[u] = from_floats<T, N>(xa);
-      if (pair) b[u] = from_floats<T, N>(xb);
+      transform<T, N, kContig, kNorm>(a[u], b[u], pair, interleaved, norm, kind == 0 ? wq : wk,
+                                      off1, off2, r[u], cos_c, sin_c);
       const Tensor3& y = kind == 0 ? p.q_rot : p.k_rot;
       T* dst = at<T>(y, t, h);
       const long long s2 = kContig ? 1 : y.s2;
       store_vec<T, N, kContig>(dst + off1 * s2, a[u]);
       if (pair) store_vec<T, N, kContig>(dst + off2 * s2, b[u]);
     }
-  }
-  if (row < 0) return;
-  // The pool rows: k_rot's values (now in a, b) and v's. One store site in a
-  // loop over the steps and the two vectors, which picks its vector from the
-  // registers: the fp8 encoder is long, and U * 4 copies of it cost compile
-  // time for nothing.
-#pragma unroll 1
-  for (int u = 0; u < U; ++u) {
-    const int vh = first_vh + u * HP + hp;
-    if (vh >= Hq + 2 * Hk) break;
-    int h;
-    const int kind = kind_of(vh, Hq, Hk, &h);
-    if (kind == 0) continue;
-    const Tensor3& y = kind == 1 ? p.k_pool : p.v_pool;
-    const float scale = kind == 1 ? o.k_scale : o.v_scale;
-#pragma unroll 1
-    for (int e = 0; e < (pair ? 2 : 1); ++e)
-      store_pool<T, N, kContig>(y, o, row, h, e ? off2 : off1, e ? pick(b, u) : pick(a, u), scale);
+    if (kind != 0 && row >= 0) {
+      const Tensor3& y = kind == 1 ? p.k_pool : p.v_pool;
+      const float scale = kind == 1 ? o.k_scale : o.v_scale;
+      const float mul = kind == 1 ? o.k_mul : o.v_mul;
+      store_pool<T, N, kContig, kPools>(y, o, row, h, off1, a[u], scale, mul);
+      if (pair) store_pool<T, N, kContig, kPools>(y, o, row, h, off2, b[u], scale, mul);
+    }
   }
 }
 
 // The kernel of calls with options: rope_pool_kernel's decomposition, with
-// the options as run-time branches on uniform parameters. Dynamic shared
-// memory: cos[half], sin[half]; with a QK-norm also q and k weights [D] each
-// (fp32) and a sum of squares per (warp, step) for teams wider than a warp.
-template <class T, int N, bool kContig, int U>
+// the pool formats (kPools: fp8, or not) and the QK-norm code (kNorm) fixed
+// at compile time, the other options (interleaved pairs, the attention
+// factor, a cos_sin_cache, the fp8 kind and scales) as uniform run-time
+// branches. A batch takes o.steps <= U steps. Dynamic shared memory:
+// cos[half], sin[half]; with a QK-norm also q and k weights [D] each (fp32)
+// and a sum of squares per (warp, step) for teams wider than a warp.
+template <class T, int N, bool kContig, int U, int kPools, bool kNorm>
 __global__ void __launch_bounds__(max_block(U))
     rope_pool_options_kernel(const __grid_constant__ OptParams p) {
   extern __shared__ float4 smem4[];  // float4: 16-byte aligned weights
@@ -721,24 +827,28 @@ __global__ void __launch_bounds__(max_block(U))
     j = static_cast<int>(blockIdx.x - t * p.blocks_per_token);
   }
   const int TL = p.team_lanes, items = p.items, HP = p.heads_par;
+  const int steps = U == 1 ? 1 : o.steps;
   const int lane = tid & (TL - 1);
   const int batch = j * p.teams_per_block + tid / TL;
   const int hp = HP > 1 ? lane / items : 0;
   const int c0 = HP > 1 ? lane - hp * items : lane;
   // No early return: every thread reaches the shuffles and the barrier.
   const bool active = hp < HP && batch < p.num_batches && c0 < items;
-  const int first_vh = batch * U * HP;
+  const int first_vh = batch * steps * HP;
+  // The batch's virtual heads end here: steps u >= `steps` are not its own.
+  const int vh_end = min(first_vh + steps * HP, p.num_qo_heads + 2 * p.num_kv_heads);
   const bool interleaved = o.interleaved != 0;
 
   const long long slot = load_index(p.slots, p.slot_stride, p.slot64, t);
   const long long position = load_index(p.positions, p.pos_stride, p.pos64, t);
 
   Vec<T, N> a[U], b[U];
-  if (active) load_batch<T, N, kContig, U, true>(p, t, first_vh, hp, c0, a, b, interleaved);
+  if (active)
+    load_batch<T, N, kContig, U, true>(p, t, first_vh, hp, c0, a, b, interleaved, vh_end);
 
   float* cs_smem = smem;
   const int D = o.head_dim;
-  const bool norm = o.q_norm != nullptr || o.k_norm != nullptr;
+  const bool norm = kNorm && (o.q_norm != nullptr || o.k_norm != nullptr);
   float* wq = smem + p.rotary_dim;  // with a QK-norm: the weights of q, k
   float* wk = wq + D;
   float* partial = wk + D;
@@ -780,90 +890,99 @@ __global__ void __launch_bounds__(max_block(U))
 
   // QK-norm: each lane's sum of squares over its chunks, then over the lanes
   // of the head, in a fixed order (the result does not depend on timing).
-  float ss[U];
-#pragma unroll
-  for (int u = 0; u < U; ++u) ss[u] = 0.0f;
-  if (norm) {
-    if (active) {
-      add_squares<T, N, U>(p, first_vh, hp, c0, a, b, ss);
-      // A head wider than the team: its other chunks are read here and again
-      // below, by this lane only (in place stays safe).
-      for (int c = c0 + TL; c < items; c += TL) {
-#pragma unroll 1
-        for (int u = 0; u < U; ++u) {  // rare: one step at a time, short code
-          Vec<T, N> a2[1], b2[1];
-          float s[1] = {0.0f};
-          load_batch<T, N, kContig, 1, true>(p, t, first_vh + u * HP, hp, c, a2, b2, interleaved);
-          add_squares<T, N, 1>(p, first_vh + u * HP, hp, c, a2, b2, s);
-#pragma unroll
-          for (int k = 0; k < U; ++k)
-            if (k == u) ss[k] += s[0];
-        }
-      }
-    }
-    // Within a warp: a tree over the head's lanes (a segment of `items`
-    // lanes of a one-warp team, or the whole warp of a wider team), summed
-    // into the segment's first lane and broadcast.
-    const int wl = tid & 31;
-    const int seg = TL == 32 ? items : 32;
-    const int off = TL == 32 ? c0 : wl;
-    for (int d = 1; d < seg; d <<= 1) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const float other = __shfl_down_sync(0xFFFFFFFFu, ss[u], d);
-        if (off + d < seg) ss[u] += other;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) ss[u] = __shfl_sync(0xFFFFFFFFu, ss[u], wl - off);
-    if (TL > 32 && wl == 0) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) partial[(tid >> 5) * U + u] = ss[u];
-    }
-  }
-  __syncthreads();
-  if (!active || skip) return;
-
   float r[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) r[u] = 1.0f;
-  if (norm) {
-    if (TL > 32) {
-      const int w0 = (tid - lane) >> 5;  // the team's first warp
+  if (kNorm) {
+    float ss[U];
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        float s = 0.0f;
-        for (int w = 0; w < TL / 32; ++w) s += partial[(w0 + w) * U + u];
-        ss[u] = s;
+    for (int u = 0; u < U; ++u) ss[u] = 0.0f;
+    if (norm) {
+      if (active) {
+        add_squares<T, N, U>(p, first_vh, vh_end, hp, c0, a, b, ss);
+        // A head wider than the team (strided kernel only: the launcher
+        // sends such a call there): its other chunks are read here and again
+        // below, by this lane only (in place stays safe).
+        for (int c = c0 + TL; !kContig && c < items; c += TL) {
+#pragma unroll 1
+          for (int u = 0; u < steps; ++u) {  // rare: one step at a time, short code
+            Vec<T, N> a2[1], b2[1];
+            float s[1] = {0.0f};
+            load_batch<T, N, kContig, 1, true>(p, t, first_vh + u * HP, hp, c, a2, b2,
+                                               interleaved, vh_end);
+            add_squares<T, N, 1>(p, first_vh + u * HP, vh_end, hp, c, a2, b2, s);
+#pragma unroll
+            for (int k = 0; k < U; ++k)
+              if (k == u) ss[k] += s[0];
+          }
+        }
+      }
+      // Within a warp: a tree over the head's lanes (a segment of `items`
+      // lanes of a one-warp team, or the whole warp of a wider team), summed
+      // into the segment's first lane and broadcast.
+      const int wl = tid & 31;
+      const int seg = TL == 32 ? items : 32;
+      const int off = TL == 32 ? c0 : wl;
+#pragma unroll 1
+      for (int d = 1; d < seg; d <<= 1) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const float other = __shfl_down_sync(0xFFFFFFFFu, ss[u], d);
+          if (off + d < seg) ss[u] += other;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) ss[u] = __shfl_sync(0xFFFFFFFFu, ss[u], wl - off);
+      if (TL > 32 && wl == 0) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) partial[(tid >> 5) * U + u] = ss[u];
       }
     }
-    // r = 1 / sqrt(ss / D + eps), each step correctly rounded (one copy of
-    // the IEEE division and square root: a loop, the values picked).
-    // A head without weights keeps r = 1.
+    __syncthreads();
+    if (!active || skip) return;
+    if (norm) {
+      if (TL > 32) {
+        const int w0 = (tid - lane) >> 5;  // the team's first warp
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          float s = 0.0f;
 #pragma unroll 1
-    for (int u = 0; u < U; ++u) {
-      const int vh = first_vh + u * HP + hp;
-      int h;
-      const int kind = kind_of(vh, p.num_qo_heads, p.num_kv_heads, &h);
-      if (kind == 2 || (kind == 0 ? o.q_norm : o.k_norm) == nullptr) continue;
-      float x = ss[0];
+          for (int w = 0; w < TL / 32; ++w) s += partial[(w0 + w) * U + u];
+          ss[u] = s;
+        }
+      }
+      // r = 1 / sqrt(ss / D + eps), each step correctly rounded (one copy of
+      // the IEEE division and square root: a loop, the values picked).
+      // A head without weights keeps r = 1.
+#pragma unroll 1
+      for (int u = 0; u < steps; ++u) {
+        const int vh = first_vh + u * HP + hp;
+        int h;
+        const int kind = kind_of(vh, p.num_qo_heads, p.num_kv_heads, &h);
+        if (kind == 2 || (kind == 0 ? o.q_norm : o.k_norm) == nullptr) continue;
+        float x = ss[0];
 #pragma unroll
-      for (int k = 1; k < U; ++k)
-        if (k == u) x = ss[k];
-      x = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(x, static_cast<float>(D)), o.norm_eps)));
+        for (int k = 1; k < U; ++k)
+          if (k == u) x = ss[k];
+        x = __fdiv_rn(1.0f,
+                      __fsqrt_rn(__fadd_rn(__fdiv_rn(x, static_cast<float>(D)), o.norm_eps)));
 #pragma unroll
-      for (int k = 0; k < U; ++k)
-        if (k == u) r[k] = x;
+        for (int k = 0; k < U; ++k)
+          if (k == u) r[k] = x;
+      }
     }
+  } else {
+    __syncthreads();
+    if (!active || skip) return;
   }
 
   const long long row = slot >= 0 && slot < p.pool_size ? slot : -1;
   for (int c = c0;;) {
-    store_batch_options<T, N, kContig, U>(p, t, row, first_vh, hp, c, cs_smem, norm, wq, wk, r,
-                                          a, b);
+    store_batch_options<T, N, kContig, U, kPools, kNorm>(p, t, row, first_vh, vh_end, hp, c,
+                                                        cs_smem, norm, wq, wk, r, a, b);
     c += TL;
     if (c >= items) break;
-    load_batch<T, N, kContig, U, true>(p, t, first_vh, hp, c, a, b, interleaved);
+    load_batch<T, N, kContig, U, true>(p, t, first_vh, hp, c, a, b, interleaved, vh_end);
   }
 }
 

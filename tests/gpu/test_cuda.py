@@ -524,8 +524,8 @@ def test_second_device_if_present():
 @pytest.mark.parametrize("unroll", [1, 2, 4, 8])
 def test_every_steps_per_team_variant(unroll):
     """The 16-byte kernels come in 1, 2, 4 and 8 steps per team (the library
-    picks by size; ROPEKV_CUDA_UNROLL forces one), the options kernel in 2
-    and 4: each against the CPU."""
+    picks by size; ROPEKV_CUDA_UNROLL forces one), the options kernel takes
+    1, 2 or 4 of its 4: each against the CPU."""
     code = textwrap.dedent("""
         import sys, torch, ropekv
         sys.path.insert(0, %r)
@@ -543,7 +543,7 @@ def test_every_steps_per_team_variant(unroll):
                     mag = abs(ref) + abs(tc.f64(x)).max(axis=-1, keepdims=True)
                     tc.assert_close(g, ref, mag, f"U={%d} {dtype} T={T}")
                 tc.check_pools(cpu[4], gk.cpu(), cpu[2], gkp.cpu(), gvp.cpu(), k0, v0)
-            # The options kernel (U = 2 for 1 and 2, 4 for 4 and 8).
+            # The options kernel (U = 4: 1, 2, 4 and 4 of its steps taken).
             tc.run_options(37, 32, 8, 128, dtype, is_neox=False, q_norm=torch.float32,
                            k_norm=dtype, kv_cache_dtype="fp8_e4m3", k_scale=0.5, what="opt")
             tc.run_options(9, 16, 2, 1024, dtype, table_dtype=torch.float32, q_norm=dtype,
@@ -994,6 +994,46 @@ def test_options_fp8_saturates_and_keeps_nan():
     assert raw_bits(vp)[0, 0, 3] & 0x7F == 0x7F and raw_bits(vp)[1, 0, 4] == 0x7E
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2"])
+def test_options_fp8_every_nan_is_0x7f(kind, dtype):
+    """NaNs of either sign and any payload, in v and (rotated) in k_rot, are
+    0x7F in both fp8 formats: the hardware conversion's bits (sm_89 and
+    later), encode_fp8's and the CPU backend's; on CUDA the same bits as the
+    CPU's for the whole pools."""
+    T, D = 3, 32
+    nans = {"float32": [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFBFFFFF],
+            "bfloat16": [0x7FC0, 0xFFC0, 0x7F81, 0xFFFF]}[dtype]
+    dt = DTYPES[dtype]
+    ity = np.uint32 if dt == torch.float32 else np.uint16
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(T, 2, D, generator=g).to(dt)
+    v = torch.randn(T, 2, D, generator=g).to(dt)
+    for i, b in enumerate(nans):
+        nan = torch.from_numpy(np.array([b], ity).view(np.int32 if ity == np.uint32 else
+                                                         np.int16)).view(dt)
+        v.view(-1)[7 * i + 3] = nan[0]
+        k.view(-1)[11 * i + 5] = nan[0]
+    pos = torch.arange(T)
+    res = []
+    for dev in ([DEV, "cpu"] if DEV == "cuda" else [DEV]):
+        kp = torch.zeros(T, 2, D, dtype=torch.uint8, device=dev)
+        vp = torch.zeros(T, 2, D, dtype=torch.uint8, device=dev)
+        out = ropekv.rope_pool_fused(k.to(dev), k.to(dev), v.to(dev), pos.to(dev), pos.to(dev),
+                                     kp, vp, head_dim=D, num_qo_heads=2, num_kv_heads=2,
+                                     rope_base=1e4, kv_cache_dtype=kind, k_scale=0.75,
+                                     v_scale=0.3)
+        k_rot = as_numpy(out[1]).astype(np.float32)
+        assert np.isnan(k_rot).sum() >= 4
+        assert np.array_equal(raw_bits(kp), reference.fp8_encode(k_rot, kind, 0.75))
+        assert np.array_equal(raw_bits(vp), reference.fp8_encode(as_numpy(v), kind, 0.3))
+        assert (raw_bits(kp)[np.isnan(k_rot)] == 0x7F).all()
+        assert (raw_bits(vp)[np.isnan(as_numpy(v).astype(np.float32))] == 0x7F).all()
+        res.append((raw_bits(kp), raw_bits(vp)))
+    for a, b in zip(res[0], res[-1]):
+        assert np.array_equal(a, b)
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("weights", ["float32", "same"])
 def test_options_qk_norm(dtype, weights):
@@ -1019,8 +1059,9 @@ def test_options_qk_norm_head_wider_than_a_team():
     for dtype in (torch.float32, torch.bfloat16):
         run_options(3, 2, 1, 600, dtype, rotary_dim=512, q_norm=torch.float32,
                     k_norm=torch.float32, strided=True, what="600 wide, strided")
+    # 600 16-byte chunks: more than a team's 256 lanes, the strided kernel.
     run_options(3, 2, 1, 2400, torch.float32, q_norm=torch.float32, k_norm=torch.float32,
-                what="2400 wide, f32 16-byte")
+                what="2400 wide, f32")
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

@@ -148,12 +148,15 @@ FP8 = {"fp8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn), "fp8_e5m2": np.dtype(ml_dt
 
 def fp8_encode(x, kind: str, scale: float) -> np.ndarray:
     """The reference quantiser: fp32(x / scale), saturated to the format's
-    largest finite value, rounded to nearest even (ml_dtypes' cast); uint8 bits."""
+    largest finite value, rounded to nearest even (ml_dtypes' cast); uint8 bits.
+    Every NaN is 0x7F (a NaN in both formats, sign clear), as the CUDA
+    hardware conversion gives it and ropekv stores it."""
     dt = FP8[kind]
     y = (np.asarray(x).astype(np.float32) / np.float32(scale)).astype(np.float32)
     big = np.float32(ml_dtypes.finfo(dt).max)
-    y = np.where(np.isnan(y), y, np.clip(y, -big, big))
-    return y.astype(dt).view(np.uint8)
+    nan = np.isnan(y)
+    y = np.where(nan, np.float32(0), np.clip(y, -big, big))
+    return np.where(nan, np.uint8(0x7F), y.astype(dt).view(np.uint8))
 
 
 def fp8_decode(bits_u8: np.ndarray, kind: str) -> np.ndarray:
