@@ -93,6 +93,7 @@ constexpr int kMaxDevices = 64;
 struct DeviceState {
   std::atomic<ErrorRecord*> err{nullptr};
   bool pdl = false;  // programmatic dependent launch (sm_90+); set before err
+  int sm_count = 1;  // set before err
 };
 std::array<DeviceState, kMaxDevices> g_devices;
 std::mutex g_init_mutex;
@@ -143,6 +144,8 @@ DeviceState& device_state(int device) {
   check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
         "reading the compute capability");
   st.pdl = major >= 9;
+  check(cudaDeviceGetAttribute(&st.sm_count, cudaDevAttrMultiProcessorCount, device),
+        "reading the SM count");
   st.err.store(rec, std::memory_order_release);
   return st;
 }
@@ -307,9 +310,14 @@ void launch_typed(const Params& prm, int vec, bool contig, int unroll, const Lau
 
 // Steps per team. Small calls (about one wave) take U = 2 and large calls
 // U = 4, the fastest of 1, 2, 4 and 8 on an H200 for Llama-3.1-8B bf16 from
-// T = 1 to 32768 (docs/performance.md, "latency" step of gpu-check.sh). ROPEKV_CUDA_UNROLL=1|2|4|8
-// forces a value for the 16-byte kernels (for tuning; read once).
-int choose_unroll(int64_t tokens, int64_t steps, int64_t vec_bytes) {
+// T = 1 to 32768 (docs/performance.md, "latency" step of gpu-check.sh). With
+// a QK-norm each step adds its sum of squares and 1 / sqrt to a team's serial
+// path: the options kernel then takes 1 step for small calls and 2 up to
+// about T = 512 (latency step, H200, Llama shape with QK-norm and fp8 pools:
+// T = 1..64 3.7-3.9 us at 1 step, 4.4-4.6 at 2; T = 512 6.2 us at 2, 7.4 at
+// 4). ROPEKV_CUDA_UNROLL=1|2|4|8 forces a value for the 16-byte kernels (for
+// tuning; read once).
+int choose_unroll(int64_t tokens, int64_t steps, int64_t vec_bytes, bool qk_norm) {
   static const int forced = [] {
     const char* e = std::getenv("ROPEKV_CUDA_UNROLL");
     const int v = e ? std::atoi(e) : 0;
@@ -317,10 +325,23 @@ int choose_unroll(int64_t tokens, int64_t steps, int64_t vec_bytes) {
   }();
   if (vec_bytes != 16) return 4;  // only the 16-byte kernels have other U
   if (forced) return forced;
-  return tokens * steps <= 4096 ? 2 : 4;
+  const int64_t work = tokens * steps;
+  if (qk_norm) return work <= 2048 ? 1 : (work <= 8192 ? 2 : 4);
+  return work <= 4096 ? 2 : 4;
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Whether calls of fewer blocks than SMs spread a token's teams over several
+// blocks (see run). On by default; ROPEKV_CUDA_SPLIT=0 turns it off (for
+// tuning; read once).
+bool split_small_calls() {
+  static const bool on = [] {
+    const char* e = std::getenv("ROPEKV_CUDA_SPLIT");
+    return !(e && std::atoi(e) == 0);
+  }();
+  return on;
+}
 
 // Whether 1 / scale is an exact normal fp32 number (scale a power of two).
 bool exact_reciprocal(float scale) {
@@ -406,6 +427,7 @@ void run(const Problem& p, const ExecOptions& options) {
 
   const int64_t esize = element_size(p.dtype);
   const bool plain = is_plain(p);
+  const bool norm = p.q_norm.data != nullptr || p.k_norm.data != nullptr;  // (not plain)
   bool contig = true;
   int vec = 1;
   if (plain) {
@@ -421,7 +443,6 @@ void run(const Problem& p, const ExecOptions& options) {
     vec = static_cast<int>(16 / esize);  // the options kernel: 16 bytes or strided
     // A QK-norm over more chunks of a head (items, below) than a team has
     // lanes reads the head twice: only the strided kernel does.
-    const bool norm = p.q_norm.data != nullptr || p.k_norm.data != nullptr;
     if (norm && (p.head_dim - p.rotary_dim / 2) / vec > detail::kMaxTeam) vec = 1;
   }
   if (vec == 1) contig = false;
@@ -443,7 +464,7 @@ void run(const Problem& p, const ExecOptions& options) {
   if (heads > INT_MAX / 4 || p.head_dim > INT_MAX / 4)
     throw Error("num_qo_heads + 2*num_kv_heads and head_dim must fit in 29 bits");
   const int64_t steps = ceil_div(heads, heads_par);
-  int unroll = contig ? choose_unroll(p.num_tokens, steps, vec * esize) : 4;
+  int unroll = contig ? choose_unroll(p.num_tokens, steps, vec * esize, norm) : 4;
   // The options kernels: U = kOptSteps compiled, `unroll` of them taken
   // (1, 2 or 4), or the strided kernel's one.
   const int kernel_u = plain ? unroll : (contig ? detail::kOptSteps : 1);
@@ -452,13 +473,19 @@ void run(const Problem& p, const ExecOptions& options) {
   // The teams of one token share a block (and its cos/sin) when they fit.
   int64_t per_block =
       std::max<int64_t>(1, std::min(batches, detail::max_block(kernel_u) / lanes));
+  // A call of fewer blocks than SMs (decode): its teams go to more blocks,
+  // each computing the token's cos/sin again, so that the loads and stores
+  // queue on several SMs instead of one.
+  if (split_small_calls() && p.num_tokens * ceil_div(batches, per_block) < st.sm_count) {
+    const int64_t want = std::max<int64_t>(1, st.sm_count / p.num_tokens);  // blocks per token
+    per_block = std::max<int64_t>(1, ceil_div(batches, want));
+  }
   const int64_t blocks_per_token = ceil_div(batches, per_block);
   per_block = ceil_div(batches, blocks_per_token);
   size_t smem = static_cast<size_t>(p.rotary_dim) * sizeof(float);  // cos + sin
   if (smem > 48 * 1024)
     throw Error("rotary dimension " + std::to_string(p.rotary_dim) +
                 " is too large for the CUDA backend (at most 12288)");
-  const bool norm = p.q_norm.data != nullptr || p.k_norm.data != nullptr;
   if (norm) {
     // q and k weights, and a sum of squares per (warp, step) of wide teams.
     smem += static_cast<size_t>(2 * p.head_dim) * sizeof(float) +
