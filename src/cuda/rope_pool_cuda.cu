@@ -93,7 +93,6 @@ constexpr int kMaxDevices = 64;
 struct DeviceState {
   std::atomic<ErrorRecord*> err{nullptr};
   bool pdl = false;  // programmatic dependent launch (sm_90+); set before err
-  int sm_count = 1;  // set before err
 };
 std::array<DeviceState, kMaxDevices> g_devices;
 std::mutex g_init_mutex;
@@ -144,8 +143,6 @@ DeviceState& device_state(int device) {
   check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
         "reading the compute capability");
   st.pdl = major >= 9;
-  check(cudaDeviceGetAttribute(&st.sm_count, cudaDevAttrMultiProcessorCount, device),
-        "reading the SM count");
   st.err.store(rec, std::memory_order_release);
   return st;
 }
@@ -332,16 +329,6 @@ int choose_unroll(int64_t tokens, int64_t steps, int64_t vec_bytes, bool qk_norm
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Whether calls of fewer blocks than SMs spread a token's teams over several
-// blocks (see run). On by default; ROPEKV_CUDA_SPLIT=0 turns it off (for
-// tuning; read once).
-bool split_small_calls() {
-  static const bool on = [] {
-    const char* e = std::getenv("ROPEKV_CUDA_SPLIT");
-    return !(e && std::atoi(e) == 0);
-  }();
-  return on;
-}
 
 // Whether 1 / scale is an exact normal fp32 number (scale a power of two).
 bool exact_reciprocal(float scale) {
@@ -473,13 +460,6 @@ void run(const Problem& p, const ExecOptions& options) {
   // The teams of one token share a block (and its cos/sin) when they fit.
   int64_t per_block =
       std::max<int64_t>(1, std::min(batches, detail::max_block(kernel_u) / lanes));
-  // A call of fewer blocks than SMs (decode): its teams go to more blocks,
-  // each computing the token's cos/sin again, so that the loads and stores
-  // queue on several SMs instead of one.
-  if (split_small_calls() && p.num_tokens * ceil_div(batches, per_block) < st.sm_count) {
-    const int64_t want = std::max<int64_t>(1, st.sm_count / p.num_tokens);  // blocks per token
-    per_block = std::max<int64_t>(1, ceil_div(batches, want));
-  }
   const int64_t blocks_per_token = ceil_div(batches, per_block);
   per_block = ceil_div(batches, blocks_per_token);
   size_t smem = static_cast<size_t>(p.rotary_dim) * sizeof(float);  // cos + sin
