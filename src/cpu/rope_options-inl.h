@@ -221,14 +221,16 @@ HWY_INLINE void RmsFactors(const View3& in, int64_t t, int64_t h0, int64_t h1, i
   }
 }
 
-// The input value the rotation uses: fp32(fp32(x * r) * w) with QK-norm.
+// The input value the rotation uses: fp32(fp32(x * r) * w[i]) with QK-norm.
+// (w is null without: no offset is applied to it then.)
 template <bool kNorm>
-HWY_INLINE VF Prep(VF x, VF r, const float* w) {
+HWY_INLINE VF Prep(VF x, VF r, const float* w, int64_t i) {
   if constexpr (kNorm) {
-    return hn::Mul(hn::Mul(x, r), hn::LoadU(DF(), w));
+    return hn::Mul(hn::Mul(x, r), hn::LoadU(DF(), w + i));
   } else {
     (void)r;
     (void)w;
+    (void)i;
     return x;
   }
 }
@@ -268,8 +270,8 @@ HWY_INLINE void RotateRowOpt(const typename Ops::T* x, typename Ops::T* out, typ
     const int64_t half = R / 2;
     int64_t i = 0;
     for (; i + n <= half; i += n) {
-      const VF x1 = Prep<kNorm>(Ops::Load(x + i), r, w + i);
-      const VF x2 = Prep<kNorm>(Ops::Load(x + half + i), r, w + half + i);
+      const VF x1 = Prep<kNorm>(Ops::Load(x + i), r, w, i);
+      const VF x2 = Prep<kNorm>(Ops::Load(x + half + i), r, w, half + i);
       const VF cv = hn::LoadU(df, c + i), sv = hn::LoadU(df, s + i);
       // Both results before the first store, as the plain path: the stores
       // may alias x (in place), so the compiler keeps their order.
@@ -284,8 +286,8 @@ HWY_INLINE void RotateRowOpt(const typename Ops::T* x, typename Ops::T* out, typ
     }
     if (i < half) {
       const int64_t m = half - i;
-      const VF x1 = Prep<kNorm>(LoadPartial<Ops>(x + i, m), r, w + i);
-      const VF x2 = Prep<kNorm>(LoadPartial<Ops>(x + half + i, m), r, w + half + i);
+      const VF x1 = Prep<kNorm>(LoadPartial<Ops>(x + i, m), r, w, i);
+      const VF x2 = Prep<kNorm>(LoadPartial<Ops>(x + half + i, m), r, w, half + i);
       const VF cv = hn::LoadU(df, c + i), sv = hn::LoadU(df, s + i);
       Put2Partial<Ops>(hn::MulSub(x1, cv, hn::Mul(x2, sv)), out, out2, i, m);
       Put2Partial<Ops>(hn::MulAdd(x2, cv, hn::Mul(x1, sv)), out, out2, half + i, m);
@@ -294,8 +296,8 @@ HWY_INLINE void RotateRowOpt(const typename Ops::T* x, typename Ops::T* out, typ
 #if HWY_TARGET == HWY_SCALAR
     // One lane: each pair as two vectors, with the NeoX formulas.
     for (int64_t i = 0; i < R; i += 2) {
-      const VF x1 = Prep<kNorm>(Ops::Load(x + i), r, w + i);
-      const VF x2 = Prep<kNorm>(Ops::Load(x + i + 1), r, w + i + 1);
+      const VF x1 = Prep<kNorm>(Ops::Load(x + i), r, w, i);
+      const VF x2 = Prep<kNorm>(Ops::Load(x + i + 1), r, w, i + 1);
       const VF cv = hn::LoadU(df, c + i), sv = hn::LoadU(df, s + i + 1);
       Put2<Ops>(hn::MulSub(x1, cv, hn::Mul(x2, sv)), out, out2, i);
       Put2<Ops>(hn::MulAdd(x2, cv, hn::Mul(x1, sv)), out, out2, i + 1);
@@ -306,14 +308,14 @@ HWY_INLINE void RotateRowOpt(const typename Ops::T* x, typename Ops::T* out, typ
     // NeoX formulas' operations exactly (negation is exact).
     int64_t i = 0;
     for (; i + n <= R; i += n) {
-      const VF xv = Prep<kNorm>(Ops::Load(x + i), r, w + i);
+      const VF xv = Prep<kNorm>(Ops::Load(x + i), r, w, i);
       const VF sw = hn::Reverse2(df, xv);
       Put2<Ops>(hn::MulAdd(xv, hn::LoadU(df, c + i), hn::Mul(sw, hn::LoadU(df, s + i))), out, out2,
                 i);
     }
     if (i < R) {  // R and the lane count are even: no pair straddles the tail
       const int64_t m = R - i;
-      const VF xv = Prep<kNorm>(LoadPartial<Ops>(x + i, m), r, w + i);
+      const VF xv = Prep<kNorm>(LoadPartial<Ops>(x + i, m), r, w, i);
       const VF sw = hn::Reverse2(df, xv);
       Put2Partial<Ops>(hn::MulAdd(xv, hn::LoadU(df, c + i), hn::Mul(sw, hn::LoadU(df, s + i))), out,
                        out2, i, m);
@@ -327,10 +329,9 @@ HWY_INLINE void RotateRowOpt(const typename Ops::T* x, typename Ops::T* out, typ
       if (out2) std::memcpy(out2 + R, x + R, bytes);
     } else {
       int64_t d = R;
-      for (; d + n <= D; d += n) Put2<Ops>(Prep<kNorm>(Ops::Load(x + d), r, w + d), out, out2, d);
+      for (; d + n <= D; d += n) Put2<Ops>(Prep<kNorm>(Ops::Load(x + d), r, w, d), out, out2, d);
       if (d < D)
-        Put2Partial<Ops>(Prep<kNorm>(LoadPartial<Ops>(x + d, D - d), r, w + d), out, out2, d,
-                         D - d);
+        Put2Partial<Ops>(Prep<kNorm>(LoadPartial<Ops>(x + d, D - d), r, w, d), out, out2, d, D - d);
     }
   }
 }
