@@ -12,7 +12,7 @@
 // the elements it covers are stored, by the thread that stores them, and the
 // norm reads the whole head first.
 //
-// Included once per target by rope_pool_cpu.cc through foreach_target.h.
+// Included once per target by rope_options_cpu.cc through foreach_target.h.
 #if defined(ROPEKV_CPU_OPTIONS_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef ROPEKV_CPU_OPTIONS_INL_H_
 #undef ROPEKV_CPU_OPTIONS_INL_H_
@@ -20,6 +20,7 @@
 #define ROPEKV_CPU_OPTIONS_INL_H_
 #endif
 
+#include <hwy/cache_control.h>
 #include <hwy/highway.h>
 
 #include <algorithm>
@@ -38,6 +39,7 @@ namespace HWY_NAMESPACE {
 
 // Lanes of the widest vector of any target: the size of tail buffers.
 constexpr int64_t kMaxLanes = HWY_MAX_BYTES / sizeof(float);
+static_assert(kMaxLanes <= 16, "scratch rows are padded to 16 fp32 lanes (host.h kPad)");
 
 // ------------------------------------------------------------ pool formats
 // PutWide stores an fp32 vector whose values q's dtype holds exactly (k_rot
@@ -106,14 +108,27 @@ HWY_INLINE void PutWideRow(const typename Ops::T* src, typename Pool::T* dst, in
   }
 }
 
-// `bytes` (a whole number of vectors) from src to the vector-aligned dst,
-// non-temporally.
-HWY_INLINE void StreamBytes(const void* src, void* dst, int64_t bytes) {
-  const hn::ScalableTag<uint8_t> d8;
-  const int64_t n = static_cast<int64_t>(hn::Lanes(d8));
-  const uint8_t* s = static_cast<const uint8_t*>(src);
-  uint8_t* d = static_cast<uint8_t*>(dst);
-  for (int64_t i = 0; i < bytes; i += n) hn::Stream(hn::LoadU(d8, s + i), d8, d + i);
+// count elements from src to dst, non-temporally; dst aligned to a whole
+// vector, count * sizeof(T) a whole number of vectors (CanStreamOpt). The
+// chunks are as wide as the stores that wrote src just before (a packed
+// vector of T), so that the loads take the stored data from the store
+// buffer; never narrower than 16 bytes, which Highway's Stream writes even
+// for a partial vector.
+template <class T>
+HWY_INLINE void StreamRow(const T* src, T* dst, int64_t count) {
+  using DT = hn::Rebind<T, DF>;
+  if constexpr (hn::MaxLanes(DT()) * sizeof(T) >= 16) {
+    const DT d;
+    const int64_t n = static_cast<int64_t>(hn::Lanes(d));
+    for (int64_t i = 0; i < count; i += n) hn::Stream(hn::LoadU(d, src + i), d, dst + i);
+  } else {
+    const hn::ScalableTag<uint8_t> d8;
+    const int64_t n = static_cast<int64_t>(hn::Lanes(d8));
+    const uint8_t* s = reinterpret_cast<const uint8_t*>(src);
+    uint8_t* d = reinterpret_cast<uint8_t*>(dst);
+    const int64_t bytes = count * static_cast<int64_t>(sizeof(T));
+    for (int64_t i = 0; i < bytes; i += n) hn::Stream(hn::LoadU(d8, s + i), d8, d + i);
+  }
 }
 
 // Where a row is stored: directly (contiguous), through a scratch row and a
@@ -125,13 +140,12 @@ HWY_INLINE void PutPoolRowT(const typename Ops::T* src, void* dst, int64_t dst_s
                             int64_t count, VF scale, RowMode mode, const Scratch& sc) {
   using PT = typename Pool::T;
   if (mode == RowMode::kStream && Pool::kSame)
-    return StreamBytes(src, dst, count * static_cast<int64_t>(sizeof(PT)));
+    return StreamRow(reinterpret_cast<const PT*>(src), static_cast<PT*>(dst), count);
   if (mode != RowMode::kStream && dst_stride == 1)
     return PutWideRow<Ops, Pool>(src, static_cast<PT*>(dst), count, scale);
   PT* b = static_cast<PT*>(sc.row_pool);
   PutWideRow<Ops, Pool>(src, b, count, scale);
-  if (mode == RowMode::kStream)
-    return StreamBytes(b, dst, count * static_cast<int64_t>(sizeof(PT)));
+  if (mode == RowMode::kStream) return StreamRow(b, static_cast<PT*>(dst), count);
   Scatter(b, count, static_cast<PT*>(dst), dst_stride);
 }
 
@@ -235,11 +249,12 @@ HWY_INLINE VF Prep(VF x, VF r, const float* w, int64_t i) {
   }
 }
 
-// Stores v, rounded to q's dtype, at out + i and (when not null) out2 + i.
-template <class Ops>
+// Stores v, rounded to q's dtype, at out + i (kStream: non-temporally) and
+// (when not null) out2 + i.
+template <class Ops, bool kStream>
 HWY_INLINE void Put2(VF v, typename Ops::T* out, typename Ops::T* out2, int64_t i) {
   const auto packed = Ops::Pack(v);
-  Ops::template Put<false>(packed, out + i);
+  Ops::template Put<kStream>(packed, out + i);
   if (out2) Ops::template Put<false>(packed, out2 + i);
 }
 
@@ -257,7 +272,7 @@ HWY_INLINE void Put2Partial(VF v, typename Ops::T* out, typename Ops::T* out2, i
 // QK-norm (kNorm: w the fp32 weight, padded; rms its r), rounded to q's dtype; out2,
 // when not null, gets the same (a pool row of q's dtype). c/s as
 // TokenCosSinOpt makes them. out may be x.
-template <class Ops, bool kInterleaved, bool kNorm>
+template <class Ops, bool kInterleaved, bool kNorm, bool kStream = false>
 HWY_INLINE void RotateRowOpt(const typename Ops::T* x, typename Ops::T* out, typename Ops::T* out2,
                              const float* HWY_RESTRICT c, const float* HWY_RESTRICT s,
                              const float* HWY_RESTRICT w, float rms, int64_t R, int64_t D) {
@@ -277,8 +292,8 @@ HWY_INLINE void RotateRowOpt(const typename Ops::T* x, typename Ops::T* out, typ
       // may alias x (in place), so the compiler keeps their order.
       const auto o1 = Ops::Pack(hn::MulSub(x1, cv, hn::Mul(x2, sv)));
       const auto o2 = Ops::Pack(hn::MulAdd(x2, cv, hn::Mul(x1, sv)));
-      Ops::template Put<false>(o1, out + i);
-      Ops::template Put<false>(o2, out + half + i);
+      Ops::template Put<kStream>(o1, out + i);
+      Ops::template Put<kStream>(o2, out + half + i);
       if (out2) {
         Ops::template Put<false>(o1, out2 + i);
         Ops::template Put<false>(o2, out2 + half + i);
@@ -299,8 +314,8 @@ HWY_INLINE void RotateRowOpt(const typename Ops::T* x, typename Ops::T* out, typ
       const VF x1 = Prep<kNorm>(Ops::Load(x + i), r, w, i);
       const VF x2 = Prep<kNorm>(Ops::Load(x + i + 1), r, w, i + 1);
       const VF cv = hn::LoadU(df, c + i), sv = hn::LoadU(df, s + i + 1);
-      Put2<Ops>(hn::MulSub(x1, cv, hn::Mul(x2, sv)), out, out2, i);
-      Put2<Ops>(hn::MulAdd(x2, cv, hn::Mul(x1, sv)), out, out2, i + 1);
+      Put2<Ops, kStream>(hn::MulSub(x1, cv, hn::Mul(x2, sv)), out, out2, i);
+      Put2<Ops, kStream>(hn::MulAdd(x2, cv, hn::Mul(x1, sv)), out, out2, i + 1);
     }
 #else
     // Pairs in adjacent lanes: o = x * (c, c) + swap(x) * (-s, s). Lane 2i is
@@ -310,8 +325,8 @@ HWY_INLINE void RotateRowOpt(const typename Ops::T* x, typename Ops::T* out, typ
     for (; i + n <= R; i += n) {
       const VF xv = Prep<kNorm>(Ops::Load(x + i), r, w, i);
       const VF sw = hn::Reverse2(df, xv);
-      Put2<Ops>(hn::MulAdd(xv, hn::LoadU(df, c + i), hn::Mul(sw, hn::LoadU(df, s + i))), out, out2,
-                i);
+      Put2<Ops, kStream>(hn::MulAdd(xv, hn::LoadU(df, c + i), hn::Mul(sw, hn::LoadU(df, s + i))),
+                         out, out2, i);
     }
     if (i < R) {  // R and the lane count are even: no pair straddles the tail
       const int64_t m = R - i;
@@ -329,20 +344,20 @@ HWY_INLINE void RotateRowOpt(const typename Ops::T* x, typename Ops::T* out, typ
       if (out2) std::memcpy(out2 + R, x + R, bytes);
     } else {
       int64_t d = R;
-      for (; d + n <= D; d += n) Put2<Ops>(Prep<kNorm>(Ops::Load(x + d), r, w, d), out, out2, d);
+      for (; d + n <= D; d += n)
+        Put2<Ops, kStream>(Prep<kNorm>(Ops::Load(x + d), r, w, d), out, out2, d);
       if (d < D)
         Put2Partial<Ops>(Prep<kNorm>(LoadPartial<Ops>(x + d, D - d), r, w, d), out, out2, d, D - d);
     }
   }
 }
 
-// One head of q or k, rotated into the scratch row_out (left there for the
-// pool): gathered first when its rows are strided; then scattered (strided)
-// or stored non-temporally (stream).
+// One head of q or k whose rows are strided, rotated into the scratch
+// row_out (left there for the pool): gathered, rotated, scattered.
 template <class Ops, bool kInterleaved, bool kNorm>
 HWY_NOINLINE void RotateHeadViaScratch(const View3& in, const View3& outv, int64_t t, int64_t h,
                                        const Problem& p, const float* c, const float* s,
-                                       const float* w, float rms, RowMode mode, const Scratch& sc) {
+                                       const float* w, float rms, const Scratch& sc) {
   using T = typename Ops::T;
   const int64_t D = p.head_dim;
   const T* x = Row<T>(in, t, h);
@@ -353,35 +368,39 @@ HWY_NOINLINE void RotateHeadViaScratch(const View3& in, const View3& outv, int64
     x = a;
   }
   RotateRowOpt<Ops, kInterleaved, kNorm>(x, b, nullptr, c, s, w, rms, p.rotary_dim, D);
-  if (mode == RowMode::kStream) {
-    StreamBytes(b, Row<T>(outv, t, h), D * static_cast<int64_t>(sizeof(T)));
-  } else {
-    Scatter(b, D, Row<T>(outv, t, h), outv.stride[2]);
-  }
+  Scatter(b, D, Row<T>(outv, t, h), outv.stride[2]);
 }
 
 // ------------------------------------------------------------ heads of a token
 
-template <class Ops, bool kInterleaved, bool kNorm>
+// kStream: every row contiguous and aligned (CanStreamOpt); the stores are
+// non-temporal, from the registers.
+template <class Ops, bool kInterleaved, bool kNorm, bool kStream>
 HWY_INLINE void QHeadsOpt(const Problem& p, const OptionData& od, int64_t t, int64_t h0, int64_t h1,
                           const float* c, const float* s, RowMode mode, const Scratch& sc) {
   using T = typename Ops::T;
   if (kNorm) RmsFactors<Ops>(p.q, t, h0, h1, p.head_dim, p.norm_eps, sc.head_r, sc);
   for (int64_t h = h0; h < h1; ++h) {
     const float rms = kNorm ? sc.head_r[h - h0] : 1.0f;
-    if (mode == RowMode::kDirect) {
+    if (kStream) {
+      RotateRowOpt<Ops, kInterleaved, kNorm, true>(Row<T>(p.q, t, h), Row<T>(p.q_rot, t, h),
+                                                   nullptr, c, s, od.q_norm, rms, p.rotary_dim,
+                                                   p.head_dim);
+    } else if (mode == RowMode::kDirect) {
       RotateRowOpt<Ops, kInterleaved, kNorm>(Row<T>(p.q, t, h), Row<T>(p.q_rot, t, h), nullptr, c,
                                              s, od.q_norm, rms, p.rotary_dim, p.head_dim);
     } else {
       RotateHeadViaScratch<Ops, kInterleaved, kNorm>(p.q, p.q_rot, t, h, p, c, s, od.q_norm, rms,
-                                                     mode, sc);
+                                                     sc);
     }
   }
 }
 
 // k heads: k_rot, then the pool rows from k_rot as rounded and from v. A
-// contiguous pool of q's dtype is written with k_rot, from the registers.
-template <class Ops, bool kInterleaved, bool kNorm>
+// contiguous pool of q's dtype is written with k_rot, from the registers
+// (kStream: k_rot streamed from the registers, a copy kept in row_out for
+// the pool rows, which are streamed from there).
+template <class Ops, bool kInterleaved, bool kNorm, bool kStream>
 HWY_INLINE void KHeadsOpt(const Problem& p, const OptionData& od, int64_t t, int64_t h0, int64_t h1,
                           const float* c, const float* s, RowMode mode, const Scratch& sc) {
   using T = typename Ops::T;
@@ -402,7 +421,12 @@ HWY_INLINE void KHeadsOpt(const Problem& p, const OptionData& od, int64_t t, int
     }
     const T* k_rot_row;
     bool k_pool_done = false;
-    if (mode == RowMode::kDirect) {
+    if (kStream) {
+      T* keep = slot >= 0 ? static_cast<T*>(sc.row_out) : nullptr;
+      RotateRowOpt<Ops, kInterleaved, kNorm, true>(Row<T>(p.k, t, hk), Row<T>(p.k_rot, t, hk), keep,
+                                                   c, s, od.k_norm, rms, p.rotary_dim, D);
+      k_rot_row = keep;
+    } else if (mode == RowMode::kDirect) {
       T* out = Row<T>(p.k_rot, t, hk);
       T* out2 = same_pool ? reinterpret_cast<T*>(k_dst) : nullptr;
       RotateRowOpt<Ops, kInterleaved, kNorm>(Row<T>(p.k, t, hk), out, out2, c, s, od.k_norm, rms,
@@ -411,14 +435,15 @@ HWY_INLINE void KHeadsOpt(const Problem& p, const OptionData& od, int64_t t, int
       k_pool_done = same_pool;
     } else {
       RotateHeadViaScratch<Ops, kInterleaved, kNorm>(p.k, p.k_rot, t, hk, p, c, s, od.k_norm, rms,
-                                                     mode, sc);
+                                                     sc);
       k_rot_row = static_cast<const T*>(sc.row_out);
     }
     if (slot < 0) continue;
     if (!k_pool_done)
       PutPoolRow<Ops>(p.pool_type, k_rot_row, k_dst, p.k_pool.stride[2], D, p.k_scale, mode, sc);
     const T* v_row = Row<T>(p.v, t, hk);
-    if (same_pool && mode == RowMode::kDirect && p.v.stride[2] == 1 && p.v_pool.stride[2] == 1) {
+    if (!kStream && same_pool && mode == RowMode::kDirect && p.v.stride[2] == 1 &&
+        p.v_pool.stride[2] == 1) {
       std::memcpy(v_dst, v_row, static_cast<size_t>(D) * sizeof(T));  // the plain path's copy
       continue;
     }
@@ -431,7 +456,7 @@ HWY_INLINE void KHeadsOpt(const Problem& p, const OptionData& od, int64_t t, int
 }
 
 // Heads [h_begin, h_end) of token t (q heads first, then k/v heads).
-template <class Ops, bool kInterleaved>
+template <class Ops, bool kInterleaved, bool kStream>
 HWY_INLINE void TokenHeadsOpt(const Problem& p, const OptionData& od, int64_t t, int64_t h_begin,
                               int64_t h_end, const float* c, const float* s, RowMode mode,
                               const Scratch& sc) {
@@ -439,17 +464,17 @@ HWY_INLINE void TokenHeadsOpt(const Problem& p, const OptionData& od, int64_t t,
   const int64_t hq_end = std::min(h_end, Hq);
   if (h_begin < hq_end) {
     if (od.q_norm) {
-      QHeadsOpt<Ops, kInterleaved, true>(p, od, t, h_begin, hq_end, c, s, mode, sc);
+      QHeadsOpt<Ops, kInterleaved, true, kStream>(p, od, t, h_begin, hq_end, c, s, mode, sc);
     } else {
-      QHeadsOpt<Ops, kInterleaved, false>(p, od, t, h_begin, hq_end, c, s, mode, sc);
+      QHeadsOpt<Ops, kInterleaved, false, kStream>(p, od, t, h_begin, hq_end, c, s, mode, sc);
     }
   }
   const int64_t k0 = std::max(h_begin, Hq) - Hq, k1 = h_end - Hq;
   if (k0 < k1) {
     if (od.k_norm) {
-      KHeadsOpt<Ops, kInterleaved, true>(p, od, t, k0, k1, c, s, mode, sc);
+      KHeadsOpt<Ops, kInterleaved, true, kStream>(p, od, t, k0, k1, c, s, mode, sc);
     } else {
-      KHeadsOpt<Ops, kInterleaved, false>(p, od, t, k0, k1, c, s, mode, sc);
+      KHeadsOpt<Ops, kInterleaved, false, kStream>(p, od, t, k0, k1, c, s, mode, sc);
     }
   }
 }
@@ -532,9 +557,18 @@ HWY_INLINE void TokenCosSinOpt(const Problem& p, const float* inv_freq, int64_t 
 // ------------------------------------------------------------ one call's work
 
 // Whether every row the call writes can take whole non-temporal vector
-// stores: contiguous, aligned to the vector, whole vectors.
+// stores from the registers: inputs and outputs contiguous, outputs aligned
+// to the vector and whole vectors of it, no partial vector in a head (R = D,
+// half a whole number of packed vectors, those at least 16 bytes: Highway's
+// Stream writes a whole 16-byte register).
+template <class Ops>
 HWY_INLINE bool CanStreamOpt(const Problem& p) {
+  using T = typename Ops::T;
   const int64_t vb = static_cast<int64_t>(hn::Lanes(hn::ScalableTag<uint8_t>()));
+  const int64_t packed = static_cast<int64_t>(hn::Lanes(DF()) * sizeof(T));
+  if (packed < 16 || p.rotary_dim != p.head_dim) return false;
+  if ((p.rotary_dim / 2 * static_cast<int64_t>(sizeof(T))) % packed != 0) return false;
+  if (p.q.stride[2] != 1 || p.k.stride[2] != 1 || p.v.stride[2] != 1) return false;
   const int64_t e = element_size(p.dtype), pe = element_size(p.pool_type);
   const View3* rows[] = {&p.q_rot, &p.k_rot, &p.k_pool, &p.v_pool};
   for (const View3* a : rows) {
@@ -546,19 +580,12 @@ HWY_INLINE bool CanStreamOpt(const Problem& p) {
   return true;
 }
 
-template <class Ops, bool kInterleaved>
-HWY_NOINLINE void RunOpt(const OptWork& w) {
+template <class Ops, bool kInterleaved, bool kStream>
+HWY_INLINE void RunOptT(const OptWork& w, RowMode mode) {
   const Problem& p = *w.p;
   const Scratch& sc = *w.sc;
-  RowMode mode = RowMode::kStrided;
-  if (w.stream && CanStreamOpt(p)) {
-    mode = RowMode::kStream;
-  } else if (p.q.stride[2] == 1 && p.k.stride[2] == 1 && p.q_rot.stride[2] == 1 &&
-             p.k_rot.stride[2] == 1) {
-    mode = RowMode::kDirect;
-  }
   if (w.heads) {
-    TokenHeadsOpt<Ops, kInterleaved>(p, *w.od, w.t0, w.h0, w.h1, w.c, w.s, mode, sc);
+    TokenHeadsOpt<Ops, kInterleaved, kStream>(p, *w.od, w.t0, w.h0, w.h1, w.c, w.s, mode, sc);
   } else {
     const int64_t heads = p.num_qo_heads + p.num_kv_heads;
     const int64_t part = sc.block_part;
@@ -570,11 +597,21 @@ HWY_NOINLINE void RunOpt(const OptWork& w) {
       }
       for (int64_t t = t0; t < t1; ++t) {
         const float* cs = sc.block + (t - t0) * 2 * part;
-        TokenHeadsOpt<Ops, kInterleaved>(p, *w.od, t, 0, heads, cs, cs + part, mode, sc);
+        TokenHeadsOpt<Ops, kInterleaved, kStream>(p, *w.od, t, 0, heads, cs, cs + part, mode, sc);
       }
     }
   }
-  if (mode == RowMode::kStream) hwy::FlushStream();
+  if (kStream) hwy::FlushStream();
+}
+
+template <class Ops, bool kInterleaved>
+HWY_NOINLINE void RunOpt(const OptWork& w) {
+  const Problem& p = *w.p;
+  if (w.stream && CanStreamOpt<Ops>(p))
+    return RunOptT<Ops, kInterleaved, true>(w, RowMode::kStream);
+  const bool contiguous =
+      p.q.stride[2] == 1 && p.k.stride[2] == 1 && p.q_rot.stride[2] == 1 && p.k_rot.stride[2] == 1;
+  RunOptT<Ops, kInterleaved, false>(w, contiguous ? RowMode::kDirect : RowMode::kStrided);
 }
 
 /// The options path for one storage type (the pair layout picked here, once

@@ -6,6 +6,8 @@
 // into k_rot and (when the token has a slot) the same registers into k_pool;
 // v is copied into v_pool. Rows whose last dimension is not contiguous are
 // gathered into a scratch row first, so one SIMD routine serves every layout.
+// Calls with options (not is_plain) take the options path instead
+// (rope_options_cpu.cc).
 #include <cpuid.h>
 
 #include <cmath>
@@ -27,8 +29,8 @@
 #include <hwy/cache_control.h>
 #include <hwy/highway.h>
 
-#include "cpu/rope_options-inl.h"
 #include "cpu/rope_pool_cpu-inl.h"
+#include "cpu/host.h"
 #include "cpu/scratch.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -175,6 +177,10 @@ template <class Ops>
 bool CanStream(const Problem& p) {
   using T = typename Ops::T;
   const int64_t vec_bytes = static_cast<int64_t>(hn::Lanes(DF()) * sizeof(T));
+  // A packed vector narrower than 16 bytes (16-bit types on 128-bit targets,
+  // SCALAR) cannot be streamed: Highway's Stream writes a whole 16-byte
+  // register (and needs 16-byte alignment) whatever the lane count.
+  if (vec_bytes < 16) return false;
   const int64_t half = p.rotary_dim / 2;
   if (p.rotary_dim != p.head_dim || (half * static_cast<int64_t>(sizeof(T))) % vec_bytes != 0)
     return false;
@@ -264,24 +270,6 @@ void ProcessHeads(const Problem& p, const float* c, const float* s, int64_t t, i
   }
 }
 
-// The options path (every call that is not is_plain): see rope_options-inl.h.
-void ProcessOptions(const OptWork& w) {
-  switch (w.p->dtype) {
-    case FloatType::kF32: return RunOptions<F32>(w);
-    case FloatType::kF16: return RunOptions<F16>(w);
-    case FloatType::kBF16:
-#if defined(ROPEKV_HAVE_BF16_NATIVE)
-      if (CpuHasAvx512Bf16()) return RunOptions<BF16Native>(w);
-#endif
-      return RunOptions<BF16>(w);
-  }
-}
-
-void OptionsCosSinTable(const Problem& p, const OptionData& od, float* table, int64_t stride,
-                        const Scratch& sc) {
-  CosSinTableOpt(p, od, table, stride, sc);
-}
-
 const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
 
 }  // namespace HWY_NAMESPACE
@@ -296,65 +284,10 @@ namespace cpu {
 HWY_EXPORT(ProcessTokens);
 HWY_EXPORT(SinCosTable);
 HWY_EXPORT(ProcessHeads);
-HWY_EXPORT(ProcessOptions);
-HWY_EXPORT(OptionsCosSinTable);
 HWY_EXPORT(TargetName);
 
 namespace {
-
-// Below this many bytes per call, a thread team costs more than it saves.
-constexpr int64_t kMinBytesPerThread = 64 * 1024;
-
-// From this many bytes written per call on, outputs are stored non-temporally
-// (as glibc's memcpy does above a fraction of the last-level cache): they
-// would evict each other before use, and streaming skips reading every
-// output line before writing it.
-constexpr int64_t kStreamMinBytes = 8 << 20;
-
-// Largest vector of any compiled target, in fp32 lanes: scratch is padded to it.
-constexpr int64_t kPad = HWY_MAX_BYTES / sizeof(float) > 16 ? HWY_MAX_BYTES / sizeof(float) : 16;
-
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-// inv_freq of the last frequency spec seen by this thread, padded with zeros
-// to a whole vector: pow() per call would cost more than a decode step's data
-// movement.
-const float* inv_freq_table(const FreqSpec& spec) {
-  thread_local std::vector<float> table;
-  thread_local FreqSpec seen{-1.0, -1, {}};
-  if (seen != spec) {
-    table.assign(round_up(spec.rotary_dim / 2, kPad), 0.0f);
-    fill_inv_freq(spec, table.data());
-    seen = spec;
-  }
-  return table.data();
-}
-
-// Per-thread scratch, grown on demand and reused across calls.
-Scratch thread_scratch(const Problem& p) {
-  thread_local std::vector<float> buf;
-  const int64_t hp = round_up(p.rotary_dim / 2, kPad);
-  const int64_t rp = round_up(p.rotary_dim, kPad);
-  const int64_t dp = round_up(p.head_dim, kPad);
-  const int64_t hr = round_up(std::max(p.num_qo_heads, p.num_kv_heads), kPad);
-  const size_t need =
-      static_cast<size_t>(2 * rp + 3 * hp + 3 * dp + 2 * kCosSinBlock * rp + hr + 64);
-  if (buf.size() < need) buf.resize(need);
-  float* b = buf.data();
-  Scratch sc;
-  sc.cos = b;
-  sc.sin = b + rp;
-  sc.theta = b + 2 * rp;
-  sc.row_in = b + 2 * rp + hp;
-  sc.row_out = b + 2 * rp + hp + dp;
-  sc.half_cos = b + 2 * rp + hp + 2 * dp;
-  sc.half_sin = b + 2 * rp + 2 * hp + 2 * dp;
-  sc.row_pool = b + 2 * rp + 3 * hp + 2 * dp;
-  sc.block = b + 2 * rp + 3 * hp + 3 * dp;
-  sc.block_part = rp;
-  sc.head_r = b + 2 * rp + 3 * hp + 3 * dp + 2 * kCosSinBlock * rp;
-  return sc;
-}
+using namespace host;
 
 int64_t bytes_moved(const Problem& p) {
   const int64_t e = element_size(p.dtype);
@@ -364,120 +297,6 @@ int64_t bytes_moved(const Problem& p) {
 int64_t bytes_written(const Problem& p) {
   const int64_t e = element_size(p.dtype);
   return e * p.num_tokens * p.head_dim * (p.num_qo_heads + 3 * p.num_kv_heads);
-}
-
-// Element i of the float array `data` of `dtype`, widened exactly to fp32.
-float widen(const void* data, FloatType dtype, int64_t i) {
-  if (dtype == FloatType::kF32) return static_cast<const float*>(data)[i];
-  const uint16_t h = static_cast<const uint16_t*>(data)[i];
-  uint32_t u;
-  if (dtype == FloatType::kBF16) {
-    u = static_cast<uint32_t>(h) << 16;
-  } else {
-    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-    const uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
-    if (e == 0x1F) {
-      u = sign | 0x7F800000u | (m << 13);  // Inf, NaN
-    } else if (e != 0) {
-      u = sign | ((e + 112u) << 23) | (m << 13);
-    } else {  // zero or subnormal: m * 2^-24, exact in fp32
-      const float f = static_cast<float>(m) * 5.9604644775390625e-8f;
-      std::memcpy(&u, &f, 4);
-      u |= sign;
-    }
-  }
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// QK-norm weight w widened to fp32 into out [padded], zeros after D; null
-// when absent.
-const float* widen_weight(const Weight& w, int64_t D, int64_t padded, float* out) {
-  if (w.data == nullptr) return nullptr;
-  for (int64_t d = 0; d < padded; ++d) out[d] = d < D ? widen(w.data, w.dtype, d * w.stride) : 0.0f;
-  return out;
-}
-
-int64_t option_bytes_written(const Problem& p) {
-  const int64_t e = element_size(p.dtype), pe = element_size(p.pool_type);
-  return p.num_tokens * p.head_dim *
-         (e * (p.num_qo_heads + p.num_kv_heads) + pe * 2 * p.num_kv_heads);
-}
-
-int64_t option_bytes_moved(const Problem& p) {
-  const int64_t e = element_size(p.dtype), pe = element_size(p.pool_type);
-  return p.num_tokens * p.head_dim *
-         (e * (2 * p.num_qo_heads + 3 * p.num_kv_heads) + pe * 2 * p.num_kv_heads);
-}
-
-// Every call that is not is_plain: the same thread plan as the plain path,
-// through the options kernels. Results do not depend on the plan: each
-// element is computed from its own head alone.
-void run_options(const Problem& p, const ExecOptions& options) {
-  OptionData od;
-  if (p.cos_sin_cache.data == nullptr) od.inv_freq = inv_freq_table(p.freq);
-  // The weights once per call, read by every thread. Padded beyond a vector
-  // past D: the kernels' tail vectors read whole vectors.
-  thread_local std::vector<float> weights;
-  const int64_t wp = round_up(p.head_dim, kPad) + kPad;
-  if (weights.size() < static_cast<size_t>(2 * wp)) weights.resize(2 * wp);
-  od.q_norm = widen_weight(p.q_norm, p.head_dim, wp, weights.data());
-  od.k_norm = widen_weight(p.k_norm, p.head_dim, wp, weights.data() + wp);
-
-  const int64_t T = p.num_tokens;
-  const int64_t heads = p.num_qo_heads + p.num_kv_heads;
-  const bool stream = option_bytes_written(p) >= kStreamMinBytes;
-  int threads = 1;
-#ifdef _OPENMP
-  threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
-#endif
-  const int64_t by_size = std::max<int64_t>(1, option_bytes_moved(p) / kMinBytesPerThread);
-  threads = static_cast<int>(std::min<int64_t>(threads, by_size));
-
-  if (threads <= 1) {
-    const Scratch sc = thread_scratch(p);
-    HWY_DYNAMIC_DISPATCH(ProcessOptions)(
-        OptWork{&p, &od, &sc, 0, T, false, stream, nullptr, nullptr, 0, 0});
-    return;
-  }
-#ifdef _OPENMP
-  if (T >= 2 * threads) {
-#pragma omp parallel num_threads(threads)
-    {
-      const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
-      const int64_t t0 = T * i / n, t1 = T * (i + 1) / n;
-      const Scratch sc = thread_scratch(p);
-      if (t0 < t1)
-        HWY_DYNAMIC_DISPATCH(ProcessOptions)(
-            OptWork{&p, &od, &sc, t0, t1, false, stream, nullptr, nullptr, 0, 0});
-    }
-    return;
-  }
-  // Few large tokens: (token, head-group) units, cos/sin made once here.
-  thread_local std::vector<float> table;
-  const int64_t part = round_up(p.is_neox ? p.rotary_dim / 2 : p.rotary_dim, kPad);
-  const int64_t stride = 2 * part;
-  if (table.size() < static_cast<size_t>(T * stride)) table.resize(T * stride);
-  {
-    const Scratch sc = thread_scratch(p);
-    HWY_DYNAMIC_DISPATCH(OptionsCosSinTable)(p, od, table.data(), stride, sc);
-  }
-  const float* tab = table.data();
-  const int64_t groups = std::min<int64_t>(heads, (2 * threads + T - 1) / T);
-  const int64_t heads_per_group = (heads + groups - 1) / groups;
-  const int64_t units = T * groups;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t u = 0; u < units; ++u) {
-    const int64_t t = u / groups, g = u % groups;
-    const int64_t h0 = g * heads_per_group, h1 = std::min(heads, h0 + heads_per_group);
-    const Scratch sc = thread_scratch(p);
-    if (h0 < h1)
-      HWY_DYNAMIC_DISPATCH(ProcessOptions)(
-          OptWork{&p, &od, &sc, t, t + 1, true, stream, tab + t * stride, tab + t * stride + part, h0,
-                  h1});
-  }
-#endif
 }
 
 }  // namespace

@@ -901,7 +901,8 @@ TEST(CpuOptions, LargeAlignedCallsOnEveryTarget) {
   std::mt19937_64 rng(test_seed());
   std::vector<Option> options = {kOptions[0], kOptions[1], kOptions[2], kOptions[6], kOptions[7],
                                  kOptions[8], kOptions[9], kOptions[11]};
-  options.push_back({"plain", [](OptSpec*) {}});
+  // The plain call (the plain path's streamed stores) in every dtype.
+  for (int i = 0; i < 3; ++i) options.push_back({"plain", [](OptSpec*) {}});
   int n = 0;
   for (const Option& op : options) {
     OptSpec s;
@@ -911,7 +912,7 @@ TEST(CpuOptions, LargeAlignedCallsOnEveryTarget) {
     s.D = 128;
     s.P = s.T + 5;
     s.base = 500000.0;
-    s.dtype = n % 2 ? DType::kBF16 : DType::kF32;
+    s.dtype = kFloatTypes[n % 3];
     s.align64 = true;
     s.cache_rows = 2048;
     ++n;

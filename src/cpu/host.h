@@ -1,0 +1,79 @@
+// Host-side helpers of the CPU backend shared by its plain path
+// (rope_pool_cpu.cc) and its options path (rope_options_cpu.cc): thresholds,
+// the per-thread inv_freq table and scratch.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "common/inv_freq.h"
+#include "cpu/scratch.h"
+#include "problem.h"
+
+namespace ropekv {
+namespace cpu {
+namespace host {
+
+// Below this many bytes per call, a thread team costs more than it saves.
+constexpr int64_t kMinBytesPerThread = 64 * 1024;
+
+// From this many bytes written per call on, outputs are stored non-temporally
+// (as glibc's memcpy does above a fraction of the last-level cache): they
+// would evict each other before use, and streaming skips reading every
+// output line before writing it.
+constexpr int64_t kStreamMinBytes = 8 << 20;
+
+// Largest vector of any compiled target, in fp32 lanes (AVX-512): scratch is
+// padded to it (checked per target in rope_options-inl.h).
+constexpr int64_t kPad = 16;
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// inv_freq of the last frequency spec seen by this thread, padded with zeros
+// to a whole vector: pow() per call would cost more than a decode step's data
+// movement.
+inline const float* inv_freq_table(const FreqSpec& spec) {
+  thread_local std::vector<float> table;
+  thread_local FreqSpec seen{-1.0, -1, {}};
+  if (seen != spec) {
+    table.assign(round_up(spec.rotary_dim / 2, kPad), 0.0f);
+    fill_inv_freq(spec, table.data());
+    seen = spec;
+  }
+  return table.data();
+}
+
+// Per-thread scratch, grown on demand and reused across calls.
+inline Scratch thread_scratch(const Problem& p) {
+  thread_local std::vector<float> buf;
+  const int64_t hp = round_up(p.rotary_dim / 2, kPad);
+  const int64_t rp = round_up(p.rotary_dim, kPad);
+  const int64_t dp = round_up(p.head_dim, kPad);
+  const int64_t hr = round_up(std::max(p.num_qo_heads, p.num_kv_heads), kPad);
+  const size_t need =
+      static_cast<size_t>(2 * rp + 3 * hp + 3 * dp + 2 * kCosSinBlock * rp + hr + 64);
+  if (buf.size() < need) buf.resize(need);
+  float* b = buf.data();
+  Scratch sc;
+  sc.cos = b;
+  sc.sin = b + rp;
+  sc.theta = b + 2 * rp;
+  sc.row_in = b + 2 * rp + hp;
+  sc.row_out = b + 2 * rp + hp + dp;
+  sc.half_cos = b + 2 * rp + hp + 2 * dp;
+  sc.half_sin = b + 2 * rp + 2 * hp + 2 * dp;
+  sc.row_pool = b + 2 * rp + 3 * hp + 2 * dp;
+  sc.block = b + 2 * rp + 3 * hp + 3 * dp;
+  sc.block_part = rp;
+  sc.head_r = b + 2 * rp + 3 * hp + 3 * dp + 2 * kCosSinBlock * rp;
+  return sc;
+}
+
+}  // namespace host
+
+/// The options path (rope_options_cpu.cc): every call that is not is_plain.
+void run_options(const Problem& p, const ExecOptions& options);
+
+}  // namespace cpu
+}  // namespace ropekv

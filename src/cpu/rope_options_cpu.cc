@@ -1,0 +1,203 @@
+// CPU backend, options path: every call that is not is_plain(p) (interleaved
+// pairs, yarn's attention factor, a cos_sin_cache, QK-norm, float32 and fp8
+// pools, in place), on the same thread plan as the plain path
+// (rope_pool_cpu.cc). The kernels are in rope_options-inl.h; this file holds
+// their dispatch and the per-call setup. A translation unit of its own: its
+// many instantiations compile in parallel with the plain path's.
+#include <cpuid.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "backends.h"
+#include "cpu/host.h"
+#include "cpu/scratch.h"
+#include "problem.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "cpu/rope_options_cpu.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+
+#include "cpu/rope_options-inl.h"
+#include "cpu/rope_pool_cpu-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace ropekv {
+namespace cpu {
+namespace HWY_NAMESPACE {
+
+// Whether this CPU has AVX512_BF16 (CPUID leaf 7 subleaf 1, EAX bit 5), as
+// rope_pool_cpu.cc's CpuHasAvx512Bf16.
+bool OptionsCpuHasAvx512Bf16() {
+#if defined(ROPEKV_HAVE_BF16_NATIVE)
+  static const bool has = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
+    return ((a >> 5) & 1) != 0;
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
+// The options path (every call that is not is_plain): see rope_options-inl.h.
+void ProcessOptions(const OptWork& w) {
+  switch (w.p->dtype) {
+    case FloatType::kF32:
+      return RunOptions<F32>(w);
+    case FloatType::kF16:
+      return RunOptions<F16>(w);
+    case FloatType::kBF16:
+#if defined(ROPEKV_HAVE_BF16_NATIVE)
+      if (OptionsCpuHasAvx512Bf16()) return RunOptions<BF16Native>(w);
+#endif
+      return RunOptions<BF16>(w);
+  }
+}
+
+void OptionsCosSinTable(const Problem& p, const OptionData& od, float* table, int64_t stride,
+                        const Scratch& sc) {
+  CosSinTableOpt(p, od, table, stride, sc);
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace cpu
+}  // namespace ropekv
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace ropekv {
+namespace cpu {
+
+HWY_EXPORT(ProcessOptions);
+HWY_EXPORT(OptionsCosSinTable);
+
+namespace {
+using namespace host;
+
+// Element i of the float array `data` of `dtype`, widened exactly to fp32.
+float widen(const void* data, FloatType dtype, int64_t i) {
+  if (dtype == FloatType::kF32) return static_cast<const float*>(data)[i];
+  const uint16_t h = static_cast<const uint16_t*>(data)[i];
+  uint32_t u;
+  if (dtype == FloatType::kBF16) {
+    u = static_cast<uint32_t>(h) << 16;
+  } else {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    const uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    if (e == 0x1F) {
+      u = sign | 0x7F800000u | (m << 13);  // Inf, NaN
+    } else if (e != 0) {
+      u = sign | ((e + 112u) << 23) | (m << 13);
+    } else {  // zero or subnormal: m * 2^-24, exact in fp32
+      const float f = static_cast<float>(m) * 5.9604644775390625e-8f;
+      std::memcpy(&u, &f, 4);
+      u |= sign;
+    }
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// QK-norm weight w widened to fp32 into out [padded], zeros after D; null
+// when absent.
+const float* widen_weight(const Weight& w, int64_t D, int64_t padded, float* out) {
+  if (w.data == nullptr) return nullptr;
+  for (int64_t d = 0; d < padded; ++d) out[d] = d < D ? widen(w.data, w.dtype, d * w.stride) : 0.0f;
+  return out;
+}
+
+int64_t option_bytes_written(const Problem& p) {
+  const int64_t e = element_size(p.dtype), pe = element_size(p.pool_type);
+  return p.num_tokens * p.head_dim *
+         (e * (p.num_qo_heads + p.num_kv_heads) + pe * 2 * p.num_kv_heads);
+}
+
+int64_t option_bytes_moved(const Problem& p) {
+  const int64_t e = element_size(p.dtype), pe = element_size(p.pool_type);
+  return p.num_tokens * p.head_dim *
+         (e * (2 * p.num_qo_heads + 3 * p.num_kv_heads) + pe * 2 * p.num_kv_heads);
+}
+
+}  // namespace
+
+// Every call that is not is_plain: the same thread plan as the plain path,
+// through the options kernels. Results do not depend on the plan: each
+// element is computed from its own head alone.
+void run_options(const Problem& p, const ExecOptions& options) {
+  OptionData od;
+  if (p.cos_sin_cache.data == nullptr) od.inv_freq = inv_freq_table(p.freq);
+  // The weights once per call, read by every thread. Padded beyond a vector
+  // past D: the kernels' tail vectors read whole vectors.
+  thread_local std::vector<float> weights;
+  const int64_t wp = round_up(p.head_dim, kPad) + kPad;
+  if (weights.size() < static_cast<size_t>(2 * wp)) weights.resize(2 * wp);
+  od.q_norm = widen_weight(p.q_norm, p.head_dim, wp, weights.data());
+  od.k_norm = widen_weight(p.k_norm, p.head_dim, wp, weights.data() + wp);
+
+  const int64_t T = p.num_tokens;
+  const int64_t heads = p.num_qo_heads + p.num_kv_heads;
+  const bool stream = option_bytes_written(p) >= kStreamMinBytes;
+  int threads = 1;
+#ifdef _OPENMP
+  threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+#endif
+  const int64_t by_size = std::max<int64_t>(1, option_bytes_moved(p) / kMinBytesPerThread);
+  threads = static_cast<int>(std::min<int64_t>(threads, by_size));
+
+  if (threads <= 1) {
+    const Scratch sc = thread_scratch(p);
+    HWY_DYNAMIC_DISPATCH(ProcessOptions)
+    (OptWork{&p, &od, &sc, 0, T, false, stream, nullptr, nullptr, 0, 0});
+    return;
+  }
+#ifdef _OPENMP
+  if (T >= 2 * threads) {
+#pragma omp parallel num_threads(threads)
+    {
+      const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
+      const int64_t t0 = T * i / n, t1 = T * (i + 1) / n;
+      const Scratch sc = thread_scratch(p);
+      if (t0 < t1)
+        HWY_DYNAMIC_DISPATCH(ProcessOptions)
+        (OptWork{&p, &od, &sc, t0, t1, false, stream, nullptr, nullptr, 0, 0});
+    }
+    return;
+  }
+  // Few large tokens: (token, head-group) units, cos/sin made once here.
+  thread_local std::vector<float> table;
+  const int64_t part = round_up(p.is_neox ? p.rotary_dim / 2 : p.rotary_dim, kPad);
+  const int64_t stride = 2 * part;
+  if (table.size() < static_cast<size_t>(T * stride)) table.resize(T * stride);
+  {
+    const Scratch sc = thread_scratch(p);
+    HWY_DYNAMIC_DISPATCH(OptionsCosSinTable)(p, od, table.data(), stride, sc);
+  }
+  const float* tab = table.data();
+  const int64_t groups = std::min<int64_t>(heads, (2 * threads + T - 1) / T);
+  const int64_t heads_per_group = (heads + groups - 1) / groups;
+  const int64_t units = T * groups;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t t = u / groups, g = u % groups;
+    const int64_t h0 = g * heads_per_group, h1 = std::min(heads, h0 + heads_per_group);
+    const Scratch sc = thread_scratch(p);
+    if (h0 < h1)
+      HWY_DYNAMIC_DISPATCH(ProcessOptions)
+      (OptWork{&p, &od, &sc, t, t + 1, true, stream, tab + t * stride, tab + t * stride + part, h0,
+               h1});
+  }
+#endif
+}
+
+}  // namespace cpu
+}  // namespace ropekv
+#endif  // HWY_ONCE
