@@ -7,6 +7,10 @@
 #include <cstdint>
 #include <vector>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 #include "common/inv_freq.h"
 #include "cpu/scratch.h"
 #include "problem.h"
@@ -14,6 +18,21 @@
 namespace ropekv {
 namespace cpu {
 namespace host {
+
+// Whether this CPU has AVX512_BF16 (CPUID leaf 7 subleaf 1, EAX bit 5): the
+// AVX3 targets' bf16 stores use VCVTNEPS2BF16 then (BF16Native).
+inline bool cpu_has_avx512_bf16() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool has = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
+    return ((a >> 5) & 1) != 0;
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
 
 // Below this many bytes per call, a thread team costs more than it saves.
 constexpr int64_t kMinBytesPerThread = 64 * 1024;

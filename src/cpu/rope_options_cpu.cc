@@ -4,7 +4,6 @@
 // (rope_pool_cpu.cc). The kernels are in rope_options-inl.h; this file holds
 // their dispatch and the per-call setup. A translation unit of its own: its
 // many instantiations compile in parallel with the plain path's.
-#include <cpuid.h>
 
 #include <algorithm>
 #include <cstring>
@@ -32,21 +31,6 @@ namespace ropekv {
 namespace cpu {
 namespace HWY_NAMESPACE {
 
-// Whether this CPU has AVX512_BF16 (CPUID leaf 7 subleaf 1, EAX bit 5), as
-// rope_pool_cpu.cc's CpuHasAvx512Bf16.
-bool OptionsCpuHasAvx512Bf16() {
-#if defined(ROPEKV_HAVE_BF16_NATIVE)
-  static const bool has = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
-    return ((a >> 5) & 1) != 0;
-  }();
-  return has;
-#else
-  return false;
-#endif
-}
-
 // The options path (every call that is not is_plain): see rope_options-inl.h.
 void ProcessOptions(const OptWork& w) {
   switch (w.p->dtype) {
@@ -56,7 +40,7 @@ void ProcessOptions(const OptWork& w) {
       return RunOptions<F16>(w);
     case FloatType::kBF16:
 #if defined(ROPEKV_HAVE_BF16_NATIVE)
-      if (OptionsCpuHasAvx512Bf16()) return RunOptions<BF16Native>(w);
+      if (host::cpu_has_avx512_bf16()) return RunOptions<BF16Native>(w);
 #endif
       return RunOptions<BF16>(w);
   }

@@ -8,7 +8,6 @@
 // gathered into a scratch row first, so one SIMD routine serves every layout.
 // Calls with options (not is_plain) take the options path instead
 // (rope_options_cpu.cc).
-#include <cpuid.h>
 
 #include <cmath>
 #include <cstring>
@@ -220,20 +219,6 @@ void TokensDtype(const Problem& p, const float* inv_freq, int64_t t0, int64_t t1
   TokensT<Ops, false>(p, inv_freq, t0, t1, sc);
 }
 
-// Whether this CPU has AVX512_BF16 (CPUID leaf 7 subleaf 1, EAX bit 5).
-bool CpuHasAvx512Bf16() {
-#if defined(ROPEKV_HAVE_BF16_NATIVE)
-  static const bool has = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
-    return ((a >> 5) & 1) != 0;
-  }();
-  return has;
-#else
-  return false;
-#endif
-}
-
 void ProcessTokens(const Problem& p, const float* inv_freq, int64_t t0, int64_t t1, bool stream,
                    const Scratch& sc) {
   switch (p.dtype) {
@@ -241,7 +226,7 @@ void ProcessTokens(const Problem& p, const float* inv_freq, int64_t t0, int64_t 
     case FloatType::kF16: return TokensDtype<F16>(p, inv_freq, t0, t1, stream, sc);
     case FloatType::kBF16:
 #if defined(ROPEKV_HAVE_BF16_NATIVE)
-      if (CpuHasAvx512Bf16()) return TokensDtype<BF16Native>(p, inv_freq, t0, t1, stream, sc);
+      if (host::cpu_has_avx512_bf16()) return TokensDtype<BF16Native>(p, inv_freq, t0, t1, stream, sc);
 #endif
       return TokensDtype<BF16>(p, inv_freq, t0, t1, stream, sc);
   }
@@ -264,7 +249,7 @@ void ProcessHeads(const Problem& p, const float* c, const float* s, int64_t t, i
     case FloatType::kF16: return TokenHeads<F16, false>(p, t, h0, h1, c, s, contiguous, sc);
     case FloatType::kBF16:
 #if defined(ROPEKV_HAVE_BF16_NATIVE)
-      if (CpuHasAvx512Bf16()) return TokenHeads<BF16Native, false>(p, t, h0, h1, c, s, contiguous, sc);
+      if (host::cpu_has_avx512_bf16()) return TokenHeads<BF16Native, false>(p, t, h0, h1, c, s, contiguous, sc);
 #endif
       return TokenHeads<BF16, false>(p, t, h0, h1, c, s, contiguous, sc);
   }
