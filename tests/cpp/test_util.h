@@ -330,7 +330,7 @@ class Tensor {
       case DType::kF64: { uint64_t b; std::memcpy(&b, &x, 8); set_raw(elem, b); break; }
       case DType::kI32: set_raw(elem, static_cast<uint32_t>(static_cast<int32_t>(x))); break;
       case DType::kI64: set_raw(elem, static_cast<uint64_t>(static_cast<int64_t>(x))); break;
-      case DType::kI16: set_raw(elem, static_cast<uint16_t>(static_cast<int16_t>(x))); break;
+      case DType::kI16: set_raw(elem, static_cast<uint16_t>(static_cast<int64_t>(x))); break;  // wraps
       case DType::kU32: set_raw(elem, static_cast<uint32_t>(x)); break;
     }
   }
