@@ -13,6 +13,8 @@
 #   cputest   the CPU Python suite tests/python
 #   bench     bench/gpu_bench.py (ropekv vs PyTorch eager, torch.compile, copy)
 #   options   bench/gpu_bench.py --options (each option's cost vs the plain call)
+#   ncuopt    Nsight Compute on each option's kernel next to the plain one
+#             (bench/gpu_options_calls.py; not a default step)
 #   peers     .peers/tools/build.sh, then bench/gpu_peers.py: ropekv next to vLLM,
 #             FlashInfer and SGLang kernels built from .peers/ (git-ignored, carried;
 #             not a default step; about 8 minutes, PEERS_BUDGET seconds)
@@ -165,6 +167,19 @@ do_cputest() {
   return $rc
 }
 
+do_ncuopt() {
+  # Each option's kernel next to the plain one (Llama-3.1-8B bf16, T = 1 and
+  # 8192; two launches per case, in the order the script prints): time,
+  # DRAM, occupancy, stalls.
+  local rc=0
+  (cd /tmp && timeout 300 ncu --clock-control none -k regex:rope_pool \
+     --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+     $PY "$ROOT/bench/gpu_options_calls.py" > "$OUT/ncu_options.txt" 2>&1) || rc=1
+  grep -E "rope_pool.*Context|^cases:|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Stall|Warp Cycles Per Issued" \
+    "$OUT/ncu_options.txt" | sed -E 's/\(ropekv::cuda::detail::(Opt)?Params\).*//' | head -400
+  return $rc
+}
+
 do_options() {
   (cd /tmp && timeout "${BENCH_TIMEOUT:-560}" $PY "$ROOT/bench/gpu_bench.py" --options --out "$OUT")
 }
@@ -201,6 +216,7 @@ for s in "${STEPS[@]}"; do
     cputest) step cputest do_cputest ;;
     bench) step bench do_bench ;;
     options) step options do_options ;;
+    ncuopt) step ncuopt do_ncuopt ;;
     peers) step peers do_peers ;;
     *) log "unknown step $s"; exit 2 ;;
   esac

@@ -93,6 +93,7 @@ constexpr int kMaxDevices = 64;
 struct DeviceState {
   std::atomic<ErrorRecord*> err{nullptr};
   bool pdl = false;  // programmatic dependent launch (sm_90+); set before err
+  int sms = 1;       // streaming multiprocessors; set before err
 };
 std::array<DeviceState, kMaxDevices> g_devices;
 std::mutex g_init_mutex;
@@ -143,6 +144,8 @@ DeviceState& device_state(int device) {
   check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
         "reading the compute capability");
   st.pdl = major >= 9;
+  check(cudaDeviceGetAttribute(&st.sms, cudaDevAttrMultiProcessorCount, device),
+        "reading the multiprocessor count");
   st.err.store(rec, std::memory_order_release);
   return st;
 }
@@ -491,7 +494,7 @@ void run(const Problem& p, const ExecOptions& options) {
   if (l.blocks > INT_MAX) throw Error("too many tokens for one launch");
 
   if (!plain) {
-    OptParams op;
+    OptParams op{};
     static_cast<Params&>(op) = prm;
     detail::Options& o = op.o;
     o.cos_sin = p.cos_sin_cache.data;
@@ -510,6 +513,16 @@ void run(const Problem& p, const ExecOptions& options) {
                                                         : detail::kPoolF32;
     o.fp8_kind = static_cast<int>(is_fp8(p.pool_type) ? fp8_kind(p.pool_type) : Fp8Kind::kE4M3);
     o.interleaved = !p.is_neox;
+    // cos_sin_cache rows are fetched into L2 this many tokens ahead: about
+    // two waves of resident blocks (at most 2048 threads per SM), so that a
+    // token's block finds its row there when it starts.
+    o.prefetch = 0;
+    o.num_tokens = p.num_tokens;
+    if (p.cos_sin_cache.data != nullptr && p.cos_sin_cache.stride[1] == 1) {
+      const int64_t resident = int64_t{st.sms} * std::max<int64_t>(1, 2048 / l.threads);
+      o.prefetch = ceil_div(2 * resident, blocks_per_token);
+      if (o.prefetch >= p.num_tokens) o.prefetch = 0;
+    }
     o.head_dim = static_cast<int>(p.head_dim);
     o.steps = unroll;
     o.attention_factor = p.attention_factor;

@@ -34,9 +34,10 @@
 // keeps these kernels at the plain kernel's 80 registers. fp8 uses the
 // hardware conversion on sm_89 and later (cvt.rn.satfinite, encode_fp8's
 // bits). The strided form (U = 1) branches on every option at run time.
-// Interleaved pairs (2i, 2i+1) keep the chunk layout: chunk c
-// is the 2N elements from 2cN, loaded as two N-vectors whose adjacent
-// elements pair up, with the same N frequencies cN.. as a NeoX chunk. The
+// Interleaved pairs (2i, 2i+1) keep the NeoX memory layout: chunk c's
+// vectors at cN and half + cN each hold N / 2 whole pairs, rotated with
+// frequencies cN / 2 .. and (half + cN) / 2 .. (the memory accesses of a
+// warp are then the plain kernel's). The
 // QK-norm's sum of squares is reduced over the lanes of a head with shuffles
 // (and, for teams wider than a warp, through shared memory at the cos/sin
 // barrier) before any lane writes; a position outside the cos_sin_cache
@@ -129,6 +130,8 @@ struct Options {
   const void* q_norm;   // [D] QK-norm weights, or nullptr: no norm of q
   const void* k_norm;   // likewise for k
   long long cs_rows, cs_s0, cs_s1;
+  long long prefetch;    // > 0: the row of token t + prefetch is fetched into L2
+  long long num_tokens;  // (for the prefetch)
   long long qn_stride, kn_stride;
   int cs_dtype, qn_dtype, kn_dtype;  // FloatType codes: 0 f32, 1 f16, 2 bf16
   int pool_mode;                     // PoolMode
@@ -319,14 +322,18 @@ __device__ __forceinline__ T* at(const Tensor3& a, long long row, int h) {
 }
 
 // Element offsets of chunk c's vectors in a head: the pair (off1, off2) of
-// a rotated chunk, or the one tail vector at off1. Interleaved pairs (options
-// kernel) put a chunk's two vectors side by side at 2cN.
+// a rotated chunk, or the one tail vector at off1. Vectors (N > 1) keep the
+// NeoX layout for interleaved pairs too, so that a warp's loads and stores
+// stay one contiguous run each: a vector at an even offset holds N / 2
+// whole pairs (half is a multiple of N). The strided kernel (N = 1) takes
+// one interleaved pair (x[2c], x[2c+1]) per chunk.
 template <int N>
 __device__ __forceinline__ void options_offsets(const Params& p, int c, bool interleaved,
                                                 int* off1, int* off2) {
   const bool pair = c < p.pair_items;
-  *off1 = pair ? (interleaved ? 2 * c * N : c * N) : p.rotary_dim + (c - p.pair_items) * N;
-  *off2 = interleaved ? 2 * c * N + N : p.half + c * N;
+  const bool one_pair = N == 1 && interleaved;
+  *off1 = pair ? (one_pair ? 2 * c : c * N) : p.rotary_dim + (c - p.pair_items) * N;
+  *off2 = one_pair ? 2 * c + 1 : p.half + c * N;
 }
 
 // One chunk of one team: the loads of its U steps. kOpt: the options
@@ -697,14 +704,17 @@ __device__ __forceinline__ void add_squares(const OptParams& p, int first_vh, in
 // weights w at off1 / off2), the rotation of a pair chunk (NeoX, or
 // interleaved), in fp32, then one rounding to T; without a norm an
 // unrotated chunk is left as it is. The work goes in blocks of 4 elements
-// of each vector, each with its cos/sin (cos_c, sin_c: the chunk's) and
-// weights read from shared memory then: fewer values live at once than with
-// the chunk's cos/sin held in registers for every step (as the plain kernel
-// does), which keeps the registers of these kernels at the plain one's.
+// of each vector, each with its cos/sin and weights read from shared memory
+// then: fewer values live at once than with the chunk's cos/sin held in
+// registers for every step (as the plain kernel does), which keeps the
+// registers of these kernels at the plain one's. cs: the cos of frequency 0
+// (its sin at cs + half); NeoX and the strided kernel's pair use
+// frequencies from off1 (cN, or c), interleaved vectors hold the pairs
+// off1 / 2 .. and off2 / 2 ...
 template <class T, int N, bool kContig, bool kNorm>
 __device__ __forceinline__ void transform(Vec<T, N>& a, Vec<T, N>& b, bool pair, bool interleaved,
                                           bool norm, const float* w, int off1, int off2, float r,
-                                          const float* cos_c, const float* sin_c) {
+                                          const float* cs, int half) {
   const bool normed = kNorm && norm;
   if (!normed && !pair) return;
   constexpr int B = N < 4 ? N : 4;
@@ -726,14 +736,16 @@ __device__ __forceinline__ void transform(Vec<T, N>& a, Vec<T, N>& b, bool pair,
     }
     if (pair) {
       if (N > 1 && interleaved) {
-        // xa holds pairs cN + k/2 + i, xb pairs cN + N/2 + k/2 + i, each
-        // (x[2i], x[2i+1]).
+        // xa holds pairs (off1 + k) / 2 + i, xb pairs (off2 + k) / 2 + i,
+        // each (x[2i], x[2i+1]).
         constexpr int P = B > 1 ? B / 2 : 1;  // (N == 1: not reached)
         float ca[P], sa[P], cb[P], sb[P];
-        load_floats<P, kContig>(cos_c + k / 2, ca);
-        load_floats<P, kContig>(sin_c + k / 2, sa);
-        load_floats<P, kContig>(cos_c + N / 2 + k / 2, cb);
-        load_floats<P, kContig>(sin_c + N / 2 + k / 2, sb);
+        const float* fa = cs + (off1 + k) / 2;
+        const float* fb = cs + (off2 + k) / 2;
+        load_floats<P, kContig>(fa, ca);
+        load_floats<P, kContig>(fa + half, sa);
+        load_floats<P, kContig>(fb, cb);
+        load_floats<P, kContig>(fb + half, sb);
 #pragma unroll
         for (int i = 0; i < P; ++i) {
           const float a1 = xa[2 * i], a2 = xa[2 * i + 1];
@@ -744,10 +756,12 @@ __device__ __forceinline__ void transform(Vec<T, N>& a, Vec<T, N>& b, bool pair,
           xb[2 * i + 1] = rot2(b1, b2, cb[i], sb[i]);
         }
       } else {
-        // NeoX, or one interleaved pair (x[2c], x[2c+1]) in the strided kernel.
+        // NeoX (frequencies off1 = cN ..), or one interleaved pair
+        // (x[2c], x[2c+1]) in the strided kernel (frequency off1 / 2 = c).
         float c[B], s[B];
-        load_floats<B, kContig>(cos_c + k, c);
-        load_floats<B, kContig>(sin_c + k, s);
+        const float* f = cs + (interleaved ? off1 / 2 : off1) + k;
+        load_floats<B, kContig>(f, c);
+        load_floats<B, kContig>(f + half, s);
 #pragma unroll
         for (int j = 0; j < B; ++j) {
           const float x1 = xa[j], x2 = xb[j];
@@ -778,8 +792,6 @@ __device__ __forceinline__ void store_batch_options(const OptParams& p, long lon
   const bool interleaved = o.interleaved != 0;
   int off1, off2;
   options_offsets<N>(p, c, interleaved, &off1, &off2);
-  const float* cos_c = cs_smem + c * N;  // the chunk's cos/sin
-  const float* sin_c = cs_smem + p.half + c * N;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int vh = first_vh + u * HP + hp;
@@ -788,7 +800,7 @@ __device__ __forceinline__ void store_batch_options(const OptParams& p, long lon
     const int kind = kind_of(vh, Hq, Hk, &h);
     if (kind != 2) {
       transform<T, N, kContig, kNorm>(a[u], b[u], pair, interleaved, norm, kind == 0 ? wq : wk,
-                                      off1, off2, r[u], cos_c, sin_c);
+                                      off1, off2, r[u], cs_smem, p.half);
       const Tensor3& y = kind == 0 ? p.q_rot : p.k_rot;
       T* dst = at<T>(y, t, h);
       const long long s2 = kContig ? 1 : y.s2;
@@ -842,6 +854,11 @@ __global__ void __launch_bounds__(max_block(U))
   const long long slot = load_index(p.slots, p.slot_stride, p.slot64, t);
   const long long position = load_index(p.positions, p.pos_stride, p.pos64, t);
 
+  // cos_sin_cache: a later token's position, for the prefetch of its row.
+  const bool prefetcher = o.prefetch > 0 && j == 0 && tid == 0 && t + o.prefetch < o.num_tokens;
+  long long ahead = -1;
+  if (prefetcher) ahead = load_index(p.positions, p.pos_stride, p.pos64, t + o.prefetch);
+
   Vec<T, N> a[U], b[U];
   if (active)
     load_batch<T, N, kContig, U, true>(p, t, first_vh, hp, c0, a, b, interleaved, vh_end);
@@ -864,6 +881,15 @@ __global__ void __launch_bounds__(max_block(U))
       }
     } else if (j == 0 && tid == 0) {
       report_bad_position(p.err, t, position, o.cs_rows);
+    }
+    // The row of the token o.prefetch ahead into L2: that token's block
+    // starts about a wave later, and its table load (which waits for its
+    // position) then hits L2 instead of memory.
+    if (prefetcher && ahead >= 0 && ahead < o.cs_rows) {
+      const int es = o.cs_dtype == 0 ? 4 : 2;
+      const char* row = static_cast<const char*>(o.cos_sin) + ahead * o.cs_s0 * es;
+      for (int off = 0; off < p.rotary_dim * es; off += 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
     }
   } else {
     const float pos = static_cast<float>(position);

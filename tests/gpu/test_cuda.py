@@ -874,6 +874,16 @@ def test_options_cos_sin_cache(dtype, table):
                     what=f"cos_sin_cache T={T} D={D} R={R}")
 
 
+@cuda_only
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_options_cos_sin_cache_rows_fetched_ahead(is_neox):
+    """Calls long enough that each block fetches a later token's table row
+    into L2 (more tokens than two waves of resident blocks, small heads):
+    results as without."""
+    run_options(40000, 1, 1, 64, torch.bfloat16, seed=3, is_neox=is_neox,
+                table_dtype=torch.float32, what="cos_sin_cache fetched ahead")
+
+
 def test_options_cos_sin_cache_strided_table():
     """The table as a strided view (every other row of a larger one)."""
     t, kw = options_case(9, 4, 2, 64, torch.bfloat16, table_dtype=torch.float32, table_rows=512)
