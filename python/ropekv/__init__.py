@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import operator
 import os
+import sys as _sys
 from typing import Any, Optional, Tuple
 
 import numpy as _np
@@ -149,6 +150,23 @@ def _as_array(x: Any, name: str) -> Tuple[Any, bool, bool]:
     return x, False, False
 
 
+_TORCH_FAST: Optional[Tuple[Any, ...]] = None
+
+
+def _torch_fast() -> Optional[Tuple[Any, ...]]:
+    """(torch.Tensor, torch.bfloat16, torch.int16, the dtypes numpy shares)
+    once torch is imported (by the caller: ropekv never imports it here),
+    else None: the inline fast path of CPU tensors in rope_pool_fused."""
+    global _TORCH_FAST
+    if _TORCH_FAST is None:
+        torch = _sys.modules.get("torch")
+        if torch is None or not hasattr(torch, "Tensor"):
+            return None
+        _TORCH_FAST = (torch.Tensor, torch.bfloat16, torch.int16,
+                       (torch.float32, torch.float16, torch.int32, torch.int64))
+    return _TORCH_FAST
+
+
 def _fp8_name(x: Any) -> Optional[str]:
     """"fp8_e4m3" / "fp8_e5m2" for an array typed as fp8, else None. Cheap
     for every other dtype (str() of a dtype costs microseconds)."""
@@ -168,7 +186,7 @@ def _empty_like(x: Any) -> Any:
     if fw == "torch":
         import torch
 
-        return torch.empty(tuple(x.shape), dtype=x.dtype, device=x.device)
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
     if fw == "cupy":
         import cupy
 
@@ -432,8 +450,10 @@ def rope_pool_fused(
             for given, src in ((q_out, q), (k_out, k))]
     arrays = (q, k, v, positions, slots, k_pool, v_pool, outs[0], outs[1])
     converted, bf16_mask, readonly_mask = [], 0, 0
+    tf = _torch_fast()
     for i, (x, name) in enumerate(zip(arrays, _NAMES)):
-        if type(x) is _np.ndarray:  # the common case, inline (a call per array costs)
+        # The common cases inline (a function call per array costs).
+        if type(x) is _np.ndarray:
             dt = x.dtype
             # numpy's own dtypes (ml_dtypes' fp8 types report kind "f" or "V"
             # with one byte), or ml_dtypes bf16 as its bits.
@@ -442,6 +462,17 @@ def rope_pool_fused(
                 converted.append(x if plain else x.view(_np.uint16))
                 bf16_mask |= int(not plain) << i
                 readonly_mask |= int(not x.flags.writeable) << i
+                continue
+        elif tf is not None and type(x) is tf[0] and x.is_cpu and not x.requires_grad:
+            # A numpy view of a CPU tensor (the same memory) imports in a
+            # third of the time of its DLPack capsule; bf16 as its bits.
+            dt = x.dtype
+            if dt is tf[1]:
+                converted.append(x.view(tf[2]).numpy())
+                bf16_mask |= 1 << i
+                continue
+            if dt in tf[3]:
+                converted.append(x.numpy())
                 continue
         if x is None:  # an output of a q or k that is not 3-D
             converted.append(None)
