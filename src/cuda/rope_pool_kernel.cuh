@@ -23,8 +23,9 @@
 // writes are skipped and one thread per token records it in the per-device
 // ErrorRecord that check_errors reads.
 //
-// Calls with options (interleaved pairs, yarn's attention factor, a
-// cos_sin_cache, QK-norm, float32 or fp8 pools) run rope_pool_options_kernel:
+// yarn's attention factor scales the cos/sin in either kernel. Calls with
+// other options (interleaved pairs, a cos_sin_cache, QK-norm, float32 or fp8
+// pools) run rope_pool_options_kernel:
 // the same decomposition and loads, so the plain kernel stays as it is. Its
 // 16-byte form is compiled per pool family (fp8, or q's dtype / float32) and
 // with or without the QK-norm code, U = 4 steps of which a call takes 1 to 4
@@ -103,6 +104,7 @@ struct Params {
   int teams_per_block;
   int blocks_per_token;
   int num_batches;       // batches per token
+  float attention_factor;  // yarn: multiplies cos and sin (1 = off)
 };
 
 /// How the options kernel writes a pool element (o.pool_mode).
@@ -141,7 +143,6 @@ struct Options {
   int steps;                         // steps per team (the batch); <= the kernel's U
   int fp8_div;  // 1: x / scale (IEEE division); 0: x * k_mul / v_mul, the same
                 // quotient (both scales are powers of two, their reciprocals exact)
-  float attention_factor;  // multiplies cos and sin (1 = off)
   float norm_eps;
   float k_scale, v_scale;  // fp8 pools: stored = encode(x / scale)
   float k_mul, v_mul;      // 1 / k_scale, 1 / v_scale when fp8_div == 0
@@ -448,11 +449,17 @@ __global__ void __launch_bounds__(max_block(U)) rope_pool_kernel(const __grid_co
   Vec<T, N> a[U], b[U];
   if (active) load_batch<T, N, kContig, U>(p, t, first_vh, hp, c0, a, b);
 
-  // cos/sin of the token, one frequency per thread: theta = fp32(pos * inv_freq).
+  // cos/sin of the token, one frequency per thread: theta = fp32(pos * inv_freq),
+  // each times yarn's attention factor when it is not 1.
   const float pos = static_cast<float>(position);
+  const float m = p.attention_factor;
   for (int i = tid; i < p.half; i += blockDim.x) {
     float s, c;
     sincos_fp32(__fmul_rn(pos, __ldg(p.inv_freq + i)), &s, &c);
+    if (m != 1.0f) {
+      c = __fmul_rn(c, m);
+      s = __fmul_rn(s, m);
+    }
     cs_smem[i] = c;
     cs_smem[p.half + i] = s;
   }
@@ -893,7 +900,7 @@ __global__ void __launch_bounds__(max_block(U))
     }
   } else {
     const float pos = static_cast<float>(position);
-    const float m = o.attention_factor;
+    const float m = p.attention_factor;
     for (int i = tid; i < p.half; i += blockDim.x) {
       float s, c;
       sincos_fp32(__fmul_rn(pos, __ldg(p.inv_freq + i)), &s, &c);

@@ -856,8 +856,8 @@ def test_options_gptj_interleaved_partial(dtype):
 @pytest.mark.parametrize("scaling", [LINEAR, LLAMA3, YARN, YARN_MSCALE],
                          ids=["linear", "llama3", "yarn", "yarn-mscale"])
 def test_options_rope_scaling(scaling, dtype):
-    # linear and llama3 change only the frequencies (plain kernel); yarn also
-    # multiplies cos and sin (options kernel).
+    # linear and llama3 change only the frequencies, yarn also multiplies cos and
+    # sin: all three in the plain kernel (yarn with other options: test_options_qwen3_like).
     for T in (1, 40, 3000):
         run_options(T, 8, 2, 128, DTYPES[dtype], seed=T, base=500000.0, rope_scaling=scaling,
                     what=f"scaling T={T}")
