@@ -71,7 +71,7 @@ inline Scratch thread_scratch(const Problem& p) {
   const int64_t dp = round_up(p.head_dim, kPad);
   const int64_t hr = round_up(std::max(p.num_qo_heads, p.num_kv_heads), kPad);
   const size_t need =
-      static_cast<size_t>(2 * rp + 3 * hp + 3 * dp + 2 * kCosSinBlock * rp + hr + 64);
+      static_cast<size_t>(2 * rp + 3 * hp + 3 * dp + hr + 64);
   if (buf.size() < need) buf.resize(need);
   float* b = buf.data();
   Scratch sc;
@@ -83,9 +83,7 @@ inline Scratch thread_scratch(const Problem& p) {
   sc.half_cos = b + 2 * rp + hp + 2 * dp;
   sc.half_sin = b + 2 * rp + 2 * hp + 2 * dp;
   sc.row_pool = b + 2 * rp + 3 * hp + 2 * dp;
-  sc.block = b + 2 * rp + 3 * hp + 3 * dp;
-  sc.block_part = rp;
-  sc.head_r = b + 2 * rp + 3 * hp + 3 * dp + 2 * kCosSinBlock * rp;
+  sc.head_r = b + 2 * rp + 3 * hp + 3 * dp;
   return sc;
 }
 

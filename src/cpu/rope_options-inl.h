@@ -79,6 +79,168 @@ HWY_INLINE bool ExactReciprocal(float scale) {
   return std::frexp(scale, &e) == 0.5f && e >= -124 && e <= 126;
 }
 
+// The packed (storage) vector of Ops at p, bits unchanged.
+template <class Ops>
+HWY_INLINE typename Ops::V LoadPacked(const typename Ops::T* p) {
+  if constexpr (std::is_same_v<typename Ops::T, float>) {
+    return hn::LoadU(DF(), p);
+  } else {
+    return hn::LoadU(DU16(), p);
+  }
+}
+
+// The fp32 value of a packed vector: what Ops::Load of its bits gives.
+template <class Ops>
+HWY_INLINE VF Widen(typename Ops::V v) {
+  if constexpr (std::is_same_v<typename Ops::T, float>) {
+    return v;
+  } else if constexpr (std::is_base_of_v<BF16, Ops>) {
+    return hn::BitCast(DF(), hn::ShiftLeft<16>(hn::PromoteTo(DU32(), v)));
+  } else {
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
+    return hn::PromoteTo(DF(), hn::BitCast(DF16(), v));
+#else
+    HWY_ALIGN uint16_t b[kMaxLanes];
+    hn::Store(v, DU16(), b);
+    return Ops::Load(b);
+#endif
+  }
+}
+
+// Pool writers of the register path: Put<kStream>(packed vector of q's
+// dtype, dst) stores its lanes in the pool's format (kStream:
+// non-temporally, dst aligned; only where kCanStream, a vector of the pool's
+// elements being at least the 16 bytes Highway's Stream writes). The values
+// are those of PoolSame / PoolF32 / PoolFp8 below, from the same bits.
+template <class Ops>
+struct WriteSame {
+  using PT = typename Ops::T;
+  static constexpr bool kSame = true;
+  static constexpr bool kCanStream = hn::MaxLanes(DF()) * sizeof(PT) >= 16;
+  explicit WriteSame(float) {}
+  template <bool kStream>
+  HWY_INLINE void Put(typename Ops::V o, PT* dst) const {
+    Ops::template Put<kStream && kCanStream>(o, dst);
+  }
+};
+
+template <class Ops>
+struct WriteF32 {
+  using PT = float;
+  static constexpr bool kSame = false;
+  static constexpr bool kCanStream = hn::MaxLanes(DF()) * sizeof(PT) >= 16;
+  explicit WriteF32(float) {}
+  template <bool kStream>
+  HWY_INLINE void Put(typename Ops::V o, PT* dst) const {
+    const VF v = Widen<Ops>(o);
+    if constexpr (kStream && kCanStream) {
+      hn::Stream(v, DF(), dst);
+    } else {
+      hn::StoreU(v, DF(), dst);
+    }
+  }
+};
+
+// encode_fp8(fp32(x / scale)); x * (1 / scale) where that is the same
+// number (ExactReciprocal), picked once per call.
+template <class Ops, Fp8Kind kKind>
+struct WriteFp8 {
+  using PT = uint8_t;
+  static constexpr bool kSame = false;
+  static constexpr bool kCanStream = hn::MaxLanes(DF()) * sizeof(PT) >= 16;
+  bool div;
+  VF s;
+  explicit WriteFp8(float scale)
+      : div(!ExactReciprocal(scale)), s(hn::Set(DF(), div ? scale : 1.0f / scale)) {}
+  template <bool kStream>
+  HWY_INLINE void Put(typename Ops::V o, PT* dst) const {
+    const VF v = Widen<Ops>(o);
+    const auto code = EncodeFp8<kKind>(div ? hn::Div(v, s) : hn::Mul(v, s));
+    if constexpr (kStream && kCanStream) {
+      hn::Stream(code, DU8(), dst);
+    } else {
+      hn::StoreU(code, DU8(), dst);
+    }
+  }
+};
+
+// A contiguous row of count elements of q's dtype (v) into a contiguous
+// pool row through the writer W; with kStream count is a whole number of
+// vectors.
+template <class Ops, class W, bool kStream>
+HWY_INLINE void PutVRow(const typename Ops::T* src, typename W::PT* dst, int64_t count,
+                        const W& w) {
+  using T = typename Ops::T;
+  using PT = typename W::PT;
+  if constexpr (W::kSame && !kStream) {
+    std::memcpy(dst, src, static_cast<size_t>(count) * sizeof(T));  // the plain path's copy
+  } else {
+    const int64_t n = static_cast<int64_t>(hn::Lanes(DF()));
+    int64_t d = 0;
+    for (; d + n <= count; d += n) w.template Put<kStream>(LoadPacked<Ops>(src + d), dst + d);
+    if (d < count) {
+      HWY_ALIGN T b[kMaxLanes] = {};
+      HWY_ALIGN PT pb[kMaxLanes];
+      std::memcpy(b, src + d, static_cast<size_t>(count - d) * sizeof(T));
+      w.template Put<false>(LoadPacked<Ops>(b), pb);
+      std::memcpy(dst + d, pb, static_cast<size_t>(count - d) * sizeof(PT));
+    }
+  }
+}
+
+// Where RotateRowOpt sends a second copy of its output: nowhere (NoSink),
+// a row of q's dtype (RowSink, null = nowhere), or a pool row through a
+// writer (PoolSink, null = nowhere). Put takes a whole packed vector at
+// element i, PutPartial the first m lanes of an fp32 vector (rounded to q's
+// dtype first), CopyRaw elements [i, i + m) of the input unchanged.
+struct NoSink {
+  template <class V>
+  HWY_INLINE void Put(V, int64_t) const {}
+  HWY_INLINE void PutPartial(VF, int64_t, int64_t) const {}
+  template <class T>
+  HWY_INLINE void CopyRaw(const T*, int64_t, int64_t) const {}
+};
+
+template <class Ops>
+struct RowSink {
+  using T = typename Ops::T;
+  T* dst;
+  HWY_INLINE void Put(typename Ops::V o, int64_t i) const {
+    if (dst) Ops::template Put<false>(o, dst + i);
+  }
+  HWY_INLINE void PutPartial(VF v, int64_t i, int64_t m) const {
+    if (!dst) return;
+    HWY_ALIGN T b[kMaxLanes];
+    Ops::Store(v, b);
+    std::memcpy(dst + i, b, static_cast<size_t>(m) * sizeof(T));
+  }
+  HWY_INLINE void CopyRaw(const T* x, int64_t i, int64_t m) const {
+    if (dst) std::memcpy(dst + i, x + i, static_cast<size_t>(m) * sizeof(T));
+  }
+};
+
+template <class Ops, class W, bool kStream>
+struct PoolSink {
+  using T = typename Ops::T;
+  using PT = typename W::PT;
+  PT* dst;
+  const W* w;
+  HWY_INLINE void Put(typename Ops::V o, int64_t i) const {
+    if (dst) w->template Put<kStream>(o, dst + i);
+  }
+  HWY_INLINE void PutPartial(VF v, int64_t i, int64_t m) const {  // never with kStream
+    if (!dst) return;
+    HWY_ALIGN T b[kMaxLanes];
+    HWY_ALIGN PT pb[kMaxLanes];
+    Ops::Store(v, b);
+    w->template Put<false>(LoadPacked<Ops>(b), pb);
+    std::memcpy(dst + i, pb, static_cast<size_t>(m) * sizeof(PT));
+  }
+  HWY_INLINE void CopyRaw(const T* x, int64_t i, int64_t m) const {  // never with kStream
+    if (dst) PutVRow<Ops, W, false>(x + i, dst + i, m, *w);
+  }
+};
+
 // ------------------------------------------------------------ row helpers
 
 // m < Lanes elements at x, zero-padded to a vector.
@@ -235,6 +397,37 @@ HWY_INLINE void RmsFactors(const View3& in, int64_t t, int64_t h0, int64_t h1, i
   }
 }
 
+// RmsFactors' r of one head from its sum of squares: the same fp32
+// operations, one lane.
+HWY_INLINE float RmsFactor(float ss, int64_t D, float eps) {
+  return 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+}
+
+// Heads whose sums of squares RmsPipelined makes ahead of their rotation.
+constexpr int64_t kRmsAhead = 4;
+
+// r of heads [h0, h1) of a contiguous `in` at token t, each made kRmsAhead
+// heads ahead of the rotation that uses it (visit(h, r)): the sums'
+// loads stay independent of the rotations for that many heads, so loads of
+// later heads are in flight while earlier ones are rotated and stored (with
+// the sums of every head first, a pass of loads then a pass of stores:
+// QK-norm 1.8x the plain call's time at T = 1024), and a head is rotated
+// soon after its sum read it, from L1.
+template <class Ops, class Visit>
+HWY_INLINE void RmsPipelined(const View3& in, int64_t t, int64_t h0, int64_t h1, int64_t D,
+                             float eps, const Visit& visit) {
+  using T = typename Ops::T;
+  float ss[kRmsAhead];
+  const int64_t nh = h1 - h0;
+  for (int64_t j = 0; j < std::min(kRmsAhead, nh); ++j)
+    ss[j] = SumSquares<Ops>(Row<T>(in, t, h0 + j), D);
+  for (int64_t j = 0; j < nh; ++j) {
+    const float r = RmsFactor(ss[j % kRmsAhead], D, eps);
+    if (j + kRmsAhead < nh) ss[j % kRmsAhead] = SumSquares<Ops>(Row<T>(in, t, h0 + j + kRmsAhead), D);
+    visit(h0 + j, r);
+  }
+}
+
 // The input value the rotation uses: fp32(fp32(x * r) * w[i]) with QK-norm.
 // (w is null without: no offset is applied to it then.)
 template <bool kNorm>
@@ -250,30 +443,29 @@ HWY_INLINE VF Prep(VF x, VF r, const float* w, int64_t i) {
 }
 
 // Stores v, rounded to q's dtype, at out + i (kStream: non-temporally) and
-// (when not null) out2 + i.
-template <class Ops, bool kStream>
-HWY_INLINE void Put2(VF v, typename Ops::T* out, typename Ops::T* out2, int64_t i) {
+// in the sink.
+template <class Ops, bool kStream, class Sink>
+HWY_INLINE void Put2(VF v, typename Ops::T* out, const Sink& sink, int64_t i) {
   const auto packed = Ops::Pack(v);
   Ops::template Put<kStream>(packed, out + i);
-  if (out2) Ops::template Put<false>(packed, out2 + i);
+  sink.Put(packed, i);
 }
 
-// The first m lanes only.
-template <class Ops>
-HWY_INLINE void Put2Partial(VF v, typename Ops::T* out, typename Ops::T* out2, int64_t i,
-                            int64_t m) {
+// The first m lanes only (never streamed).
+template <class Ops, class Sink>
+HWY_INLINE void Put2Partial(VF v, typename Ops::T* out, const Sink& sink, int64_t i, int64_t m) {
   HWY_ALIGN typename Ops::T b[kMaxLanes];
   Ops::Store(v, b);
   std::memcpy(out + i, b, static_cast<size_t>(m) * sizeof(typename Ops::T));
-  if (out2) std::memcpy(out2 + i, b, static_cast<size_t>(m) * sizeof(typename Ops::T));
+  sink.PutPartial(v, i, m);
 }
 
 // One contiguous head: out[0:R) = rope(x'), out[R:D) = x', x' = x or its
-// QK-norm (kNorm: w the fp32 weight, padded; rms its r), rounded to q's dtype; out2,
-// when not null, gets the same (a pool row of q's dtype). c/s as
+// QK-norm (kNorm: w the fp32 weight, padded; rms its r), rounded to q's
+// dtype; the sink gets the same (a pool row: from the registers). c/s as
 // TokenCosSinOpt makes them. out may be x.
-template <class Ops, bool kInterleaved, bool kNorm, bool kStream = false>
-HWY_INLINE void RotateRowOpt(const typename Ops::T* x, typename Ops::T* out, typename Ops::T* out2,
+template <class Ops, bool kInterleaved, bool kNorm, bool kStream = false, class Sink = NoSink>
+HWY_INLINE void RotateRowOpt(const typename Ops::T* x, typename Ops::T* out, const Sink& sink,
                              const float* HWY_RESTRICT c, const float* HWY_RESTRICT s,
                              const float* HWY_RESTRICT w, float rms, int64_t R, int64_t D) {
   using T = typename Ops::T;
@@ -294,18 +486,16 @@ HWY_INLINE void RotateRowOpt(const typename Ops::T* x, typename Ops::T* out, typ
       const auto o2 = Ops::Pack(hn::MulAdd(x2, cv, hn::Mul(x1, sv)));
       Ops::template Put<kStream>(o1, out + i);
       Ops::template Put<kStream>(o2, out + half + i);
-      if (out2) {
-        Ops::template Put<false>(o1, out2 + i);
-        Ops::template Put<false>(o2, out2 + half + i);
-      }
+      sink.Put(o1, i);
+      sink.Put(o2, half + i);
     }
     if (i < half) {
       const int64_t m = half - i;
       const VF x1 = Prep<kNorm>(LoadPartial<Ops>(x + i, m), r, w, i);
       const VF x2 = Prep<kNorm>(LoadPartial<Ops>(x + half + i, m), r, w, half + i);
       const VF cv = hn::LoadU(df, c + i), sv = hn::LoadU(df, s + i);
-      Put2Partial<Ops>(hn::MulSub(x1, cv, hn::Mul(x2, sv)), out, out2, i, m);
-      Put2Partial<Ops>(hn::MulAdd(x2, cv, hn::Mul(x1, sv)), out, out2, half + i, m);
+      Put2Partial<Ops>(hn::MulSub(x1, cv, hn::Mul(x2, sv)), out, sink, i, m);
+      Put2Partial<Ops>(hn::MulAdd(x2, cv, hn::Mul(x1, sv)), out, sink, half + i, m);
     }
   } else {
 #if HWY_TARGET == HWY_SCALAR
@@ -314,8 +504,12 @@ HWY_INLINE void RotateRowOpt(const typename Ops::T* x, typename Ops::T* out, typ
       const VF x1 = Prep<kNorm>(Ops::Load(x + i), r, w, i);
       const VF x2 = Prep<kNorm>(Ops::Load(x + i + 1), r, w, i + 1);
       const VF cv = hn::LoadU(df, c + i), sv = hn::LoadU(df, s + i + 1);
-      Put2<Ops, kStream>(hn::MulSub(x1, cv, hn::Mul(x2, sv)), out, out2, i);
-      Put2<Ops, kStream>(hn::MulAdd(x2, cv, hn::Mul(x1, sv)), out, out2, i + 1);
+      const auto o1 = Ops::Pack(hn::MulSub(x1, cv, hn::Mul(x2, sv)));
+      const auto o2 = Ops::Pack(hn::MulAdd(x2, cv, hn::Mul(x1, sv)));
+      Ops::template Put<kStream>(o1, out + i);
+      Ops::template Put<kStream>(o2, out + i + 1);
+      sink.Put(o1, i);
+      sink.Put(o2, i + 1);
     }
 #else
     // Pairs in adjacent lanes: o = x * (c, c) + swap(x) * (-s, s). Lane 2i is
@@ -326,28 +520,27 @@ HWY_INLINE void RotateRowOpt(const typename Ops::T* x, typename Ops::T* out, typ
       const VF xv = Prep<kNorm>(Ops::Load(x + i), r, w, i);
       const VF sw = hn::Reverse2(df, xv);
       Put2<Ops, kStream>(hn::MulAdd(xv, hn::LoadU(df, c + i), hn::Mul(sw, hn::LoadU(df, s + i))),
-                         out, out2, i);
+                         out, sink, i);
     }
     if (i < R) {  // R and the lane count are even: no pair straddles the tail
       const int64_t m = R - i;
       const VF xv = Prep<kNorm>(LoadPartial<Ops>(x + i, m), r, w, i);
       const VF sw = hn::Reverse2(df, xv);
       Put2Partial<Ops>(hn::MulAdd(xv, hn::LoadU(df, c + i), hn::Mul(sw, hn::LoadU(df, s + i))), out,
-                       out2, i, m);
+                       sink, i, m);
     }
 #endif
   }
   if (R < D) {
     if constexpr (!kNorm) {  // copied unchanged
-      const size_t bytes = static_cast<size_t>(D - R) * sizeof(T);
-      if (out != x) std::memcpy(out + R, x + R, bytes);
-      if (out2) std::memcpy(out2 + R, x + R, bytes);
+      if (out != x) std::memcpy(out + R, x + R, static_cast<size_t>(D - R) * sizeof(T));
+      sink.CopyRaw(x, R, D - R);
     } else {
       int64_t d = R;
       for (; d + n <= D; d += n)
-        Put2<Ops, kStream>(Prep<kNorm>(Ops::Load(x + d), r, w, d), out, out2, d);
+        Put2<Ops, kStream>(Prep<kNorm>(Ops::Load(x + d), r, w, d), out, sink, d);
       if (d < D)
-        Put2Partial<Ops>(Prep<kNorm>(LoadPartial<Ops>(x + d, D - d), r, w, d), out, out2, d, D - d);
+        Put2Partial<Ops>(Prep<kNorm>(LoadPartial<Ops>(x + d, D - d), r, w, d), out, sink, d, D - d);
     }
   }
 }
@@ -367,7 +560,7 @@ HWY_NOINLINE void RotateHeadViaScratch(const View3& in, const View3& outv, int64
     Gather(x, in.stride[2], D, a);
     x = a;
   }
-  RotateRowOpt<Ops, kInterleaved, kNorm>(x, b, nullptr, c, s, w, rms, p.rotary_dim, D);
+  RotateRowOpt<Ops, kInterleaved, kNorm>(x, b, NoSink(), c, s, w, rms, p.rotary_dim, D);
   Scatter(b, D, Row<T>(outv, t, h), outv.stride[2]);
 }
 
@@ -376,77 +569,102 @@ HWY_NOINLINE void RotateHeadViaScratch(const View3& in, const View3& outv, int64
 // kStream: every row contiguous and aligned (CanStreamOpt); the stores are
 // non-temporal, from the registers.
 template <class Ops, bool kInterleaved, bool kNorm, bool kStream>
-HWY_INLINE void QHeadsOpt(const Problem& p, const OptionData& od, int64_t t, int64_t h0, int64_t h1,
-                          const float* c, const float* s, RowMode mode, const Scratch& sc) {
+HWY_NOINLINE void QHeadsOpt(const Problem& p, const OptionData& od, int64_t t, int64_t h0,
+                            int64_t h1, const float* c, const float* s, RowMode mode,
+                            const Scratch& sc) {
   using T = typename Ops::T;
+  if (kStream || mode == RowMode::kDirect) {
+    auto rotate = [&](int64_t h, float rms) HWY_ATTR __attribute__((always_inline)) {
+      RotateRowOpt<Ops, kInterleaved, kNorm, kStream>(Row<T>(p.q, t, h), Row<T>(p.q_rot, t, h),
+                                                      NoSink(), c, s, od.q_norm, rms,
+                                                      p.rotary_dim, p.head_dim);
+    };
+    if constexpr (kNorm) {
+      RmsPipelined<Ops>(p.q, t, h0, h1, p.head_dim, p.norm_eps, rotate);
+    } else {
+      for (int64_t h = h0; h < h1; ++h) rotate(h, 1.0f);
+    }
+    return;
+  }
   if (kNorm) RmsFactors<Ops>(p.q, t, h0, h1, p.head_dim, p.norm_eps, sc.head_r, sc);
   for (int64_t h = h0; h < h1; ++h) {
     const float rms = kNorm ? sc.head_r[h - h0] : 1.0f;
-    if (kStream) {
-      RotateRowOpt<Ops, kInterleaved, kNorm, true>(Row<T>(p.q, t, h), Row<T>(p.q_rot, t, h),
-                                                   nullptr, c, s, od.q_norm, rms, p.rotary_dim,
-                                                   p.head_dim);
-    } else if (mode == RowMode::kDirect) {
-      RotateRowOpt<Ops, kInterleaved, kNorm>(Row<T>(p.q, t, h), Row<T>(p.q_rot, t, h), nullptr, c,
-                                             s, od.q_norm, rms, p.rotary_dim, p.head_dim);
-    } else {
-      RotateHeadViaScratch<Ops, kInterleaved, kNorm>(p.q, p.q_rot, t, h, p, c, s, od.q_norm, rms,
-                                                     sc);
-    }
+    RotateHeadViaScratch<Ops, kInterleaved, kNorm>(p.q, p.q_rot, t, h, p, c, s, od.q_norm, rms,
+                                                   sc);
   }
 }
 
-// k heads: k_rot, then the pool rows from k_rot as rounded and from v. A
-// contiguous pool of q's dtype is written with k_rot, from the registers
-// (kStream: k_rot streamed from the registers, a copy kept in row_out for
-// the pool rows, which are streamed from there).
-template <class Ops, bool kInterleaved, bool kNorm, bool kStream>
-HWY_INLINE void KHeadsOpt(const Problem& p, const OptionData& od, int64_t t, int64_t h0, int64_t h1,
-                          const float* c, const float* s, RowMode mode, const Scratch& sc) {
+// k heads: k_rot, then the pool rows from k_rot as rounded and from v.
+// Where v and the pool rows are contiguous (every large aligned call, and
+// every contiguous one), the pool rows are written from the registers
+// through the writer W (k: the packed k_rot vectors as they are stored; v:
+// its vectors as loaded), non-temporally with kStream. Otherwise through
+// scratch rows (PutPoolRow).
+template <class Ops, class W, bool kInterleaved, bool kNorm, bool kStream>
+HWY_NOINLINE void KHeadsOpt(const Problem& p, const OptionData& od, int64_t t, int64_t h0,
+                            int64_t h1, const float* c, const float* s, RowMode mode,
+                            const Scratch& sc) {
   using T = typename Ops::T;
+  using PT = typename W::PT;
   const int64_t D = p.head_dim;
   const int64_t slot = load_index(p.slots, p.slot_type, t);
-  const int64_t pe = element_size(p.pool_type);
-  const bool same_pool = p.pool_type == pool_type_of(p.dtype) && p.k_pool.stride[2] == 1;
+  const bool regs = mode != RowMode::kStrided && p.v.stride[2] == 1 &&
+                    p.k_pool.stride[2] == 1 && p.v_pool.stride[2] == 1 &&
+                    (!kStream || W::kCanStream);
+  const W wk(p.k_scale), wv(p.v_scale);
+  if (regs) {
+    auto head = [&](int64_t hk, float rms) HWY_ATTR __attribute__((always_inline)) {
+      PT* k_dst = nullptr;
+      PT* v_dst = nullptr;
+      if (slot >= 0) {
+        k_dst = static_cast<PT*>(p.k_pool.data) + slot * p.k_pool.stride[0] +
+                hk * p.k_pool.stride[1];
+        v_dst = static_cast<PT*>(p.v_pool.data) + slot * p.v_pool.stride[0] +
+                hk * p.v_pool.stride[1];
+      }
+      RotateRowOpt<Ops, kInterleaved, kNorm, kStream>(
+          Row<T>(p.k, t, hk), Row<T>(p.k_rot, t, hk), PoolSink<Ops, W, kStream>{k_dst, &wk}, c, s,
+          od.k_norm, rms, p.rotary_dim, D);
+      if (slot >= 0) PutVRow<Ops, W, kStream>(Row<T>(p.v, t, hk), v_dst, D, wv);
+    };
+    if constexpr (kNorm) {
+      RmsPipelined<Ops>(p.k, t, h0, h1, D, p.norm_eps, head);
+    } else {
+      for (int64_t hk = h0; hk < h1; ++hk) head(hk, 1.0f);
+    }
+    return;
+  }
   if (kNorm) RmsFactors<Ops>(p.k, t, h0, h1, D, p.norm_eps, sc.head_r, sc);
   for (int64_t hk = h0; hk < h1; ++hk) {
     const float rms = kNorm ? sc.head_r[hk - h0] : 1.0f;
-    char* k_dst = nullptr;
-    char* v_dst = nullptr;
+    PT* k_dst = nullptr;
+    PT* v_dst = nullptr;
     if (slot >= 0) {
-      k_dst = static_cast<char*>(p.k_pool.data) +
-              (slot * p.k_pool.stride[0] + hk * p.k_pool.stride[1]) * pe;
-      v_dst = static_cast<char*>(p.v_pool.data) +
-              (slot * p.v_pool.stride[0] + hk * p.v_pool.stride[1]) * pe;
+      k_dst = static_cast<PT*>(p.k_pool.data) + slot * p.k_pool.stride[0] +
+              hk * p.k_pool.stride[1];
+      v_dst = static_cast<PT*>(p.v_pool.data) + slot * p.v_pool.stride[0] +
+              hk * p.v_pool.stride[1];
     }
     const T* k_rot_row;
-    bool k_pool_done = false;
-    if (kStream) {
+    if (kStream) {  // (a pool vector under 16 bytes: through row_out)
       T* keep = slot >= 0 ? static_cast<T*>(sc.row_out) : nullptr;
-      RotateRowOpt<Ops, kInterleaved, kNorm, true>(Row<T>(p.k, t, hk), Row<T>(p.k_rot, t, hk), keep,
-                                                   c, s, od.k_norm, rms, p.rotary_dim, D);
+      RotateRowOpt<Ops, kInterleaved, kNorm, true>(Row<T>(p.k, t, hk), Row<T>(p.k_rot, t, hk),
+                                                   RowSink<Ops>{keep}, c, s, od.k_norm, rms,
+                                                   p.rotary_dim, D);
       k_rot_row = keep;
     } else if (mode == RowMode::kDirect) {
       T* out = Row<T>(p.k_rot, t, hk);
-      T* out2 = same_pool ? reinterpret_cast<T*>(k_dst) : nullptr;
-      RotateRowOpt<Ops, kInterleaved, kNorm>(Row<T>(p.k, t, hk), out, out2, c, s, od.k_norm, rms,
-                                             p.rotary_dim, D);
+      RotateRowOpt<Ops, kInterleaved, kNorm>(Row<T>(p.k, t, hk), out, NoSink(), c, s, od.k_norm,
+                                             rms, p.rotary_dim, D);
       k_rot_row = out;
-      k_pool_done = same_pool;
     } else {
       RotateHeadViaScratch<Ops, kInterleaved, kNorm>(p.k, p.k_rot, t, hk, p, c, s, od.k_norm, rms,
                                                      sc);
       k_rot_row = static_cast<const T*>(sc.row_out);
     }
     if (slot < 0) continue;
-    if (!k_pool_done)
-      PutPoolRow<Ops>(p.pool_type, k_rot_row, k_dst, p.k_pool.stride[2], D, p.k_scale, mode, sc);
+    PutPoolRow<Ops>(p.pool_type, k_rot_row, k_dst, p.k_pool.stride[2], D, p.k_scale, mode, sc);
     const T* v_row = Row<T>(p.v, t, hk);
-    if (!kStream && same_pool && mode == RowMode::kDirect && p.v.stride[2] == 1 &&
-        p.v_pool.stride[2] == 1) {
-      std::memcpy(v_dst, v_row, static_cast<size_t>(D) * sizeof(T));  // the plain path's copy
-      continue;
-    }
     if (p.v.stride[2] != 1) {
       Gather(v_row, p.v.stride[2], D, static_cast<T*>(sc.row_in));
       v_row = static_cast<const T*>(sc.row_in);
@@ -456,7 +674,7 @@ HWY_INLINE void KHeadsOpt(const Problem& p, const OptionData& od, int64_t t, int
 }
 
 // Heads [h_begin, h_end) of token t (q heads first, then k/v heads).
-template <class Ops, bool kInterleaved, bool kStream>
+template <class Ops, class W, bool kInterleaved, bool kStream>
 HWY_INLINE void TokenHeadsOpt(const Problem& p, const OptionData& od, int64_t t, int64_t h_begin,
                               int64_t h_end, const float* c, const float* s, RowMode mode,
                               const Scratch& sc) {
@@ -472,9 +690,9 @@ HWY_INLINE void TokenHeadsOpt(const Problem& p, const OptionData& od, int64_t t,
   const int64_t k0 = std::max(h_begin, Hq) - Hq, k1 = h_end - Hq;
   if (k0 < k1) {
     if (od.k_norm) {
-      KHeadsOpt<Ops, kInterleaved, true, kStream>(p, od, t, k0, k1, c, s, mode, sc);
+      KHeadsOpt<Ops, W, kInterleaved, true, kStream>(p, od, t, k0, k1, c, s, mode, sc);
     } else {
-      KHeadsOpt<Ops, kInterleaved, false, kStream>(p, od, t, k0, k1, c, s, mode, sc);
+      KHeadsOpt<Ops, W, kInterleaved, false, kStream>(p, od, t, k0, k1, c, s, mode, sc);
     }
   }
 }
@@ -545,7 +763,15 @@ HWY_INLINE void TokenCosSinOpt(const Problem& p, const float* inv_freq, int64_t 
     }
   }
   if (!p.is_neox) {
-    for (int64_t i = 0; i < half; ++i) {
+    int64_t i = 0;
+#if HWY_TARGET != HWY_SCALAR
+    for (; i + n <= half; i += n) {
+      const VF cv = hn::LoadU(df, c + i), sv = hn::LoadU(df, s + i);
+      hn::StoreInterleaved2(cv, cv, df, c_out + 2 * i);
+      hn::StoreInterleaved2(hn::Neg(sv), sv, df, s_out + 2 * i);
+    }
+#endif
+    for (; i < half; ++i) {
       c_out[2 * i] = c_out[2 * i + 1] = c[i];
       s_out[2 * i] = -s[i];
       s_out[2 * i + 1] = s[i];
@@ -580,38 +806,55 @@ HWY_INLINE bool CanStreamOpt(const Problem& p) {
   return true;
 }
 
-template <class Ops, bool kInterleaved, bool kStream>
+template <class Ops, class W, bool kInterleaved, bool kStream>
 HWY_INLINE void RunOptT(const OptWork& w, RowMode mode) {
   const Problem& p = *w.p;
   const Scratch& sc = *w.sc;
   if (w.heads) {
-    TokenHeadsOpt<Ops, kInterleaved, kStream>(p, *w.od, w.t0, w.h0, w.h1, w.c, w.s, mode, sc);
+    TokenHeadsOpt<Ops, W, kInterleaved, kStream>(p, *w.od, w.t0, w.h0, w.h1, w.c, w.s, mode, sc);
   } else {
+    // Each token's cos/sin just before its heads (as the plain path): their
+    // compute overlaps the memory traffic of the heads around them. (Made
+    // for a block of tokens ahead, the block's compute ran with the memory
+    // idle: yarn 1.3x the plain call's time at T = 1024.)
     const int64_t heads = p.num_qo_heads + p.num_kv_heads;
-    const int64_t part = sc.block_part;
-    for (int64_t t0 = w.t0; t0 < w.t1; t0 += kCosSinBlock) {
-      const int64_t t1 = std::min(w.t1, t0 + kCosSinBlock);
-      for (int64_t t = t0; t < t1; ++t) {
-        float* cs = sc.block + (t - t0) * 2 * part;
-        TokenCosSinOpt(p, w.od->inv_freq, t, cs, cs + part, sc);
-      }
-      for (int64_t t = t0; t < t1; ++t) {
-        const float* cs = sc.block + (t - t0) * 2 * part;
-        TokenHeadsOpt<Ops, kInterleaved, kStream>(p, *w.od, t, 0, heads, cs, cs + part, mode, sc);
-      }
+    for (int64_t t = w.t0; t < w.t1; ++t) {
+      TokenCosSinOpt(p, w.od->inv_freq, t, sc.cos, sc.sin, sc);
+      TokenHeadsOpt<Ops, W, kInterleaved, kStream>(p, *w.od, t, 0, heads, sc.cos, sc.sin, mode,
+                                                   sc);
     }
   }
   if (kStream) hwy::FlushStream();
 }
 
-template <class Ops, bool kInterleaved>
-HWY_NOINLINE void RunOpt(const OptWork& w) {
+template <class Ops, class W, bool kInterleaved>
+HWY_INLINE void RunOptW(const OptWork& w) {
   const Problem& p = *w.p;
   if (w.stream && CanStreamOpt<Ops>(p))
-    return RunOptT<Ops, kInterleaved, true>(w, RowMode::kStream);
+    return RunOptT<Ops, W, kInterleaved, true>(w, RowMode::kStream);
   const bool contiguous =
       p.q.stride[2] == 1 && p.k.stride[2] == 1 && p.q_rot.stride[2] == 1 && p.k_rot.stride[2] == 1;
-  RunOptT<Ops, kInterleaved, false>(w, contiguous ? RowMode::kDirect : RowMode::kStrided);
+  RunOptT<Ops, W, kInterleaved, false>(w, contiguous ? RowMode::kDirect : RowMode::kStrided);
+}
+
+// The pool format, once per call.
+template <class Ops, bool kInterleaved>
+HWY_NOINLINE void RunOpt(const OptWork& w) {
+  switch (w.p->pool_type) {
+    case PoolType::kFp8E4M3:
+      return RunOptW<Ops, WriteFp8<Ops, Fp8Kind::kE4M3>, kInterleaved>(w);
+    case PoolType::kFp8E5M2:
+      return RunOptW<Ops, WriteFp8<Ops, Fp8Kind::kE5M2>, kInterleaved>(w);
+    case PoolType::kF32:
+      // (f32 inputs: a float32 pool is q's dtype.)
+      if constexpr (!std::is_same_v<typename Ops::T, float>) {
+        return RunOptW<Ops, WriteF32<Ops>, kInterleaved>(w);
+      } else {
+        return RunOptW<Ops, WriteSame<Ops>, kInterleaved>(w);
+      }
+    default:
+      return RunOptW<Ops, WriteSame<Ops>, kInterleaved>(w);
+  }
 }
 
 /// The options path for one storage type (the pair layout picked here, once

@@ -18,13 +18,8 @@ struct Scratch {
   float* half_cos;  // [half padded] cos/sin before the interleaved layout
   float* half_sin;  // [half padded]
   void* row_pool;   // [head_dim padded] pool elements (up to 4 bytes)
-  float* block;     // [kCosSinBlock][2][block_part]: cos/sin of a block of tokens
-  int64_t block_part;
   float* head_r;    // [heads padded] QK-norm factors of one token's q (or k) heads
 };
-
-/// Tokens whose cos/sin the options path makes ahead of their heads.
-constexpr int64_t kCosSinBlock = 8;
 
 /// What every thread of a non-plain call reads (made once per call).
 struct OptionData {
