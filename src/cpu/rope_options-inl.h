@@ -1,6 +1,6 @@
 // Per-target kernels of the CPU backend's options path: every call that is
-// not is_plain(p) (interleaved pairs, yarn's attention factor, a
-// cos_sin_cache, QK-norm, float32 and fp8 pools, in any combination).
+// not is_plain(p) (interleaved pairs, a cos_sin_cache, QK-norm, float32 and
+// fp8 pools, in any combination, with or without yarn's attention factor).
 //
 // The plain path (rope_pool_cpu.cc) is left as it is; here every option that
 // changes the inner loops is a template parameter (storage type, pair

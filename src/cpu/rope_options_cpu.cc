@@ -1,6 +1,6 @@
 // CPU backend, options path: every call that is not is_plain(p) (interleaved
-// pairs, yarn's attention factor, a cos_sin_cache, QK-norm, float32 and fp8
-// pools, in place), on the same thread plan as the plain path
+// pairs, a cos_sin_cache, QK-norm, float32 and fp8 pools, in place; yarn's
+// attention factor alone takes the plain path), on the same thread plan as the plain path
 // (rope_pool_cpu.cc). The kernels are in rope_options-inl.h; this file holds
 // their dispatch and the per-call setup. A translation unit of its own: its
 // many instantiations compile in parallel with the plain path's.

@@ -157,7 +157,8 @@ HWY_INLINE void TokenHeads(const Problem& p, int64_t t, int64_t h_begin, int64_t
 }
 
 // cos/sin of token t's angles into c/s (each half padded to whole vectors).
-// theta = fp32(fp32(pos) * inv_freq[i]): an fp32 multiply, rounded once.
+// theta = fp32(fp32(pos) * inv_freq[i]): an fp32 multiply, rounded once;
+// with yarn's attention factor m, c = fp32(cos * m) and s = fp32(sin * m).
 HWY_INLINE void TokenSinCos(const Problem& p, const float* inv_freq, int64_t t, float* c, float* s,
                             float* theta) {
   const int64_t half = p.rotary_dim / 2;
@@ -168,6 +169,13 @@ HWY_INLINE void TokenSinCos(const Problem& p, const float* inv_freq, int64_t t, 
   for (int64_t i = 0; i < half_padded; i += n)
     hn::StoreU(hn::Mul(pv, hn::LoadU(DF(), inv_freq + i)), DF(), theta + i);
   SinCos(theta, s, c, static_cast<size_t>(half_padded));
+  if (p.attention_factor != 1.0f) {
+    const VF m = hn::Set(DF(), p.attention_factor);
+    for (int64_t i = 0; i < half_padded; i += n) {
+      hn::StoreU(hn::Mul(hn::LoadU(DF(), c + i), m), DF(), c + i);
+      hn::StoreU(hn::Mul(hn::LoadU(DF(), s + i), m), DF(), s + i);
+    }
+  }
 }
 
 // Whether every store of a call can be a non-temporal vector store: rows

@@ -7,8 +7,8 @@
 // a multiple of 16 bytes; 8, 4 or 2 bytes otherwise) and a strided kernel
 // when any array's last dimension is not contiguous, and shapes the grid as
 // one block per token (its teams share the token's cos/sin). Calls with
-// options (not is_plain, yarn's attention factor aside) run the options
-// kernel, in its 16-byte form or else its strided form.
+// options (not is_plain) run the options kernel, in its 16-byte form or
+// else its strided form.
 //
 // Device memory it owns, made once and kept for the process: a per-device
 // error flag (out-of-range slots) and one inv_freq table per (device,
@@ -416,11 +416,7 @@ void run(const Problem& p, const ExecOptions& options) {
   prm.slot64 = p.slot_type == IndexType::kI64;
 
   const int64_t esize = element_size(p.dtype);
-  // yarn's attention factor alone keeps the plain kernel (it scales the
-  // cos/sin the block computes once per token).
-  Problem unscaled = p;
-  unscaled.attention_factor = 1.0f;
-  const bool plain = is_plain(unscaled);
+  const bool plain = is_plain(p);
   prm.attention_factor = p.attention_factor;
   const bool norm = p.q_norm.data != nullptr || p.k_norm.data != nullptr;  // (not plain)
   bool contig = true;
