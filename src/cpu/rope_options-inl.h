@@ -594,6 +594,14 @@ HWY_NOINLINE void QHeadsOpt(const Problem& p, const OptionData& od, int64_t t, i
   }
 }
 
+// Row of kv head hk at `slot` in a pool of element type PT; null when the
+// token writes no pool row (slot < 0).
+template <class PT>
+HWY_INLINE PT* PoolRow(const View3& pool, int64_t slot, int64_t hk) {
+  return slot < 0 ? nullptr
+                  : static_cast<PT*>(pool.data) + slot * pool.stride[0] + hk * pool.stride[1];
+}
+
 // k heads: k_rot, then the pool rows from k_rot as rounded and from v.
 // Where v and the pool rows are contiguous (every large aligned call, and
 // every contiguous one), the pool rows are written from the registers
@@ -614,14 +622,8 @@ HWY_NOINLINE void KHeadsOpt(const Problem& p, const OptionData& od, int64_t t, i
   const W wk(p.k_scale), wv(p.v_scale);
   if (regs) {
     auto head = [&](int64_t hk, float rms) HWY_ATTR __attribute__((always_inline)) {
-      PT* k_dst = nullptr;
-      PT* v_dst = nullptr;
-      if (slot >= 0) {
-        k_dst = static_cast<PT*>(p.k_pool.data) + slot * p.k_pool.stride[0] +
-                hk * p.k_pool.stride[1];
-        v_dst = static_cast<PT*>(p.v_pool.data) + slot * p.v_pool.stride[0] +
-                hk * p.v_pool.stride[1];
-      }
+      PT* const k_dst = PoolRow<PT>(p.k_pool, slot, hk);
+      PT* const v_dst = PoolRow<PT>(p.v_pool, slot, hk);
       RotateRowOpt<Ops, kInterleaved, kNorm, kStream>(
           Row<T>(p.k, t, hk), Row<T>(p.k_rot, t, hk), PoolSink<Ops, W, kStream>{k_dst, &wk}, c, s,
           od.k_norm, rms, p.rotary_dim, D);
@@ -637,14 +639,8 @@ HWY_NOINLINE void KHeadsOpt(const Problem& p, const OptionData& od, int64_t t, i
   if (kNorm) RmsFactors<Ops>(p.k, t, h0, h1, D, p.norm_eps, sc.head_r, sc);
   for (int64_t hk = h0; hk < h1; ++hk) {
     const float rms = kNorm ? sc.head_r[hk - h0] : 1.0f;
-    PT* k_dst = nullptr;
-    PT* v_dst = nullptr;
-    if (slot >= 0) {
-      k_dst = static_cast<PT*>(p.k_pool.data) + slot * p.k_pool.stride[0] +
-              hk * p.k_pool.stride[1];
-      v_dst = static_cast<PT*>(p.v_pool.data) + slot * p.v_pool.stride[0] +
-              hk * p.v_pool.stride[1];
-    }
+    PT* const k_dst = PoolRow<PT>(p.k_pool, slot, hk);
+    PT* const v_dst = PoolRow<PT>(p.v_pool, slot, hk);
     const T* k_rot_row;
     if (kStream) {  // (a pool vector under 16 bytes: through row_out)
       T* keep = slot >= 0 ? static_cast<T*>(sc.row_out) : nullptr;
