@@ -516,6 +516,20 @@ HWY_INLINE void RotateRowOpt(const typename Ops::T* x, typename Ops::T* out, con
     // fma(x[2i], c, -(x[2i+1] s)), lane 2i+1 fma(x[2i+1], c, x[2i] s): the
     // NeoX formulas' operations exactly (negation is exact).
     int64_t i = 0;
+    // Two vectors per step, both loaded before either is stored (as the
+    // NeoX loop's two halves): two loads in flight, and in place stays safe.
+    for (; i + 2 * n <= R; i += 2 * n) {
+      const VF xa = Prep<kNorm>(Ops::Load(x + i), r, w, i);
+      const VF xb = Prep<kNorm>(Ops::Load(x + i + n), r, w, i + n);
+      const auto oa = Ops::Pack(
+          hn::MulAdd(xa, hn::LoadU(df, c + i), hn::Mul(hn::Reverse2(df, xa), hn::LoadU(df, s + i))));
+      const auto ob = Ops::Pack(hn::MulAdd(
+          xb, hn::LoadU(df, c + i + n), hn::Mul(hn::Reverse2(df, xb), hn::LoadU(df, s + i + n))));
+      Ops::template Put<kStream>(oa, out + i);
+      Ops::template Put<kStream>(ob, out + i + n);
+      sink.Put(oa, i);
+      sink.Put(ob, i + n);
+    }
     for (; i + n <= R; i += n) {
       const VF xv = Prep<kNorm>(Ops::Load(x + i), r, w, i);
       const VF sw = hn::Reverse2(df, xv);
