@@ -7,8 +7,8 @@
 // a multiple of 16 bytes; 8, 4 or 2 bytes otherwise) and a strided kernel
 // when any array's last dimension is not contiguous, and shapes the grid as
 // one block per token (its teams share the token's cos/sin). Calls with
-// options (not is_plain) run the options kernel, in its 16-byte form or
-// else its strided form.
+// options (not is_plain) run the options kernel, in its 16-byte form or else
+// its strided form.
 //
 // Device memory it owns, made once and kept for the process: a per-device
 // error flag (out-of-range slots) and one inv_freq table per (device,
