@@ -15,6 +15,10 @@
 #include "cpu/scratch.h"
 #include "problem.h"
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 namespace ropekv {
 namespace cpu {
 namespace host {
@@ -85,6 +89,18 @@ inline Scratch thread_scratch(const Problem& p) {
   sc.row_pool = b + 2 * rp + 3 * hp + 2 * dp;
   sc.head_r = b + 2 * rp + 3 * hp + 3 * dp;
   return sc;
+}
+
+// Threads for a call that moves `bytes`: options.num_threads (0: OpenMP's
+// default), at most one per kMinBytesPerThread, at least one.
+inline int plan_threads(const ExecOptions& options, int64_t bytes) {
+  int64_t threads = 1;
+#ifdef _OPENMP
+  threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+#else
+  (void)options;
+#endif
+  return static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(1, bytes / kMinBytesPerThread)));
 }
 
 }  // namespace host

@@ -130,12 +130,7 @@ void run_options(const Problem& p, const ExecOptions& options) {
   const int64_t T = p.num_tokens;
   const int64_t heads = p.num_qo_heads + p.num_kv_heads;
   const bool stream = option_bytes_written(p) >= kStreamMinBytes;
-  int threads = 1;
-#ifdef _OPENMP
-  threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
-#endif
-  const int64_t by_size = std::max<int64_t>(1, option_bytes_moved(p) / kMinBytesPerThread);
-  threads = static_cast<int>(std::min<int64_t>(threads, by_size));
+  const int threads = plan_threads(options, option_bytes_moved(p));
 
   if (threads <= 1) {
     const Scratch sc = thread_scratch(p);
