@@ -10,6 +10,8 @@
 #             initcheck over its core tests (about 100 s on an H200)
 #   ncu       Nsight Compute on Llama-3.1-8B bf16 calls of T = 1, 64 and 8192
 #   latency   per-call time of small calls in CUDA graphs, next to an empty kernel
+#   probe     bench/cuda_decode_probe.cu: decode-sized calls of kernel variants that
+#             each drop one part of the critical path (not a default step)
 #   cputest   the CPU Python suite tests/python
 #   bench     bench/gpu_bench.py (ropekv vs PyTorch eager, torch.compile, copy)
 #   options   bench/gpu_bench.py --options (each option's cost vs the plain call)
@@ -92,9 +94,13 @@ ARCH=$($PY -c "import torch; p = torch.cuda.get_device_capability(); print(f'{p[
 } | tee -a "$LOG"
 
 do_build() {
+  # With AVX2 as the CPU baseline Highway compiles only its AVX2 and AVX-512
+  # kernels (the CPU backend's two Highway files are most of this build).
+  local cpu=()
+  grep -qw avx2 /proc/cpuinfo && cpu=(-C cmake.define.CMAKE_CXX_FLAGS=-march=haswell)
   timeout 420 $PY -m pip install --no-build-isolation --no-deps --force-reinstall -v . \
     -C build-dir="$BUILD_DIR" -C cmake.define.CMAKE_CUDA_ARCHITECTURES="$ARCH" \
-    "${CMAKE_DEFS[@]}" || return 1
+    "${CMAKE_DEFS[@]}" "${cpu[@]}" || return 1
   (cd /tmp && $PY -c "import ropekv; assert ropekv.has_cuda(), 'built without CUDA'; \
                       print('ropekv', ropekv.__version__, 'CUDA', ropekv.has_cuda())") || return 1
   local lib
@@ -155,6 +161,11 @@ do_latency() {
   return $rc
 }
 
+do_probe() {
+  mkdir -p "$ROOT/build" && timeout 120 nvcc -O3 -std=c++17 -arch=sm_"$ARCH" -Isrc bench/cuda_decode_probe.cu \
+    -o "$ROOT/build/decode-probe" && timeout 120 "$ROOT/build/decode-probe"
+}
+
 do_cputest() {
   (cd /tmp && timeout 180 $PY -m pytest -q -p no:cacheprovider --continue-on-collection-errors \
      "$ROOT/tests/python")
@@ -213,6 +224,7 @@ for s in "${STEPS[@]}"; do
     sansuite) step sansuite do_sansuite ;;
     ncu) step ncu do_ncu ;;
     latency) step latency do_latency ;;
+    probe) step probe do_probe ;;
     cputest) step cputest do_cputest ;;
     bench) step bench do_bench ;;
     options) step options do_options ;;

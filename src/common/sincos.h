@@ -22,9 +22,11 @@
 // memory); host code, compiled by the C++ compiler, gets the same source.
 #if defined(__CUDACC__)
 #define ROPEKV_SINCOS_FN __device__ __forceinline__
+#define ROPEKV_SINCOS_COLD __device__ __noinline__
 #define ROPEKV_SINCOS_TABLE __constant__
 #else
 #define ROPEKV_SINCOS_FN inline
+#define ROPEKV_SINCOS_COLD inline
 #define ROPEKV_SINCOS_TABLE static
 #endif
 
@@ -71,6 +73,48 @@ ROPEKV_SINCOS_TABLE const unsigned int kTwoOverPiBits[7] = {
     0xA2F9836Eu, 0x4E441529u, 0xFC2757D1u, 0xF534DDC0u,
     0xDB629599u, 0x3C439041u, 0xFE5163ABu};
 
+struct Reduced {
+  double r;  // theta - q * pi/2, |r| <= pi/4 (NaN for Inf or NaN)
+  int q;     // the quadrant, mod 4
+};
+
+// theta reduced exactly with 224 bits of 2/pi (Payne-Hanek on the 24-bit
+// mantissa), for |theta| beyond the three-part reduction's range. Out of
+// line on CUDA: rare, and a kernel's instructions are fetched cold on every
+// launch, so the common path stays short.
+ROPEKV_SINCOS_COLD Reduced reduce_large(float theta) {
+  const unsigned int u = float_bits(theta) & 0x7FFFFFFFu;
+  if (u >= 0x7F800000u) return {static_cast<double>(nan_f32()), 0};  // Inf or NaN
+  // |theta| = mant * 2^e with e >= 5 here. Bits j <= e-3 of 2/pi contribute
+  // multiples of 4 (whole turns): start at word w0 = (e-2)/32 and take four
+  // words W; |theta| * 2/pi = mant * W * 2^(sh - 128), sh = e - 32*w0.
+  const unsigned int mant = (u & 0x7FFFFFu) | 0x800000u;
+  const int e = static_cast<int>(u >> 23) - 150;
+  const int w0 = (e - 2) >> 5;
+  const int sh = e - 32 * w0;  // in [2, 33]
+  unsigned long long acc = static_cast<unsigned long long>(mant) * kTwoOverPiBits[w0 + 3];
+  const unsigned int l0 = static_cast<unsigned int>(acc);
+  acc = static_cast<unsigned long long>(mant) * kTwoOverPiBits[w0 + 2] + (acc >> 32);
+  const unsigned int l1 = static_cast<unsigned int>(acc);
+  acc = static_cast<unsigned long long>(mant) * kTwoOverPiBits[w0 + 1] + (acc >> 32);
+  const unsigned int l2 = static_cast<unsigned int>(acc);
+  acc = static_cast<unsigned long long>(mant) * kTwoOverPiBits[w0] + (acc >> 32);
+  const unsigned int l3 = static_cast<unsigned int>(acc);
+  // P = l4:l3:l2:l1:l0 (160 bits); integer part = P >> (128 - sh).
+  const unsigned long long mid = (static_cast<unsigned long long>(l3) << 32) | l2;
+  const unsigned long long low = (static_cast<unsigned long long>(l1) << 32) | l0;
+  const int s = 64 - sh;  // in [31, 62]
+  const unsigned long long frac = (mid << (64 - s)) | (low >> s);
+  int q = static_cast<int>((mid >> s) & 3u) + static_cast<int>(frac >> 63);
+  // frac as a signed fraction of a quadrant, in [-1/2, 1/2).
+  double r = static_cast<double>(static_cast<long long>(frac)) * 5.421010862427522e-20 *
+             1.5707963267948966;  // 2^-64 * pi/2
+  if (theta < 0.0f) {
+    r = -r;
+    q = -q;
+  }
+  return {r, q};
+}
 }  // namespace sincos_detail
 
 /// sin and cos of the fp32 angle `theta` (radians), each within about one
@@ -79,47 +123,16 @@ ROPEKV_SINCOS_FN void sincos_fp32(float theta, float* s_out, float* c_out) {
   using namespace sincos_consts;
   using namespace sincos_detail;
   const double x = theta;
-  double kd = rint(x * kTwoOverPi);
+  const double kd = rint(x * kTwoOverPi);
   double r;
-  long long q;
+  int q;
   if (fabs(kd) < kMaxQuadrant) {
     r = fma(-kd, kPio2Lo, fma(-kd, kPio2Mid, fma(-kd, kPio2Hi, x)));
-    q = static_cast<long long>(kd);
+    q = static_cast<int>(kd);  // |kd| < 2^28
   } else {
-    const unsigned int u = float_bits(theta) & 0x7FFFFFFFu;
-    if (u >= 0x7F800000u) {  // Inf or NaN
-      *s_out = nan_f32();
-      *c_out = nan_f32();
-      return;
-    }
-    // |theta| = mant * 2^e with e >= 5 here. Bits j <= e-3 of 2/pi contribute
-    // multiples of 4 (whole turns): start at word w0 = (e-2)/32 and take four
-    // words W; |theta| * 2/pi = mant * W * 2^(sh - 128), sh = e - 32*w0.
-    const unsigned int mant = (u & 0x7FFFFFu) | 0x800000u;
-    const int e = static_cast<int>(u >> 23) - 150;
-    const int w0 = (e - 2) >> 5;
-    const int sh = e - 32 * w0;  // in [2, 33]
-    unsigned long long acc = static_cast<unsigned long long>(mant) * kTwoOverPiBits[w0 + 3];
-    const unsigned int l0 = static_cast<unsigned int>(acc);
-    acc = static_cast<unsigned long long>(mant) * kTwoOverPiBits[w0 + 2] + (acc >> 32);
-    const unsigned int l1 = static_cast<unsigned int>(acc);
-    acc = static_cast<unsigned long long>(mant) * kTwoOverPiBits[w0 + 1] + (acc >> 32);
-    const unsigned int l2 = static_cast<unsigned int>(acc);
-    acc = static_cast<unsigned long long>(mant) * kTwoOverPiBits[w0] + (acc >> 32);
-    const unsigned int l3 = static_cast<unsigned int>(acc);
-    // P = l4:l3:l2:l1:l0 (160 bits); integer part = P >> (128 - sh).
-    const unsigned long long mid = (static_cast<unsigned long long>(l3) << 32) | l2;
-    const unsigned long long low = (static_cast<unsigned long long>(l1) << 32) | l0;
-    const int s = 64 - sh;  // in [31, 62]
-    const unsigned long long frac = (mid << (64 - s)) | (low >> s);
-    q = static_cast<long long>((mid >> s) & 3u) + static_cast<long long>(frac >> 63);
-    // frac as a signed fraction of a quadrant, in [-1/2, 1/2).
-    r = static_cast<double>(static_cast<long long>(frac)) * 5.421010862427522e-20 *
-        1.5707963267948966;  // 2^-64 * pi/2
-    if (theta < 0.0f) {
-      r = -r;
-      q = -q;
-    }
+    const Reduced red = reduce_large(theta);
+    r = red.r;
+    q = red.q;
   }
   const double z = r * r;
   const double sp = fma(r * z, fma(z, fma(z, double(kS3), double(kS2)), double(kS1)), r);

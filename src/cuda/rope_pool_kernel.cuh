@@ -422,22 +422,45 @@ __device__ __forceinline__ void grid_dependency_sync() {
 #endif
 }
 
+// Where a thread works: its token t, lane in the team, batch, and head
+// offset hp and chunk c0 in the step. Without integer divisions (about 25
+// instructions each; a decode call's time is mostly its critical path of
+// instructions): TL is a power of two, and (lane + 1/2) / items (lane < 32,
+// items <= 16 when HP > 1) is at least 1/32 away from an integer, far
+// beyond __fdividef's error.
+struct Place {
+  long long t;
+  int part;  // which of the token's blocks_per_token blocks
+  int lane, batch, hp, c0;
+};
+__device__ __forceinline__ Place place_of(const Params& p) {
+  Place pl;
+  pl.t = blockIdx.x;
+  pl.part = 0;
+  if (p.blocks_per_token > 1) {
+    pl.t = blockIdx.x / p.blocks_per_token;
+    pl.part = static_cast<int>(blockIdx.x - pl.t * p.blocks_per_token);
+  }
+  const int tid = threadIdx.x;
+  pl.lane = tid & (p.team_lanes - 1);
+  pl.batch = pl.part * p.teams_per_block + (tid >> (__ffs(p.team_lanes) - 1));
+  pl.hp = p.heads_par > 1
+              ? __float2int_rz(__fdividef(static_cast<float>(pl.lane) + 0.5f,
+                                          static_cast<float>(p.items)))
+              : 0;
+  pl.c0 = pl.lane - pl.hp * p.items;
+  return pl;
+}
+
 template <class T, int N, bool kContig, int U>
 __global__ void __launch_bounds__(max_block(U)) rope_pool_kernel(const __grid_constant__ Params p) {
   extern __shared__ float cs_smem[];  // cos[half], then sin[half]
   grid_dependency_sync();
   const int tid = threadIdx.x;
-  long long t = blockIdx.x;
-  int j = 0;
-  if (p.blocks_per_token > 1) {
-    t = blockIdx.x / p.blocks_per_token;
-    j = static_cast<int>(blockIdx.x - t * p.blocks_per_token);
-  }
+  const Place pl = place_of(p);
+  const long long t = pl.t;
   const int TL = p.team_lanes, items = p.items, HP = p.heads_par;
-  const int lane = tid & (TL - 1);
-  const int batch = j * p.teams_per_block + tid / TL;
-  const int hp = HP > 1 ? lane / items : 0;
-  const int c0 = HP > 1 ? lane - hp * items : lane;
+  const int batch = pl.batch, hp = pl.hp, c0 = pl.c0;
   // No early return: every thread reaches the barrier.
   const bool active = hp < HP && batch < p.num_batches && c0 < items;
   const int first_vh = batch * U * HP;
@@ -463,7 +486,7 @@ __global__ void __launch_bounds__(max_block(U)) rope_pool_kernel(const __grid_co
     cs_smem[i] = c;
     cs_smem[p.half + i] = s;
   }
-  if (slot >= p.pool_size && j == 0 && tid == 0) report_bad_slot(p.err, t, slot, p.pool_size);
+  if (slot >= p.pool_size && pl.part == 0 && tid == 0) report_bad_slot(p.err, t, slot, p.pool_size);
   __syncthreads();
   if (!active) return;
 
@@ -839,18 +862,11 @@ __global__ void __launch_bounds__(max_block(U))
   float* smem = reinterpret_cast<float*>(smem4);
   const Options& o = p.o;
   const int tid = threadIdx.x;
-  long long t = blockIdx.x;
-  int j = 0;
-  if (p.blocks_per_token > 1) {
-    t = blockIdx.x / p.blocks_per_token;
-    j = static_cast<int>(blockIdx.x - t * p.blocks_per_token);
-  }
+  const Place pl = place_of(p);
+  const long long t = pl.t;
   const int TL = p.team_lanes, items = p.items, HP = p.heads_par;
   const int steps = U == 1 ? 1 : o.steps;
-  const int lane = tid & (TL - 1);
-  const int batch = j * p.teams_per_block + tid / TL;
-  const int hp = HP > 1 ? lane / items : 0;
-  const int c0 = HP > 1 ? lane - hp * items : lane;
+  const int lane = pl.lane, batch = pl.batch, hp = pl.hp, c0 = pl.c0;
   // No early return: every thread reaches the shuffles and the barrier.
   const bool active = hp < HP && batch < p.num_batches && c0 < items;
   const int first_vh = batch * steps * HP;
@@ -862,7 +878,8 @@ __global__ void __launch_bounds__(max_block(U))
   const long long position = load_index(p.positions, p.pos_stride, p.pos64, t);
 
   // cos_sin_cache: a later token's position, for the prefetch of its row.
-  const bool prefetcher = o.prefetch > 0 && j == 0 && tid == 0 && t + o.prefetch < o.num_tokens;
+  const bool prefetcher =
+      o.prefetch > 0 && pl.part == 0 && tid == 0 && t + o.prefetch < o.num_tokens;
   long long ahead = -1;
   if (prefetcher) ahead = load_index(p.positions, p.pos_stride, p.pos64, t + o.prefetch);
 
@@ -886,7 +903,7 @@ __global__ void __launch_bounds__(max_block(U))
         cs_smem[i] = load_float(o.cos_sin, base + i * o.cs_s1, o.cs_dtype);
         cs_smem[p.half + i] = load_float(o.cos_sin, base + (p.half + i) * o.cs_s1, o.cs_dtype);
       }
-    } else if (j == 0 && tid == 0) {
+    } else if (pl.part == 0 && tid == 0) {
       report_bad_position(p.err, t, position, o.cs_rows);
     }
     // The row of the token o.prefetch ahead into L2: that token's block
@@ -918,7 +935,7 @@ __global__ void __launch_bounds__(max_block(U))
       wk[i] = o.k_norm ? load_float(o.k_norm, i * o.kn_stride, o.kn_dtype) : 1.0f;
     }
   }
-  if (!skip && slot >= p.pool_size && j == 0 && tid == 0)
+  if (!skip && slot >= p.pool_size && pl.part == 0 && tid == 0)
     report_bad_slot(p.err, t, slot, p.pool_size);
 
   // QK-norm: each lane's sum of squares over its chunks, then over the lanes

@@ -1,0 +1,370 @@
+// What a decode-sized call of the CUDA kernel spends its time on: variants
+// of the plain kernel that each drop or replace one part of its critical
+// path, timed as an engine runs them (50 calls captured in one CUDA graph,
+// launched with programmatic dependent launch, time per call), with the L2
+// warm (the same buffers every call) and cold (50 different buffer sets,
+// L2 flushed before each replay).
+//
+//   library   rope_pool_kernel itself (the header's template)
+//   fp64-sc   the same work in a shorter kernel (no wide-head loop, no
+//             bad-slot report, no yarn factor)
+//   warp-sc   each warp makes all cos/sin of the token into its own shared
+//             memory slice (no block barrier: a warp goes on when its own
+//             data is in)
+//   shfl-sc   each lane makes two cos/sin (head_dim 128) and the warp hands
+//             them out with shuffles (no shared memory)
+//   fast-sc   the same with __sincosf (inaccurate; timing only)
+//   lane-sc   no shared memory or barrier: each lane computes its own chunk's
+//             N cos/sin with sincos_fp32
+//   table     no sincos at all: each lane reads its chunk's cos/sin from a
+//             [positions, R] f32 table row (a cos_sin_cache)
+//   copy      loads and stores only (no cos/sin, no rotation)
+//   empty     an empty kernel (the launch floor)
+// each as one block per token (the library's plan) and, with "/split", one
+// block per team (6 blocks per token).
+//
+// Llama-3.1-8B shape (32 q heads, 8 kv heads, head_dim 128), bf16, random
+// slots in a 2^20-row pool, random positions below 2^17.
+//
+// Build and run (scripts/gpu-check.sh probe):
+//   nvcc -O3 -std=c++17 -arch=sm_90 -Isrc bench/cuda_decode_probe.cu -o probe && ./probe
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#include "cuda/rope_pool_kernel.cuh"
+
+using namespace ropekv::cuda::detail;
+using T = __nv_bfloat16;
+constexpr int kN = 8, kU = 2;
+
+#define CK(x)                                                                     \
+  do {                                                                            \
+    cudaError_t e_ = (x);                                                         \
+    if (e_ != cudaSuccess) {                                                      \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,             \
+                   cudaGetErrorString(e_));                                       \
+      std::exit(2);                                                               \
+    }                                                                             \
+  } while (0)
+
+enum Mode { kFastSc = 1, kLaneSc = 2, kTable = 3, kCopy = 4, kF64Sc = 5, kWarpSc = 6, kShflSc = 7 };
+
+__global__ void empty_kernel() { grid_dependency_sync(); }
+
+// The plain kernel's work decomposition (teams of 32 lanes, HP heads per
+// step, U steps) with the cos/sin made as `kMode` says.
+template <int kMode>
+__global__ void __launch_bounds__(256) probe_kernel(const __grid_constant__ Params p,
+                                                    const float* table) {
+  extern __shared__ float cs_smem[];
+  grid_dependency_sync();
+  const int tid = threadIdx.x;
+  const Place pl = place_of(p);
+  const long long t = pl.t;
+  const int HP = p.heads_par, batch = pl.batch, hp = pl.hp, c = pl.c0;
+  const bool active = hp < HP && batch < p.num_batches;
+  const int first_vh = batch * kU * HP;
+  const long long slot = load_index(p.slots, p.slot_stride, p.slot64, t);
+  const long long position = load_index(p.positions, p.pos_stride, p.pos64, t);
+  Vec<T, kN> a[kU], b[kU];
+  if (active) load_batch<T, kN, true, kU>(p, t, first_vh, hp, c, a, b);
+  const float pos = static_cast<float>(position);
+  float cc[kN], ss[kN];
+  if constexpr (kMode == kFastSc || kMode == kF64Sc) {
+    for (int i = tid; i < p.half; i += blockDim.x) {
+      float s, co;
+      if constexpr (kMode == kFastSc)
+        __sincosf(__fmul_rn(pos, __ldg(p.inv_freq + i)), &s, &co);
+      else
+        ropekv::sincos_fp32(__fmul_rn(pos, __ldg(p.inv_freq + i)), &s, &co);
+      cs_smem[i] = co;
+      cs_smem[p.half + i] = s;
+    }
+    __syncthreads();
+    for (int e = 0; e < kN; ++e) {
+      cc[e] = cs_smem[c * kN + e];
+      ss[e] = cs_smem[p.half + c * kN + e];
+    }
+  } else if constexpr (kMode == kWarpSc) {
+    // Each warp makes all half cos/sin into its own slice: no block barrier.
+    float* mine = cs_smem + (tid >> 5) * 2 * p.half;
+    for (int i = tid & 31; i < p.half; i += 32) {
+      float s, co;
+      ropekv::sincos_fp32(__fmul_rn(pos, __ldg(p.inv_freq + i)), &s, &co);
+      mine[i] = co;
+      mine[p.half + i] = s;
+    }
+    __syncwarp();
+    for (int e = 0; e < kN; ++e) {
+      cc[e] = mine[c * kN + e];
+      ss[e] = mine[p.half + c * kN + e];
+    }
+  } else if constexpr (kMode == kShflSc) {
+    // half = 64: lane l makes frequencies l and l + 32; shuffles hand them out.
+    const int l = tid & 31;
+    float s0, c0, s1, c1;
+    ropekv::sincos_fp32(__fmul_rn(pos, __ldg(p.inv_freq + l)), &s0, &c0);
+    ropekv::sincos_fp32(__fmul_rn(pos, __ldg(p.inv_freq + 32 + l)), &s1, &c1);
+#pragma unroll
+    for (int e = 0; e < kN; ++e) {
+      const int f = c * kN + e;  // < 64
+      const float a0 = __shfl_sync(~0u, c0, f & 31), a1 = __shfl_sync(~0u, c1, f & 31);
+      const float b0 = __shfl_sync(~0u, s0, f & 31), b1 = __shfl_sync(~0u, s1, f & 31);
+      cc[e] = f < 32 ? a0 : a1;
+      ss[e] = f < 32 ? b0 : b1;
+    }
+  } else if constexpr (kMode == kLaneSc) {
+#pragma unroll
+    for (int e = 0; e < kN; ++e)
+      ropekv::sincos_fp32(__fmul_rn(pos, __ldg(p.inv_freq + c * kN + e)), &ss[e], &cc[e]);
+  } else if constexpr (kMode == kTable) {
+    const float* row = table + position * p.rotary_dim;
+    const float4* r4 = reinterpret_cast<const float4*>(row + c * kN);
+    const float4* s4 = reinterpret_cast<const float4*>(row + p.half + c * kN);
+    const float4 c0 = __ldg(r4), c1 = __ldg(r4 + 1), s0 = __ldg(s4), s1 = __ldg(s4 + 1);
+    cc[0] = c0.x; cc[1] = c0.y; cc[2] = c0.z; cc[3] = c0.w;
+    cc[4] = c1.x; cc[5] = c1.y; cc[6] = c1.z; cc[7] = c1.w;
+    ss[0] = s0.x; ss[1] = s0.y; ss[2] = s0.z; ss[3] = s0.w;
+    ss[4] = s1.x; ss[5] = s1.y; ss[6] = s1.z; ss[7] = s1.w;
+  }
+  if (!active) return;
+  const long long row = slot >= 0 && slot < p.pool_size ? slot : -1;
+  const int Hq = p.num_qo_heads, Hk = p.num_kv_heads;
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    const int vh = first_vh + u * HP + hp;
+    if (vh >= Hq + 2 * Hk) continue;
+    int h;
+    const int kind = kind_of(vh, Hq, Hk, &h);
+    if constexpr (kMode != kCopy) {
+      if (kind != 2) rotate<T, kN>(a[u], b[u], cc, ss);
+    }
+    const Tensor3& y = kind == 0 ? p.q_rot : (kind == 1 ? p.k_rot : p.v_pool);
+    if (kind == 2 && row < 0) continue;
+    T* dst = at<T>(y, kind == 2 ? row : t, h);
+    store_vec<T, kN, true>(dst + c * kN, a[u]);
+    store_vec<T, kN, true>(dst + p.half + c * kN, b[u]);
+    if (kind == 1 && row >= 0) {
+      T* z = at<T>(p.k_pool, row, h);
+      store_vec<T, kN, true>(z + c * kN, a[u]);
+      store_vec<T, kN, true>(z + p.half + c * kN, b[u]);
+    }
+  }
+}
+
+int main() {
+  const int Hq = 32, Hk = 8, D = 128, half = D / 2;
+  const long long P = 1 << 20, kRows = 1 << 17;
+  const int kCalls = 50;
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  std::mt19937 rng(7);
+
+  // Shared state: pools, inv_freq, error record, cos/sin table.
+  T *k_pool, *v_pool;
+  CK(cudaMalloc(&k_pool, P * Hk * D * sizeof(T)));
+  CK(cudaMalloc(&v_pool, P * Hk * D * sizeof(T)));
+  std::vector<float> inv(half);
+  for (int i = 0; i < half; ++i) inv[i] = static_cast<float>(std::pow(5e5, -2.0 * i / D));
+  float* inv_d;
+  CK(cudaMalloc(&inv_d, half * sizeof(float)));
+  CK(cudaMemcpy(inv_d, inv.data(), half * sizeof(float), cudaMemcpyHostToDevice));
+  ErrorRecord* err;
+  CK(cudaMalloc(&err, sizeof(ErrorRecord)));
+  CK(cudaMemset(err, 0, sizeof(ErrorRecord)));
+  float* table;
+  CK(cudaMalloc(&table, kRows * D * sizeof(float)));
+  CK(cudaMemset(table, 0, kRows * D * sizeof(float)));
+  char* flush;
+  const size_t kFlush = 256u << 20;
+  CK(cudaMalloc(&flush, kFlush));
+
+  std::printf("decode probe: Llama-3.1-8B bf16, us per call (50 calls per CUDA graph, PDL)\n");
+  std::printf("%-16s %5s %9s %9s\n", "variant", "T", "warm", "cold");
+  for (int T_ : {1, 8, 32}) {
+    // kCalls buffer sets of q, k, v, q_rot, k_rot, positions, slots.
+    std::vector<Params> sets(kCalls);
+    std::vector<void*> allocs;
+    std::uniform_int_distribution<long long> slot_d(0, P - 1), pos_d(0, kRows - 1);
+    for (int i = 0; i < kCalls; ++i) {
+      Params& p = sets[i];
+      p = Params{};
+      auto tens = [&](int H) {
+        void* d;
+        CK(cudaMalloc(&d, size_t(T_) * H * D * sizeof(T)));
+        CK(cudaMemset(d, 0x3c, size_t(T_) * H * D * sizeof(T)));
+        allocs.push_back(d);
+        return Tensor3{d, (long long)H * D, D, 1};
+      };
+      p.q = tens(Hq);
+      p.k = tens(Hk);
+      p.v = tens(Hk);
+      p.q_rot = tens(Hq);
+      p.k_rot = tens(Hk);
+      p.k_pool = Tensor3{k_pool, (long long)Hk * D, D, 1};
+      p.v_pool = Tensor3{v_pool, (long long)Hk * D, D, 1};
+      std::vector<long long> pos(T_), slot(T_);
+      for (int t = 0; t < T_; ++t) {
+        pos[t] = pos_d(rng);
+        slot[t] = slot_d(rng);
+      }
+      void *pd, *sd;
+      CK(cudaMalloc(&pd, T_ * 8));
+      CK(cudaMalloc(&sd, T_ * 8));
+      CK(cudaMemcpy(pd, pos.data(), T_ * 8, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(sd, slot.data(), T_ * 8, cudaMemcpyHostToDevice));
+      allocs.push_back(pd);
+      allocs.push_back(sd);
+      p.positions = pd;
+      p.slots = sd;
+      p.pos64 = p.slot64 = 1;
+      p.pos_stride = p.slot_stride = 1;
+      p.inv_freq = inv_d;
+      p.err = err;
+      p.pool_size = P;
+      p.num_qo_heads = Hq;
+      p.num_kv_heads = Hk;
+      p.half = half;
+      p.rotary_dim = D;
+      p.pair_items = half / kN;
+      p.items = half / kN;
+      p.heads_par = 32 / p.items;
+      p.team_lanes = 32;
+      p.num_batches = (Hq + 2 * Hk) / (p.heads_par * kU);
+      p.attention_factor = 1.0f;
+    }
+    // The same sets with int32 indices, positions 1000 + t and slots
+    // (7919 t + 13) mod P: the inputs of the library's own latency step.
+    std::vector<Params> sets32 = sets;
+    for (Params& p : sets32) {
+      std::vector<int> pos(T_), slot(T_);
+      for (int t = 0; t < T_; ++t) {
+        pos[t] = 1000 + t;
+        slot[t] = static_cast<int>((7919LL * t + 13) % P);
+      }
+      void *pd, *sd;
+      CK(cudaMalloc(&pd, T_ * 4));
+      CK(cudaMalloc(&sd, T_ * 4));
+      CK(cudaMemcpy(pd, pos.data(), T_ * 4, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(sd, slot.data(), T_ * 4, cudaMemcpyHostToDevice));
+      allocs.push_back(pd);
+      allocs.push_back(sd);
+      p.positions = pd;
+      p.slots = sd;
+      p.pos64 = p.slot64 = 0;
+    }
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    // One call of `kernel` per set (or the same set), 50 in a graph.
+    auto measure = [&](auto launch, int teams_per_block, bool cold,
+                       const std::vector<Params>& which) {
+      cudaGraph_t g;
+      cudaGraphExec_t ge;
+      CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+      for (int i = 0; i < kCalls; ++i) {
+        Params p = which[cold ? i : 0];
+        p.teams_per_block = teams_per_block;
+        p.blocks_per_token = (p.num_batches + teams_per_block - 1) / teams_per_block;
+        cudaLaunchConfig_t cfg = {};
+        cudaLaunchAttribute attr[1];
+        cfg.gridDim = dim3(static_cast<unsigned>(T_ * p.blocks_per_token));
+        cfg.blockDim = dim3(static_cast<unsigned>(teams_per_block * 32));
+        cfg.dynamicSmemBytes = teams_per_block * D * sizeof(float);  // warp-sc: a slice each
+        cfg.stream = s;
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        launch(&cfg, p);
+      }
+      CK(cudaStreamEndCapture(s, &g));
+      CK(cudaGraphInstantiate(&ge, g, 0));
+      std::vector<float> ms;
+      for (int r = 0; r < 21; ++r) {
+        if (cold) CK(cudaMemsetAsync(flush, r, kFlush, s));
+        CK(cudaEventRecord(e0, s));
+        CK(cudaGraphLaunch(ge, s));
+        CK(cudaEventRecord(e1, s));
+        CK(cudaEventSynchronize(e1));
+        float m;
+        CK(cudaEventElapsedTime(&m, e0, e1));
+        if (r > 0) ms.push_back(m);
+      }
+      CK(cudaGraphExecDestroy(ge));
+      CK(cudaGraphDestroy(g));
+      std::sort(ms.begin(), ms.end());
+      return ms[ms.size() / 2] * 1e3 / kCalls;
+    };
+    auto row = [&](const char* name, auto launch, const std::vector<Params>& which) {
+      for (int tpb : {6, 1}) {
+        char label[64];
+        std::snprintf(label, sizeof label, "%s%s", name, tpb == 6 ? "" : "/split");
+        std::printf("%-16s %5d %9.2f %9.2f\n", label, T_,
+                    measure(launch, tpb, false, which), measure(launch, tpb, true, which));
+      }
+    };
+    auto library = [](cudaLaunchConfig_t* cfg, const Params& p) {
+      CK(cudaLaunchKernelEx(cfg, rope_pool_kernel<T, kN, true, kU>, p));
+    };
+    row("library", library, sets);
+    row("library/i32", library, sets32);
+    const float* tab = table;
+    auto probe = [tab](auto kernel) {
+      return [tab, kernel](cudaLaunchConfig_t* cfg, const Params& p) {
+        CK(cudaLaunchKernelEx(cfg, kernel, p, tab));
+      };
+    };
+    row("fp64-sc", probe(probe_kernel<kF64Sc>), sets);
+    row("warp-sc", probe(probe_kernel<kWarpSc>), sets);
+    row("shfl-sc", probe(probe_kernel<kShflSc>), sets);
+    row("fast-sc", probe(probe_kernel<kFastSc>), sets);
+    row("lane-sc", probe(probe_kernel<kLaneSc>), sets);
+    row("table", probe(probe_kernel<kTable>), sets);
+    row("copy", probe(probe_kernel<kCopy>), sets);
+    {
+      // The empty kernel: the launch floor.
+      cudaGraph_t g;
+      cudaGraphExec_t ge;
+      CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+      for (int i = 0; i < kCalls; ++i) {
+        cudaLaunchConfig_t cfg = {};
+        cudaLaunchAttribute attr[1];
+        cfg.gridDim = dim3(T_);
+        cfg.blockDim = dim3(192);
+        cfg.stream = s;
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        CK(cudaLaunchKernelEx(&cfg, empty_kernel));
+      }
+      CK(cudaStreamEndCapture(s, &g));
+      CK(cudaGraphInstantiate(&ge, g, 0));
+      std::vector<float> ms;
+      for (int r = 0; r < 21; ++r) {
+        CK(cudaEventRecord(e0, s));
+        CK(cudaGraphLaunch(ge, s));
+        CK(cudaEventRecord(e1, s));
+        CK(cudaEventSynchronize(e1));
+        float m;
+        CK(cudaEventElapsedTime(&m, e0, e1));
+        if (r > 0) ms.push_back(m);
+      }
+      std::sort(ms.begin(), ms.end());
+      std::printf("%-16s %5d %9.2f\n", "empty", T_, ms[ms.size() / 2] * 1e3 / kCalls);
+      CK(cudaGraphExecDestroy(ge));
+      CK(cudaGraphDestroy(g));
+    }
+    CK(cudaStreamSynchronize(s));
+    for (void* d : allocs) CK(cudaFree(d));
+  }
+  return 0;
+}
