@@ -260,6 +260,34 @@ int main() {
       p.slots = sd;
       p.pos64 = p.slot64 = 0;
     }
+    // Each of the two differences alone: int64 indices with the latency
+    // step's positions and slots, and int32 indices with random ones.
+    std::vector<Params> sets64fixed = sets, sets32rand = sets;
+    for (int i = 0; i < kCalls; ++i) {
+      std::vector<long long> pos(T_), slot(T_);
+      std::vector<int> pos32(T_), slot32(T_);
+      for (int t = 0; t < T_; ++t) {
+        pos[t] = 1000 + t;
+        slot[t] = (7919LL * t + 13) % P;
+        pos32[t] = static_cast<int>(pos_d(rng));
+        slot32[t] = static_cast<int>(slot_d(rng));
+      }
+      void *pd, *sd, *pd32, *sd32;
+      CK(cudaMalloc(&pd, T_ * 8));
+      CK(cudaMalloc(&sd, T_ * 8));
+      CK(cudaMalloc(&pd32, T_ * 4));
+      CK(cudaMalloc(&sd32, T_ * 4));
+      CK(cudaMemcpy(pd, pos.data(), T_ * 8, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(sd, slot.data(), T_ * 8, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(pd32, pos32.data(), T_ * 4, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(sd32, slot32.data(), T_ * 4, cudaMemcpyHostToDevice));
+      for (void* d : {pd, sd, pd32, sd32}) allocs.push_back(d);
+      sets64fixed[i].positions = pd;
+      sets64fixed[i].slots = sd;
+      sets32rand[i].positions = pd32;
+      sets32rand[i].slots = sd32;
+      sets32rand[i].pos64 = sets32rand[i].slot64 = 0;
+    }
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
@@ -316,6 +344,8 @@ int main() {
     };
     row("library", library, sets);
     row("library/i32", library, sets32);
+    row("library/i64-fixed", library, sets64fixed);
+    row("library/i32-random", library, sets32rand);
     const float* tab = table;
     auto probe = [tab](auto kernel) {
       return [tab, kernel](cudaLaunchConfig_t* cfg, const Params& p) {
