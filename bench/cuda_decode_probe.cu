@@ -35,6 +35,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -77,34 +78,27 @@ __global__ void __launch_bounds__(256) probe_kernel(const __grid_constant__ Para
   if (active) load_batch<T, kN, true, kU>(p, t, first_vh, hp, c, a, b);
   const float pos = static_cast<float>(position);
   float cc[kN], ss[kN];
-  if constexpr (kMode == kFastSc || kMode == kF64Sc) {
-    for (int i = tid; i < p.half; i += blockDim.x) {
+  if constexpr (kMode == kFastSc || kMode == kF64Sc || kMode == kWarpSc) {
+    // Shared by the block through one barrier, or (warp-sc) made by each warp
+    // into its own slice.
+    constexpr bool kWarp = kMode == kWarpSc;
+    float* cs = kWarp ? cs_smem + (tid >> 5) * 2 * p.half : cs_smem;
+    for (int i = kWarp ? (tid & 31) : tid; i < p.half; i += kWarp ? 32 : blockDim.x) {
       float s, co;
       if constexpr (kMode == kFastSc)
         __sincosf(__fmul_rn(pos, __ldg(p.inv_freq + i)), &s, &co);
       else
         ropekv::sincos_fp32(__fmul_rn(pos, __ldg(p.inv_freq + i)), &s, &co);
-      cs_smem[i] = co;
-      cs_smem[p.half + i] = s;
+      cs[i] = co;
+      cs[p.half + i] = s;
     }
-    __syncthreads();
+    if constexpr (kWarp)
+      __syncwarp();
+    else
+      __syncthreads();
     for (int e = 0; e < kN; ++e) {
-      cc[e] = cs_smem[c * kN + e];
-      ss[e] = cs_smem[p.half + c * kN + e];
-    }
-  } else if constexpr (kMode == kWarpSc) {
-    // Each warp makes all half cos/sin into its own slice: no block barrier.
-    float* mine = cs_smem + (tid >> 5) * 2 * p.half;
-    for (int i = tid & 31; i < p.half; i += 32) {
-      float s, co;
-      ropekv::sincos_fp32(__fmul_rn(pos, __ldg(p.inv_freq + i)), &s, &co);
-      mine[i] = co;
-      mine[p.half + i] = s;
-    }
-    __syncwarp();
-    for (int e = 0; e < kN; ++e) {
-      cc[e] = mine[c * kN + e];
-      ss[e] = mine[p.half + c * kN + e];
+      cc[e] = cs[c * kN + e];
+      ss[e] = cs[p.half + c * kN + e];
     }
   } else if constexpr (kMode == kShflSc) {
     // half = 64: lane l makes frequencies l and l + 32; shuffles hand them out.
@@ -193,6 +187,29 @@ int main() {
     std::vector<Params> sets(kCalls);
     std::vector<void*> allocs;
     std::uniform_int_distribution<long long> slot_d(0, P - 1), pos_d(0, kRows - 1);
+    // Positions and slots of one set: int64 or int32, random or the latency
+    // step's (1000 + t, (7919 t + 13) mod P).
+    auto set_indices = [&](Params* p, bool is64, bool random) {
+      const size_t es = is64 ? 8 : 4;
+      std::vector<char> pos(T_ * es), slot(T_ * es);
+      for (int t = 0; t < T_; ++t) {
+        const long long ps = random ? pos_d(rng) : 1000 + t;
+        const long long sl = random ? slot_d(rng) : (7919LL * t + 13) % P;
+        const int ps32 = static_cast<int>(ps), sl32 = static_cast<int>(sl);
+        std::memcpy(&pos[t * es], is64 ? static_cast<const void*>(&ps) : &ps32, es);
+        std::memcpy(&slot[t * es], is64 ? static_cast<const void*>(&sl) : &sl32, es);
+      }
+      void *pd, *sd;
+      CK(cudaMalloc(&pd, T_ * es));
+      CK(cudaMalloc(&sd, T_ * es));
+      CK(cudaMemcpy(pd, pos.data(), T_ * es, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(sd, slot.data(), T_ * es, cudaMemcpyHostToDevice));
+      allocs.push_back(pd);
+      allocs.push_back(sd);
+      p->positions = pd;
+      p->slots = sd;
+      p->pos64 = p->slot64 = is64 ? 1 : 0;
+    };
     for (int i = 0; i < kCalls; ++i) {
       Params& p = sets[i];
       p = Params{};
@@ -210,21 +227,7 @@ int main() {
       p.k_rot = tens(Hk);
       p.k_pool = Tensor3{k_pool, (long long)Hk * D, D, 1};
       p.v_pool = Tensor3{v_pool, (long long)Hk * D, D, 1};
-      std::vector<long long> pos(T_), slot(T_);
-      for (int t = 0; t < T_; ++t) {
-        pos[t] = pos_d(rng);
-        slot[t] = slot_d(rng);
-      }
-      void *pd, *sd;
-      CK(cudaMalloc(&pd, T_ * 8));
-      CK(cudaMalloc(&sd, T_ * 8));
-      CK(cudaMemcpy(pd, pos.data(), T_ * 8, cudaMemcpyHostToDevice));
-      CK(cudaMemcpy(sd, slot.data(), T_ * 8, cudaMemcpyHostToDevice));
-      allocs.push_back(pd);
-      allocs.push_back(sd);
-      p.positions = pd;
-      p.slots = sd;
-      p.pos64 = p.slot64 = 1;
+      set_indices(&p, true, true);
       p.pos_stride = p.slot_stride = 1;
       p.inv_freq = inv_d;
       p.err = err;
@@ -241,52 +244,13 @@ int main() {
       p.attention_factor = 1.0f;
     }
     // The same sets with int32 indices, positions 1000 + t and slots
-    // (7919 t + 13) mod P: the inputs of the library's own latency step.
-    std::vector<Params> sets32 = sets;
-    for (Params& p : sets32) {
-      std::vector<int> pos(T_), slot(T_);
-      for (int t = 0; t < T_; ++t) {
-        pos[t] = 1000 + t;
-        slot[t] = static_cast<int>((7919LL * t + 13) % P);
-      }
-      void *pd, *sd;
-      CK(cudaMalloc(&pd, T_ * 4));
-      CK(cudaMalloc(&sd, T_ * 4));
-      CK(cudaMemcpy(pd, pos.data(), T_ * 4, cudaMemcpyHostToDevice));
-      CK(cudaMemcpy(sd, slot.data(), T_ * 4, cudaMemcpyHostToDevice));
-      allocs.push_back(pd);
-      allocs.push_back(sd);
-      p.positions = pd;
-      p.slots = sd;
-      p.pos64 = p.slot64 = 0;
-    }
-    // Each of the two differences alone: int64 indices with the latency
-    // step's positions and slots, and int32 indices with random ones.
-    std::vector<Params> sets64fixed = sets, sets32rand = sets;
+    // (7919 t + 13) mod P (the inputs of the library's own latency step), and
+    // each of the two differences alone.
+    std::vector<Params> sets32 = sets, sets64fixed = sets, sets32rand = sets;
     for (int i = 0; i < kCalls; ++i) {
-      std::vector<long long> pos(T_), slot(T_);
-      std::vector<int> pos32(T_), slot32(T_);
-      for (int t = 0; t < T_; ++t) {
-        pos[t] = 1000 + t;
-        slot[t] = (7919LL * t + 13) % P;
-        pos32[t] = static_cast<int>(pos_d(rng));
-        slot32[t] = static_cast<int>(slot_d(rng));
-      }
-      void *pd, *sd, *pd32, *sd32;
-      CK(cudaMalloc(&pd, T_ * 8));
-      CK(cudaMalloc(&sd, T_ * 8));
-      CK(cudaMalloc(&pd32, T_ * 4));
-      CK(cudaMalloc(&sd32, T_ * 4));
-      CK(cudaMemcpy(pd, pos.data(), T_ * 8, cudaMemcpyHostToDevice));
-      CK(cudaMemcpy(sd, slot.data(), T_ * 8, cudaMemcpyHostToDevice));
-      CK(cudaMemcpy(pd32, pos32.data(), T_ * 4, cudaMemcpyHostToDevice));
-      CK(cudaMemcpy(sd32, slot32.data(), T_ * 4, cudaMemcpyHostToDevice));
-      for (void* d : {pd, sd, pd32, sd32}) allocs.push_back(d);
-      sets64fixed[i].positions = pd;
-      sets64fixed[i].slots = sd;
-      sets32rand[i].positions = pd32;
-      sets32rand[i].slots = sd32;
-      sets32rand[i].pos64 = sets32rand[i].slot64 = 0;
+      set_indices(&sets32[i], false, false);
+      set_indices(&sets64fixed[i], true, false);
+      set_indices(&sets32rand[i], false, true);
     }
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
@@ -359,40 +323,11 @@ int main() {
     row("lane-sc", probe(probe_kernel<kLaneSc>), sets);
     row("table", probe(probe_kernel<kTable>), sets);
     row("copy", probe(probe_kernel<kCopy>), sets);
-    {
-      // The empty kernel: the launch floor.
-      cudaGraph_t g;
-      cudaGraphExec_t ge;
-      CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-      for (int i = 0; i < kCalls; ++i) {
-        cudaLaunchConfig_t cfg = {};
-        cudaLaunchAttribute attr[1];
-        cfg.gridDim = dim3(T_);
-        cfg.blockDim = dim3(192);
-        cfg.stream = s;
-        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[0].val.programmaticStreamSerializationAllowed = 1;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        CK(cudaLaunchKernelEx(&cfg, empty_kernel));
-      }
-      CK(cudaStreamEndCapture(s, &g));
-      CK(cudaGraphInstantiate(&ge, g, 0));
-      std::vector<float> ms;
-      for (int r = 0; r < 21; ++r) {
-        CK(cudaEventRecord(e0, s));
-        CK(cudaGraphLaunch(ge, s));
-        CK(cudaEventRecord(e1, s));
-        CK(cudaEventSynchronize(e1));
-        float m;
-        CK(cudaEventElapsedTime(&m, e0, e1));
-        if (r > 0) ms.push_back(m);
-      }
-      std::sort(ms.begin(), ms.end());
-      std::printf("%-16s %5d %9.2f\n", "empty", T_, ms[ms.size() / 2] * 1e3 / kCalls);
-      CK(cudaGraphExecDestroy(ge));
-      CK(cudaGraphDestroy(g));
-    }
+    // The empty kernel (one block of 192 threads per token): the launch floor.
+    auto empty = [](cudaLaunchConfig_t* cfg, const Params&) {
+      CK(cudaLaunchKernelEx(cfg, empty_kernel));
+    };
+    std::printf("%-16s %5d %9.2f\n", "empty", T_, measure(empty, 6, false, sets));
     CK(cudaStreamSynchronize(s));
     for (void* d : allocs) CK(cudaFree(d));
   }
