@@ -438,7 +438,10 @@ def rope_pool_fused(
             if typed is not None and typed != kv_cache_dtype:
                 raise ValueError(f"{pool_name} holds {typed} values but kv_cache_dtype is "
                                  f"{kv_cache_dtype!r}: pass kv_cache_dtype={typed!r}")
-    elif _fp8_name(k_pool) is not None or _fp8_name(v_pool) is not None:
+    elif not (type(k_pool) is _np.ndarray and type(v_pool) is _np.ndarray
+              and k_pool.dtype.itemsize > 1 and v_pool.dtype.itemsize > 1) and (
+            _fp8_name(k_pool) is not None or _fp8_name(v_pool) is not None):
+        # (numpy pools wider than a byte cannot be fp8: the common case skips this)
         typed = _fp8_name(k_pool) or _fp8_name(v_pool)
         raise ValueError(f"pool dtypes must match q/k/v dtype, got an fp8 pool ({typed}) for "
                          f"q/k/v {getattr(q, 'dtype', '?')}; pass kv_cache_dtype={typed!r} with "
@@ -446,12 +449,13 @@ def rope_pool_fused(
 
     # Outputs: made here (in the caller's framework) once q and k are 3-D;
     # otherwise passed as None and the core reports the rank error.
-    outs = [given if given is not None or getattr(src, "ndim", None) != 3 else _empty_like(src)
+    outs = [given if given is not None or getattr(src, "ndim", None) != 3
+            else (_np.empty(src.shape, src.dtype) if type(src) is _np.ndarray else _empty_like(src))
             for given, src in ((q_out, q), (k_out, k))]
     arrays = (q, k, v, positions, slots, k_pool, v_pool, outs[0], outs[1])
     converted, bf16_mask, readonly_mask = [], 0, 0
     tf = _torch_fast()
-    for i, (x, name) in enumerate(zip(arrays, _NAMES)):
+    for i, x in enumerate(arrays):
         # The common cases inline (a function call per array costs).
         if type(x) is _np.ndarray:
             dt = x.dtype
@@ -461,7 +465,8 @@ def rope_pool_fused(
             if plain or dt == _BF16:
                 converted.append(x if plain else x.view(_np.uint16))
                 bf16_mask |= int(not plain) << i
-                readonly_mask |= int(not x.flags.writeable) << i
+                if i >= 5:  # only pools and outputs must be writable
+                    readonly_mask |= int(not x.flags.writeable) << i
                 continue
         elif tf is not None and type(x) is tf[0] and x.is_cpu and not x.requires_grad:
             # A numpy view of a CPU tensor (the same memory) imports in a
@@ -477,6 +482,7 @@ def rope_pool_fused(
         if x is None:  # an output of a q or k that is not 3-D
             converted.append(None)
             continue
+        name = _NAMES[i]
         a, is_bf16, read_only = _as_array(x, name)
         if read_only and i in (5, 6) and _framework(x) in ("jax", "jaxlib"):
             raise ValueError(f"{name} is a JAX array, which is immutable, but ropekv writes the "
@@ -485,7 +491,8 @@ def rope_pool_fused(
         bf16_mask |= int(is_bf16) << i
         readonly_mask |= int(read_only) << i
 
-    handle = _stream_handle(stream) if stream is not None else _default_stream(q)
+    handle = (_stream_handle(stream) if stream is not None
+              else 0 if type(q) is _np.ndarray else _default_stream(q))
     common = (
         _int_arg(head_dim, "head_dim"),
         _int_arg(num_qo_heads, "num_qo_heads"),
