@@ -465,10 +465,10 @@ __global__ void __launch_bounds__(max_block(U)) rope_pool_kernel(const __grid_co
   const bool active = hp < HP && batch < p.num_batches && c0 < items;
   const int first_vh = batch * U * HP;
 
-  // The first chunk's loads go out first, then the indices: a 32-bit index
-  // is widened as soon as it arrives, and issued before the data loads it
-  // held them back by one memory round trip (0.15 us warm, 0.3 us cold at
-  // decode; bench/cuda_decode_probe.cu). The cos/sin are computed meanwhile.
+  // The first chunk's loads go out first, then the indices. Issued before
+  // them, a 32-bit index (widened to 64 bits as soon as it arrives) held the
+  // data loads back by one memory round trip: 0.15 us warm, 0.3 us cold at
+  // decode (bench/cuda_decode_probe.cu). The cos/sin are computed meanwhile.
   Vec<T, N> a[U], b[U];
   if (active) load_batch<T, N, kContig, U>(p, t, first_vh, hp, c0, a, b);
   const long long slot = load_index(p.slots, p.slot_stride, p.slot64, t);
