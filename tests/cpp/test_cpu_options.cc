@@ -982,5 +982,63 @@ TEST(CpuOptions, Fp8EncoderBitExactOnEveryTarget) {
     }
 }
 
+// bf16 inputs reach the pool through an encoder of their own on AVX-512
+// (straight from the bf16 bits, for a power-of-two scale 2^-64 .. 2^64):
+// every one of the 65536 bf16 patterns as v, bit for bit against the shared
+// scalar encoder of fp32(v / scale), on every target, for scales inside and
+// outside that range and one that takes the division; and once through a
+// large aligned call (non-temporal pool rows).
+TEST(CpuOptions, Fp8FromEveryBf16PatternOnEveryTarget) {
+  std::mt19937_64 rng(test_seed());
+  const int64_t D = 256, T = 65536 / D;
+  struct Run {
+    double scale;
+    bool large;
+  };
+  const Run runs[] = {{1.0, false},          {0.5, false},         {2.0, false},
+                      {std::ldexp(1.0, -20), false}, {std::ldexp(1.0, 20), false},
+                      {std::ldexp(1.0, -64), false}, {std::ldexp(1.0, 64), false},
+                      {std::ldexp(1.0, -65), false}, {std::ldexp(1.0, 70), false},
+                      {0.1, false},          {0.5, true}};
+  for (PoolKind kind : {PoolKind::kE4M3, PoolKind::kE5M2})
+    for (const Run& run : runs) {
+      OptSpec s;
+      s.T = T;
+      s.Hq = run.large ? 64 : 1;  // large: > 8 MiB written
+      s.Hk = 1;
+      s.D = D;
+      s.P = T;
+      s.dtype = DType::kBF16;
+      s.pool = kind;
+      s.align64 = run.large;
+      s.v_scale = run.scale;
+      s.k_scale = 1.0 / run.scale;
+      OptCase c = make_opt_case(s, rng);
+      for (int64_t t = 0; t < T; ++t) {
+        c.slots.set_index(t, T - 1 - t);
+        for (int64_t d = 0; d < D; ++d) c.v.set_raw(c.v.off(t, 0, d), t * D + d);
+      }
+      const OptExpected e = expect_opt(c);
+      SCOPED_TRACE(describe(s));
+      const ropekv::Fp8Kind fk =
+          kind == PoolKind::kE4M3 ? ropekv::Fp8Kind::kE4M3 : ropekv::Fp8Kind::kE5M2;
+      for_each_target([&](int64_t) {
+        run_and_check_opt(c, e);
+        int64_t bad = 0;
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t d = 0; d < D; ++d) {
+            const uint32_t b = static_cast<uint32_t>(c.v.raw(c.v.off(t, 0, d)));
+            const float v = f32_from_bits(b << 16);
+            const uint8_t want = ropekv::encode_fp8(v / static_cast<float>(run.scale), fk);
+            const uint64_t got = c.v_pool.raw(T - 1 - t, 0, d);
+            if (got != want && bad++ < 8)
+              ADD_FAILURE() << "bf16 0x" << std::hex << b << ": v_pool 0x" << got
+                            << ", encode_fp8 0x" << int{want} << std::dec;
+          }
+        EXPECT_EQ(bad, 0);
+      });
+    }
+}
+
 }  // namespace
 }  // namespace ropekv_test
