@@ -148,9 +148,9 @@ struct WriteF32 {
 // product being exact (k keeps every bf16 value that matters a normal fp32
 // number). Per 16 values about 20 ops on 16-bit lanes instead of the
 // widening, the product and EncodeFp8's 32-bit lanes (on Zen 4 a 512-bit op
-// costs two 256-bit ones: 44 units -> 20); the call's time moved within the
-// noise of a shared 2-core guest (see docs/performance.md, Options). With a = |x| bits (saturated to
-// the largest finite value, scaled), E its exponent field and sig its
+// costs two 256-bit ones: 44 units -> 20; the call's time moved within the
+// noise of a shared 2-core guest, 1 thread). With a = |x| bits (saturated
+// to the largest finite value, scaled), E its exponent field and sig its
 // significand with the implicit bit:
 //   normal:    code = RNE(v >> (7 - M)), v = a + ((k - 127 + bias) << 7)
 //              (the exponent rebiased, the mantissa on top);
