@@ -117,7 +117,6 @@ struct WriteSame {
   using PT = typename Ops::T;
   static constexpr bool kSame = true;
   static constexpr bool kCanStream = hn::MaxLanes(DF()) * sizeof(PT) >= 16;
-  static constexpr bool kViaL1 = false;
   explicit WriteSame(float) {}
   template <bool kStream>
   HWY_INLINE void Put(typename Ops::V o, PT* dst) const {
@@ -130,7 +129,6 @@ struct WriteF32 {
   using PT = float;
   static constexpr bool kSame = false;
   static constexpr bool kCanStream = hn::MaxLanes(DF()) * sizeof(PT) >= 16;
-  static constexpr bool kViaL1 = false;
   explicit WriteF32(float) {}
   template <bool kStream>
   HWY_INLINE void Put(typename Ops::V o, PT* dst) const {
@@ -143,114 +141,21 @@ struct WriteF32 {
   }
 };
 
-// fp8 codes of bf16 lanes times 2^k (k in [-64, 64]), straight from the
-// bf16 bits in 16-bit lanes: encode_fp8(fp32(x * 2^k)) bit for bit, the
-// product being exact (k keeps every bf16 value that matters a normal fp32
-// number). Per 16 values about 20 ops on 16-bit lanes instead of the
-// widening, the product and EncodeFp8's 32-bit lanes (on Zen 4 a 512-bit op
-// costs two 256-bit ones: 44 units -> 20; the call's time moved within the
-// noise of a shared 2-core guest, 1 thread). With a = |x| bits (saturated
-// to the largest finite value, scaled), E its exponent field and sig its
-// significand with the implicit bit:
-//   normal:    code = RNE(v >> (7 - M)), v = a + ((k - 127 + bias) << 7)
-//              (the exponent rebiased, the mantissa on top);
-//   subnormal: code = RNE(sig >> s), s = 135 - bias - M - k - E > 7 - M,
-//              the count of quanta 2^(1 - bias - M).
-// v = max(normal v, sig) in int16 picks the right one (they agree on the
-// lowest normal binade, the normal one is smaller, or negative, below it);
-// s = 16 - u with u = clamp(E + k + bias + M - 119, 1, 9 + M): s <= 15
-// always (a subnormal lane with a larger s rounds to 0 at s = 15 too, sig
-// being < 2^8). RNE(v >> s) = (v + 2^(s-1) - 1 + ((v >> s) & 1)) >> s.
-template <Fp8Kind kKind>
-struct Fp8FromBf16 {
-  using C = Fp8Consts<kKind>;
-  using DI16 = hn::RebindToSigned<DU16>;
-  static bool Covers(int k) { return k >= -64 && k <= 64; }
-  VU16 amax, cn, cu;
-  Fp8FromBf16() : Fp8FromBf16(0) {}
-  explicit Fp8FromBf16(int k) {
-    uint32_t mb;
-    const float kMax = C::kMax;
-    std::memcpy(&mb, &kMax, 4);
-    const DU16 du;
-    amax = hn::Set(du, static_cast<uint16_t>((mb >> 16) - (k << 7)));
-    cn = hn::Set(du, static_cast<uint16_t>((k - 127 + C::kBias) * 128));
-    cu = hn::Set(du, static_cast<uint16_t>(k + C::kBias + C::kMantissa - 119));
-  }
-  HWY_INLINE hn::Vec<DU8> Encode(VU16 b) const {
-    const DU16 du;
-    const DI16 di;
-    const VU16 a = hn::And(b, hn::Set(du, 0x7FFF));
-    const VU16 as = hn::Min(a, amax);
-    const auto vn = hn::BitCast(di, hn::Add(as, cn));
-    const auto sig = hn::BitCast(di, hn::Or(hn::And(as, hn::Set(du, 0x7F)), hn::Set(du, 0x80)));
-    const VU16 v = hn::BitCast(du, hn::Max(vn, sig));
-    const auto ui = hn::Add(hn::BitCast(di, hn::ShiftRight<7>(as)), hn::BitCast(di, cu));
-    const VU16 u = hn::BitCast(
-        du, hn::Max(hn::Min(ui, hn::Set(di, 9 + C::kMantissa)), hn::Set(di, int16_t{1})));
-    const VU16 sh = hn::Sub(hn::Set(du, 16), u);
-    const VU16 half_m1 = hn::Shr(hn::Set(du, 0x7FFF), u);
-    const VU16 odd = hn::And(hn::Shr(v, sh), hn::Set(du, 1));
-    const VU16 code = hn::Shr(hn::Add(hn::Add(v, half_m1), odd), sh);
-    const VU16 sign = hn::And(hn::ShiftRight<8>(b), hn::Set(du, 0x80));
-    const VU16 r = hn::IfThenElse(hn::Gt(a, hn::Set(du, 0x7F80)), hn::Set(du, 0x7F),
-                                  hn::Or(code, sign));  // NaN -> 0x7F
-    return hn::DemoteTo(DU8(), hn::BitCast(DI16(), r));  // r <= 0xFF
-  }
-};
-
-// Where the bf16 encoder above is the fast one: AVX-512 (16-bit variable
-// shifts in one instruction; elsewhere Highway emulates them).
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-constexpr bool kFp8FromBf16 = true;
-#else
-constexpr bool kFp8FromBf16 = false;
-#endif
-
 // encode_fp8(fp32(x / scale)); x * (1 / scale) where that is the same
-// number (ExactReciprocal), picked once per call; bf16 inputs with such a
-// scale (2^-64 .. 2^64) through Fp8FromBf16 where kFp8FromBf16. kViaL1:
-// streamed rows are encoded into an L1 row first and leave it in whole
-// vectors (one 64-byte non-temporal store per cache line on AVX-512, not
-// four of 16 bytes).
+// number (ExactReciprocal), picked once per call.
 template <class Ops, Fp8Kind kKind>
 struct WriteFp8 {
   using PT = uint8_t;
   static constexpr bool kSame = false;
   static constexpr bool kCanStream = hn::MaxLanes(DF()) * sizeof(PT) >= 16;
-  static constexpr bool kViaL1 = true;
-  static constexpr bool kBf16 = kFp8FromBf16 && std::is_base_of_v<BF16, Ops>;
   bool div;
-  bool bits;  // kBf16 and the scale's reciprocal 2^k with Fp8FromBf16::Covers(k)
   VF s;
-  Fp8FromBf16<kKind> enc;
   explicit WriteFp8(float scale)
-      : div(!ExactReciprocal(scale)),
-        bits(false),
-        s(hn::Set(DF(), div ? scale : 1.0f / scale)) {
-    if (kBf16 && !div) {
-      int e = 0;
-      std::frexp(1.0f / scale, &e);  // 1 / scale = 2^(e - 1)
-      if (Fp8FromBf16<kKind>::Covers(e - 1)) {
-        bits = true;
-        enc = Fp8FromBf16<kKind>(e - 1);
-      }
-    }
-  }
+      : div(!ExactReciprocal(scale)), s(hn::Set(DF(), div ? scale : 1.0f / scale)) {}
   template <bool kStream>
   HWY_INLINE void Put(typename Ops::V o, PT* dst) const {
-    hn::Vec<DU8> code;
-    if constexpr (kBf16) {
-      if (bits) {
-        code = enc.Encode(o);
-      } else {
-        const VF v = Widen<Ops>(o);
-        code = EncodeFp8<kKind>(div ? hn::Div(v, s) : hn::Mul(v, s));
-      }
-    } else {
-      const VF v = Widen<Ops>(o);
-      code = EncodeFp8<kKind>(div ? hn::Div(v, s) : hn::Mul(v, s));
-    }
+    const VF v = Widen<Ops>(o);
+    const auto code = EncodeFp8<kKind>(div ? hn::Div(v, s) : hn::Mul(v, s));
     if constexpr (kStream && kCanStream) {
       hn::Stream(code, DU8(), dst);
     } else {
@@ -386,17 +291,6 @@ HWY_INLINE void StreamRow(const T* src, T* dst, int64_t count) {
     const int64_t bytes = count * static_cast<int64_t>(sizeof(T));
     for (int64_t i = 0; i < bytes; i += n) hn::Stream(hn::LoadU(d8, s + i), d8, d + i);
   }
-}
-
-// `bytes` bytes from src to dst in whole vectors of the target's width,
-// non-temporally: dst aligned to the vector, bytes a whole number of vectors
-// (CanStreamOpt checks both for the pool rows).
-HWY_INLINE void StreamBytes(const void* src, void* dst, int64_t bytes) {
-  const hn::ScalableTag<uint8_t> d8;
-  const int64_t n = static_cast<int64_t>(hn::Lanes(d8));
-  const uint8_t* s = static_cast<const uint8_t*>(src);
-  uint8_t* d = static_cast<uint8_t*>(dst);
-  for (int64_t i = 0; i < bytes; i += n) hn::Stream(hn::LoadU(d8, s + i), d8, d + i);
 }
 
 // Where a row is stored: directly (contiguous), through a scratch row and a
@@ -744,19 +638,6 @@ HWY_NOINLINE void KHeadsOpt(const Problem& p, const OptionData& od, int64_t t, i
     auto head = [&](int64_t hk, float rms) HWY_ATTR __attribute__((always_inline)) {
       PT* const k_dst = PoolRow<PT>(p.k_pool, slot, hk);
       PT* const v_dst = PoolRow<PT>(p.v_pool, slot, hk);
-      if constexpr (kStream && W::kViaL1) {
-        PT* const b = static_cast<PT*>(sc.row_pool);
-        const int64_t bytes = D * static_cast<int64_t>(sizeof(PT));
-        RotateRowOpt<Ops, kInterleaved, kNorm, kStream>(
-            Row<T>(p.k, t, hk), Row<T>(p.k_rot, t, hk),
-            PoolSink<Ops, W, false>{slot >= 0 ? b : nullptr, &wk}, c, s, od.k_norm, rms,
-            p.rotary_dim, D);
-        if (slot < 0) return;
-        StreamBytes(b, k_dst, bytes);
-        PutVRow<Ops, W, false>(Row<T>(p.v, t, hk), b, D, wv);
-        StreamBytes(b, v_dst, bytes);
-        return;
-      }
       RotateRowOpt<Ops, kInterleaved, kNorm, kStream>(
           Row<T>(p.k, t, hk), Row<T>(p.k_rot, t, hk), PoolSink<Ops, W, kStream>{k_dst, &wk}, c, s,
           od.k_norm, rms, p.rotary_dim, D);
