@@ -982,12 +982,11 @@ TEST(CpuOptions, Fp8EncoderBitExactOnEveryTarget) {
     }
 }
 
-// bf16 inputs reach the pool through an encoder of their own on AVX-512
-// (straight from the bf16 bits, for a power-of-two scale 2^-64 .. 2^64):
-// every one of the 65536 bf16 patterns as v, bit for bit against the shared
-// scalar encoder of fp32(v / scale), on every target, for scales inside and
-// outside that range and one that takes the division; and once through a
-// large aligned call (non-temporal pool rows).
+// Every one of the 65536 bf16 patterns as v through an fp8 pool, bit for bit
+// against the shared scalar encoder of fp32(v / scale), on every target, for
+// power-of-two scales from 2^-65 to 2^70 (x * (1 / scale)) and one that takes
+// the division; and once through a large aligned call (non-temporal pool
+// rows).
 TEST(CpuOptions, Fp8FromEveryBf16PatternOnEveryTarget) {
   std::mt19937_64 rng(test_seed());
   const int64_t D = 256, T = 65536 / D;
