@@ -932,6 +932,38 @@ TEST(CpuOptions, LargeAlignedCallsOnEveryTarget) {
 // target: v (v_scale 1, then others) holds every sign and exponent with
 // mantissas at and around each rounding boundary, the special values, and
 // random bit patterns; f32 inputs, so v reaches the pool unrounded.
+// Runs the call of `s` (one kv head; v's element i in token order holding the
+// raw bits raw(i), slots reversed) on every target and checks each v_pool
+// code bit for bit against the shared scalar encoder (the oracle the other
+// backends use too) of fp32(value / v_scale), value = as_float(raw bits).
+template <class Raw, class AsFloat>
+void check_fp8_codes(OptSpec s, std::mt19937_64& rng, Raw raw, AsFloat as_float) {
+  OptCase c = make_opt_case(s, rng);
+  const int64_t T = s.T, D = s.D;
+  for (int64_t t = 0; t < T; ++t) {
+    c.slots.set_index(t, T - 1 - t);
+    for (int64_t d = 0; d < D; ++d) c.v.set_raw(c.v.off(t, 0, d), raw(t * D + d));
+  }
+  const OptExpected e = expect_opt(c);
+  SCOPED_TRACE(describe(s));
+  const ropekv::Fp8Kind fk =
+      s.pool == PoolKind::kE4M3 ? ropekv::Fp8Kind::kE4M3 : ropekv::Fp8Kind::kE5M2;
+  for_each_target([&](int64_t) {
+    run_and_check_opt(c, e);
+    int64_t bad = 0;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t d = 0; d < D; ++d) {
+        const uint64_t b = c.v.raw(c.v.off(t, 0, d));
+        const uint8_t want = ropekv::encode_fp8(as_float(b) / static_cast<float>(s.v_scale), fk);
+        const uint64_t got = c.v_pool.raw(T - 1 - t, 0, d);
+        if (got != want && bad++ < 8)
+          ADD_FAILURE() << "v bits 0x" << std::hex << b << ": v_pool 0x" << got
+                        << ", encode_fp8 0x" << int{want} << std::dec;
+      }
+    EXPECT_EQ(bad, 0);
+  });
+}
+
 TEST(CpuOptions, Fp8EncoderBitExactOnEveryTarget) {
   std::mt19937_64 rng(test_seed());
   std::vector<uint32_t> bits;
@@ -954,31 +986,9 @@ TEST(CpuOptions, Fp8EncoderBitExactOnEveryTarget) {
       s.pool = kind;
       s.v_scale = v_scale;
       s.k_scale = 1.0 / v_scale;
-      OptCase c = make_opt_case(s, rng);
-      for (int64_t t = 0; t < T; ++t) {
-        c.slots.set_index(t, T - 1 - t);
-        for (int64_t d = 0; d < D; ++d)
-          c.v.set_raw(c.v.off(t, 0, d), bits[(t * D + d) % bits.size()]);
-      }
-      const OptExpected e = expect_opt(c);
-      SCOPED_TRACE(describe(s));
-      // The oracle, and the shared scalar encoder the other backends use.
-      const ropekv::Fp8Kind fk =
-          kind == PoolKind::kE4M3 ? ropekv::Fp8Kind::kE4M3 : ropekv::Fp8Kind::kE5M2;
-      for_each_target([&](int64_t) {
-        run_and_check_opt(c, e);
-        int64_t bad = 0;
-        for (int64_t t = 0; t < T; ++t)
-          for (int64_t d = 0; d < D; ++d) {
-            const float v = f32_from_bits(static_cast<uint32_t>(c.v.raw(c.v.off(t, 0, d))));
-            const uint8_t want = ropekv::encode_fp8(v / static_cast<float>(v_scale), fk);
-            const uint64_t got = c.v_pool.raw(T - 1 - t, 0, d);
-            if (got != want && bad++ < 8)
-              ADD_FAILURE() << "v 0x" << std::hex << f32_bits(v) << ": v_pool 0x" << got
-                            << ", encode_fp8 0x" << int{want} << std::dec;
-          }
-        EXPECT_EQ(bad, 0);
-      });
+      check_fp8_codes(
+          s, rng, [&](int64_t i) { return bits[static_cast<size_t>(i) % bits.size()]; },
+          [](uint64_t b) { return f32_from_bits(static_cast<uint32_t>(b)); });
     }
 }
 
@@ -1012,30 +1022,9 @@ TEST(CpuOptions, Fp8FromEveryBf16PatternOnEveryTarget) {
       s.align64 = run.large;
       s.v_scale = run.scale;
       s.k_scale = 1.0 / run.scale;
-      OptCase c = make_opt_case(s, rng);
-      for (int64_t t = 0; t < T; ++t) {
-        c.slots.set_index(t, T - 1 - t);
-        for (int64_t d = 0; d < D; ++d) c.v.set_raw(c.v.off(t, 0, d), t * D + d);
-      }
-      const OptExpected e = expect_opt(c);
-      SCOPED_TRACE(describe(s));
-      const ropekv::Fp8Kind fk =
-          kind == PoolKind::kE4M3 ? ropekv::Fp8Kind::kE4M3 : ropekv::Fp8Kind::kE5M2;
-      for_each_target([&](int64_t) {
-        run_and_check_opt(c, e);
-        int64_t bad = 0;
-        for (int64_t t = 0; t < T; ++t)
-          for (int64_t d = 0; d < D; ++d) {
-            const uint32_t b = static_cast<uint32_t>(c.v.raw(c.v.off(t, 0, d)));
-            const float v = f32_from_bits(b << 16);
-            const uint8_t want = ropekv::encode_fp8(v / static_cast<float>(run.scale), fk);
-            const uint64_t got = c.v_pool.raw(T - 1 - t, 0, d);
-            if (got != want && bad++ < 8)
-              ADD_FAILURE() << "bf16 0x" << std::hex << b << ": v_pool 0x" << got
-                            << ", encode_fp8 0x" << int{want} << std::dec;
-          }
-        EXPECT_EQ(bad, 0);
-      });
+      check_fp8_codes(
+          s, rng, [](int64_t i) { return static_cast<uint64_t>(i); },
+          [](uint64_t b) { return f32_from_bits(static_cast<uint32_t>(b) << 16); });
     }
 }
 
