@@ -24,7 +24,7 @@ The peers are not committed: their sources are copied into .peers/ (git-
 ignored) and built there by .peers/tools/build.sh into .peers/build/<peer>/
 (see .peers/SOURCES.txt for commits and versions). A peer whose module is
 missing, or that does not support a shape (FlashInfer and SGLang have no
-head_dim 96 path), is reported and skipped.
+head_dim 96 path: PEER_HEAD_DIMS), is skipped and shown as "—".
 
 Method: gpu_bench.Timer (CUDA graphs of 50 calls for T <= 512, fewer above,
 CUDA-event timing, median), inputs rotating over slices larger than twice the
@@ -62,6 +62,10 @@ IMPLS = ["ropekv"] + PEERS + ["copy"]
 LABELS = {"ropekv": "ropekv", "vllm": "vLLM", "flashinfer": "FlashInfer",
           "flashinfer_cache": "FlashInfer (cos/sin table)", "sglang": "SGLang", "copy": "copy"}
 MAX_POS = 1 << 17
+# The head dims each peer's kernels are built for here (FlashInfer dispatches
+# 64/128/256/512, SGLang's fused store is instantiated for 64/128/256); other
+# shapes are not called (head_dim 96 crashed a peer's launch).
+PEER_HEAD_DIMS = {"flashinfer": (64, 128, 256, 512), "sglang": (64, 128, 256)}
 VLLM_BLOCK = 16
 # Loose: the peers round cos/sin (vLLM: to the model dtype) and some compute
 # the angles with fast intrinsics; ropekv rounds once from accurate fp32.
@@ -184,7 +188,7 @@ def make_fns(c, mods, tables, use_pdl):
 
         fns["vllm"] = (f_vllm, chk_vllm)
 
-    if "flashinfer" in mods:
+    if "flashinfer" in mods and D in PEER_HEAD_DIMS["flashinfer"]:
         mf = mods["flashinfer"]
         fkc, fvc = kp.view(POOL_ROWS, 1, Hk, D), vp.view(POOL_ROWS, 1, Hk, D)
 
@@ -209,7 +213,7 @@ def make_fns(c, mods, tables, use_pdl):
 
             fns[name] = (f_fi, chk_fi)
 
-    if "sglang" in mods:
+    if "sglang" in mods and D in PEER_HEAD_DIMS["sglang"]:
         ms = mods["sglang"]
         skc, svc = kp.view(POOL_ROWS, Hk * D), vp.view(POOL_ROWS, Hk * D)
 

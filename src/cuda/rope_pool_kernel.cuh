@@ -452,10 +452,39 @@ __device__ __forceinline__ Place place_of(const Params& p) {
   return pl;
 }
 
+// The first inverse frequency of thread tid (0 when it has none). Read
+// before griddepcontrol.wait: the table is ropekv's own, written once when it
+// is made, never by a kernel. Loaded after the position instead, it waited
+// for it (the compiler converts the position first): one more memory round
+// trip, about 0.3 us of a decode call (bench/cuda_decode_probe.cu).
+__device__ __forceinline__ float first_inv_freq(const Params& p, int tid) {
+  return tid < p.half ? __ldg(p.inv_freq + tid) : 0.0f;
+}
+
+// The token's cos/sin into shared memory (cos[half], then sin[half]), one
+// frequency per thread: theta = fp32(pos * inv_freq), each times yarn's
+// attention factor when it is not 1. freq0: first_inv_freq(p, tid).
+__device__ __forceinline__ void make_cos_sin(const Params& p, long long position, int tid,
+                                             float freq0, float* cs_smem) {
+  const float pos = static_cast<float>(position);
+  const float m = p.attention_factor;
+  for (int i = tid; i < p.half; i += blockDim.x) {
+    float s, c;
+    sincos_fp32(__fmul_rn(pos, i == tid ? freq0 : __ldg(p.inv_freq + i)), &s, &c);
+    if (m != 1.0f) {
+      c = __fmul_rn(c, m);
+      s = __fmul_rn(s, m);
+    }
+    cs_smem[i] = c;
+    cs_smem[p.half + i] = s;
+  }
+}
+
 template <class T, int N, bool kContig, int U>
 __global__ void __launch_bounds__(max_block(U)) rope_pool_kernel(const __grid_constant__ Params p) {
   extern __shared__ float cs_smem[];  // cos[half], then sin[half]
-  grid_dependency_sync();
+  // Before the wait, overlapping the previous kernel: only what reads no
+  // memory that kernel may write.
   const int tid = threadIdx.x;
   const Place pl = place_of(p);
   const long long t = pl.t;
@@ -464,30 +493,19 @@ __global__ void __launch_bounds__(max_block(U)) rope_pool_kernel(const __grid_co
   // No early return: every thread reaches the barrier.
   const bool active = hp < HP && batch < p.num_batches && c0 < items;
   const int first_vh = batch * U * HP;
+  const float freq0 = first_inv_freq(p, tid);
+  grid_dependency_sync();
 
-  // The first chunk's loads go out first, then the indices. Issued before
-  // them, a 32-bit index (widened to 64 bits as soon as it arrives) held the
-  // data loads back by one memory round trip: 0.15 us warm, 0.3 us cold at
-  // decode (bench/cuda_decode_probe.cu). The cos/sin are computed meanwhile.
+  // The first chunk's loads go out first, then the position (needed first),
+  // then the slot. Issued before the data loads, a 32-bit index (widened to
+  // 64 bits as soon as it arrives, before the next branch) held them back by
+  // one memory round trip; so did a 32-bit slot issued before the position
+  // (bench/cuda_decode_probe.cu). The cos/sin are computed meanwhile.
   Vec<T, N> a[U], b[U];
   if (active) load_batch<T, N, kContig, U>(p, t, first_vh, hp, c0, a, b);
-  const long long slot = load_index(p.slots, p.slot_stride, p.slot64, t);
   const long long position = load_index(p.positions, p.pos_stride, p.pos64, t);
-
-  // cos/sin of the token, one frequency per thread: theta = fp32(pos * inv_freq),
-  // each times yarn's attention factor when it is not 1.
-  const float pos = static_cast<float>(position);
-  const float m = p.attention_factor;
-  for (int i = tid; i < p.half; i += blockDim.x) {
-    float s, c;
-    sincos_fp32(__fmul_rn(pos, __ldg(p.inv_freq + i)), &s, &c);
-    if (m != 1.0f) {
-      c = __fmul_rn(c, m);
-      s = __fmul_rn(s, m);
-    }
-    cs_smem[i] = c;
-    cs_smem[p.half + i] = s;
-  }
+  const long long slot = load_index(p.slots, p.slot_stride, p.slot64, t);
+  make_cos_sin(p, position, tid, freq0, cs_smem);
   if (slot >= p.pool_size && pl.part == 0 && tid == 0) report_bad_slot(p.err, t, slot, p.pool_size);
   __syncthreads();
   if (!active) return;
@@ -860,7 +878,7 @@ template <class T, int N, bool kContig, int U, int kPools, bool kNorm>
 __global__ void __launch_bounds__(max_block(U))
     rope_pool_options_kernel(const __grid_constant__ OptParams p) {
   extern __shared__ float4 smem4[];  // float4: 16-byte aligned weights
-  grid_dependency_sync();
+  // Before the wait: see rope_pool_kernel.
   float* smem = reinterpret_cast<float*>(smem4);
   const Options& o = p.o;
   const int tid = threadIdx.x;
@@ -875,13 +893,15 @@ __global__ void __launch_bounds__(max_block(U))
   // The batch's virtual heads end here: steps u >= `steps` are not its own.
   const int vh_end = min(first_vh + steps * HP, p.num_qo_heads + 2 * p.num_kv_heads);
   const bool interleaved = o.interleaved != 0;
+  const float freq0 = o.cos_sin == nullptr ? first_inv_freq(p, tid) : 0.0f;
+  grid_dependency_sync();
 
-  // Data loads first, then the indices (see rope_pool_kernel).
+  // Data loads first, then the position and the slot (see rope_pool_kernel).
   Vec<T, N> a[U], b[U];
   if (active)
     load_batch<T, N, kContig, U, true>(p, t, first_vh, hp, c0, a, b, interleaved, vh_end);
-  const long long slot = load_index(p.slots, p.slot_stride, p.slot64, t);
   const long long position = load_index(p.positions, p.pos_stride, p.pos64, t);
+  const long long slot = load_index(p.slots, p.slot_stride, p.slot64, t);
 
   // cos_sin_cache: a later token's position, for the prefetch of its row.
   const bool prefetcher =
@@ -918,18 +938,7 @@ __global__ void __launch_bounds__(max_block(U))
         asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
     }
   } else {
-    const float pos = static_cast<float>(position);
-    const float m = p.attention_factor;
-    for (int i = tid; i < p.half; i += blockDim.x) {
-      float s, c;
-      sincos_fp32(__fmul_rn(pos, __ldg(p.inv_freq + i)), &s, &c);
-      if (m != 1.0f) {
-        c = __fmul_rn(c, m);
-        s = __fmul_rn(s, m);
-      }
-      cs_smem[i] = c;
-      cs_smem[p.half + i] = s;
-    }
+    make_cos_sin(p, position, tid, freq0, cs_smem);
   }
   if (norm) {
     for (int i = tid; i < D; i += blockDim.x) {
