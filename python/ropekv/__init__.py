@@ -150,6 +150,25 @@ def _as_array(x: Any, name: str) -> Tuple[Any, bool, bool]:
     return x, False, False
 
 
+# DLPack type codes (dlpack.h): the dtypes _ext.run_fast reads in place.
+_DL_INT, _DL_FLOAT, _DL_BFLOAT = 0, 2, 4
+# Types whose calls _ext.run_fast takes: numpy.ndarray now, torch.Tensor
+# once a call has seen that torch is imported.
+_FAST_TENSOR: Optional[type] = None
+
+
+def _register_fast_numpy() -> None:
+    # Exact dtype objects: a byte-swapped or otherwise unusual dtype is not
+    # one of them and takes the general path. Both C names of int64 ('l' and
+    # 'q') and int32 ('i' and, where long is 32 bits, 'l') are listed.
+    # (A list: equal dtypes such as 'l' and 'q' are distinct objects.)
+    table = [(dt, _DL_FLOAT if dt.kind == "f" else _DL_INT, dt.itemsize * 8)
+             for dt in map(_np.dtype, "efilq")]
+    if _BF16 is not None:
+        table.append((_BF16, _DL_BFLOAT, 16))
+    _ext.fast_path_types("numpy", _np.ndarray, table, _np.empty, None)
+
+
 _TORCH_FAST: Optional[Tuple[Any, ...]] = None
 
 
@@ -157,13 +176,18 @@ def _torch_fast() -> Optional[Tuple[Any, ...]]:
     """(torch.Tensor, torch.bfloat16, torch.int16, the dtypes numpy shares)
     once torch is imported (by the caller: ropekv never imports it here),
     else None: the inline fast path of CPU tensors in rope_pool_fused."""
-    global _TORCH_FAST
+    global _TORCH_FAST, _FAST_TENSOR
     if _TORCH_FAST is None:
         torch = _sys.modules.get("torch")
         if torch is None or not hasattr(torch, "Tensor"):
             return None
         _TORCH_FAST = (torch.Tensor, torch.bfloat16, torch.int16,
                        (torch.float32, torch.float16, torch.int32, torch.int64))
+        _ext.fast_path_types("torch", torch.Tensor, [
+            (torch.float32, _DL_FLOAT, 32), (torch.float16, _DL_FLOAT, 16),
+            (torch.bfloat16, _DL_BFLOAT, 16), (torch.int32, _DL_INT, 32),
+            (torch.int64, _DL_INT, 64)], torch.empty_like, torch.contiguous_format)
+        _FAST_TENSOR = torch.Tensor
     return _TORCH_FAST
 
 
@@ -286,6 +310,9 @@ def _scaling_params(rope_scaling: Any) -> Optional[Tuple[float, ...]]:
             float(g("beta_fast", 32.0)), float(g("beta_slow", 1.0)),
             float(g("attention_factor", 0.0)), float(g("mscale", 0.0)),
             float(g("mscale_all_dim", 0.0)), float(bool(g("truncate", True))))
+
+
+_register_fast_numpy()
 
 
 def rope_pool_fused(
@@ -428,6 +455,15 @@ def rope_pool_fused(
         if q_out is not None or k_out is not None:
             raise ValueError("inplace=True writes q and k themselves: pass no q_out/k_out")
         q_out, k_out = q, k
+    if not options and stream is None and (type(q) is _np.ndarray or type(q) is _FAST_TENSOR):
+        # numpy arrays and PyTorch CPU tensors of the plain dtypes, read in
+        # place by the binding; it declines anything else (None), having
+        # written nothing, and the general path below takes the call.
+        done = _ext.run_fast(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, head_dim,
+                             num_qo_heads, num_kv_heads, rope_base, rotary_dim, num_threads,
+                             _checked)
+        if done is not None:
+            return done
     if options:
         kv_code = _KV_CACHE_DTYPES.get(kv_cache_dtype)
         if kv_code is None:
@@ -454,7 +490,7 @@ def rope_pool_fused(
             for given, src in ((q_out, q), (k_out, k))]
     arrays = (q, k, v, positions, slots, k_pool, v_pool, outs[0], outs[1])
     converted, bf16_mask, readonly_mask = [], 0, 0
-    tf = _torch_fast()
+    tf = _torch_fast()  # (also registers torch.Tensor for run_fast once torch is imported)
     for i, x in enumerate(arrays):
         # The common cases inline (a function call per array costs).
         if type(x) is _np.ndarray:

@@ -1,6 +1,8 @@
 // nanobind binding of ropekv::rope_pool_fused. Thin: arrays arrive through
 // DLPack (or the buffer protocol) as they are, never converted, become
 // DLTensor views, and go to the C++ front end, which validates everything.
+// run_fast reads numpy arrays and PyTorch CPU tensors in place instead, for
+// the call without options (see "fast path" below).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/array.h>
@@ -11,6 +13,7 @@
 
 #include <array>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <utility>
@@ -149,6 +152,326 @@ void run_options(const Array& q, const Array& k, const Array& v, const Array& po
   execute(tensors(arrays, bf16_mask), cfg, readonly_mask, stream, num_threads, checked);
 }
 
+// ---------------------------------------------------------------- fast path
+// The common CPU call (numpy arrays or PyTorch CPU tensors, no options) reads
+// each array's pointer, shape and strides straight from the object: no
+// DLPack capsule or numpy view per array, which cost more than the op at
+// T = 1. Anything it does not know exactly (another type or dtype, a tensor
+// on a GPU or requiring grad, a big-endian or unaligned numpy array, an
+// argument of another type) makes it decline before anything is written,
+// and the Python layer takes the general path, so errors and conversions
+// stay those of the general path.
+
+constexpr int kFastMaxDims = 3;  // the contract's largest rank; a larger one takes the general path
+
+struct FastDtype {
+  PyObject* dtype;  // a numpy dtype or torch.dtype instance, compared by identity
+  DLDataType code;
+};
+
+struct FastFramework {
+  PyTypeObject* type = nullptr;  // numpy.ndarray or torch.Tensor, exactly (no subclass)
+  std::vector<FastDtype> dtypes;
+  PyObject* empty = nullptr;  // numpy.empty or torch.empty_like: new outputs
+};
+
+// Registered once per framework by the Python layer (ropekv never imports
+// torch itself); the references are kept for the life of the process.
+struct FastTypes {
+  FastFramework numpy, torch;
+  PyObject* contiguous_format = nullptr;  // torch.contiguous_format
+  PyObject *s_dtype = nullptr, *s_array_struct = nullptr, *s_is_cpu = nullptr,
+           *s_requires_grad = nullptr, *s_shape = nullptr, *s_stride = nullptr,
+           *s_data_ptr = nullptr, *kw_memory_format = nullptr;
+};
+
+FastTypes& fast_types() {
+  static FastTypes* f = new FastTypes();  // never destroyed: outlives the interpreter
+  return *f;
+}
+
+// numpy's __array_struct__ capsule (numpy's documented array interface, C side).
+struct PyArrayInterface {
+  int two;
+  int nd;
+  char typekind;
+  int itemsize;
+  int flags;
+  Py_intptr_t* shape;
+  Py_intptr_t* strides;
+  void* data;
+  PyObject* descr;
+};
+constexpr int kNpyAligned = 0x0100, kNpyNotSwapped = 0x0200, kNpyWriteable = 0x0400;
+
+struct FastView {
+  DLTensor t{};
+  int64_t shape[kFastMaxDims] = {};
+  int64_t strides[kFastMaxDims] = {};
+  PyObject* dtype = nullptr;  // the registered dtype object (borrowed)
+  bool is_torch = false;
+  bool read_only = false;
+};
+
+// A new reference to o.name (or o.name() for a method), or nullptr with no
+// Python error left set.
+PyObject* attr(PyObject* o, PyObject* name, bool call) {
+  PyObject* r = call ? PyObject_CallMethodNoArgs(o, name) : PyObject_GetAttr(o, name);
+  if (!r) PyErr_Clear();
+  return r;
+}
+
+// Looks o.dtype up in the framework's table.
+bool dtype_of(PyObject* o, const FastTypes& f, const FastFramework& fw, FastView& v) {
+  PyObject* dtype = attr(o, f.s_dtype, false);
+  if (!dtype) return false;
+  for (const FastDtype& d : fw.dtypes)
+    if (d.dtype == dtype) {
+      v.t.dtype = d.code;
+      v.dtype = d.dtype;
+      break;
+    }
+  Py_DECREF(dtype);
+  return v.dtype != nullptr;
+}
+
+// Reads a tuple of at most kFastMaxDims Python ints (torch.Size is a tuple)
+// of n entries (any number when n < 0; n is then set).
+bool int_tuple(PyObject* tup, int64_t* out, int& n) {
+  if (!tup || !PyTuple_Check(tup)) return false;
+  const Py_ssize_t size = PyTuple_GET_SIZE(tup);
+  if (size > kFastMaxDims || (n >= 0 && size != n)) return false;
+  for (Py_ssize_t i = 0; i < size; ++i) {
+    PyObject* item = PyTuple_GET_ITEM(tup, i);
+    if (!PyLong_CheckExact(item)) return false;
+    int overflow = 0;
+    const long long x = PyLong_AsLongLongAndOverflow(item, &overflow);
+    if (overflow || (x == -1 && PyErr_Occurred())) {
+      PyErr_Clear();
+      return false;
+    }
+    out[i] = x;
+  }
+  n = static_cast<int>(size);
+  return true;
+}
+
+bool numpy_view(PyObject* o, const FastTypes& f, FastView& v) {
+  if (!dtype_of(o, f, f.numpy, v)) return false;
+  PyObject* cap = attr(o, f.s_array_struct, false);
+  if (!cap) return false;
+  bool ok = false;
+  auto* a = static_cast<const PyArrayInterface*>(PyCapsule_GetPointer(cap, nullptr));
+  if (!a) {
+    PyErr_Clear();
+  } else if (a->two == 2 && a->nd <= kFastMaxDims && a->itemsize * 8 == v.t.dtype.bits &&
+             (a->flags & (kNpyAligned | kNpyNotSwapped)) == (kNpyAligned | kNpyNotSwapped)) {
+    ok = true;
+    for (int i = 0; i < a->nd; ++i) {
+      // numpy strides are bytes, DLPack's elements (numpy's own DLPack export
+      // refuses strides that are not whole elements: the general path reports it)
+      if (a->strides[i] % a->itemsize != 0) ok = false;
+      v.shape[i] = a->shape[i];
+      v.strides[i] = a->strides[i] / a->itemsize;
+    }
+    v.t.ndim = a->nd;
+    v.t.data = a->data;
+    v.read_only = !(a->flags & kNpyWriteable);
+  }
+  Py_DECREF(cap);  // the array itself stays alive: the caller holds it
+  return ok;
+}
+
+bool torch_view(PyObject* o, const FastTypes& f, FastView& v) {
+  if (!dtype_of(o, f, f.torch, v)) return false;
+  // A CUDA tensor's pointer is not host memory, and a tensor that requires
+  // grad is refused by the general path (tensor.numpy() and __dlpack__).
+  PyObject* is_cpu = attr(o, f.s_is_cpu, false);
+  Py_XDECREF(is_cpu);
+  if (is_cpu != Py_True) return false;
+  PyObject* requires_grad = attr(o, f.s_requires_grad, false);
+  Py_XDECREF(requires_grad);
+  if (requires_grad != Py_False) return false;
+  // Sparse, MKL-DNN or wrapper tensors raise on shape/stride()/data_ptr():
+  // they take the general path.
+  int n = -1;
+  PyObject* shape = attr(o, f.s_shape, false);
+  bool ok = int_tuple(shape, v.shape, n);
+  Py_XDECREF(shape);
+  if (!ok) return false;
+  PyObject* strides = attr(o, f.s_stride, true);
+  ok = int_tuple(strides, v.strides, n);
+  Py_XDECREF(strides);
+  if (!ok) return false;
+  PyObject* ptr = attr(o, f.s_data_ptr, true);
+  if (!ptr) return false;
+  v.t.data = PyLong_AsVoidPtr(ptr);  // data_ptr() includes the storage offset
+  Py_DECREF(ptr);
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  v.t.ndim = n;
+  v.is_torch = true;
+  return true;
+}
+
+bool fast_view(PyObject* o, FastView& v) {
+  const FastTypes& f = fast_types();
+  PyTypeObject* tp = Py_TYPE(o);
+  bool ok = false;
+  if (tp == f.numpy.type && tp)
+    ok = numpy_view(o, f, v);
+  else if (tp == f.torch.type && tp)
+    ok = torch_view(o, f, v);
+  if (!ok) return false;
+  v.t.device = DLDevice{kDLCPU, 0};
+  v.t.shape = v.shape;
+  v.t.strides = v.strides;
+  return true;
+}
+
+// A new output of src's shape and dtype, row-major, in src's framework, as
+// the general path makes it (numpy.empty; torch.empty_like, whose default
+// keeps src's strides, so the memory_format keyword, which costs 0.2 us,
+// is given only when src is not row-major already).
+nb::object new_output(PyObject* src, const FastView& v) {
+  const FastTypes& f = fast_types();
+  PyObject* out;
+  if (v.is_torch) {
+    bool row_major = true;
+    for (int64_t i = v.t.ndim - 1, expect = 1; i >= 0; expect *= v.shape[i], --i)
+      row_major &= v.strides[i] == expect;
+    PyObject* args[] = {src, f.contiguous_format};
+    out = row_major ? PyObject_Vectorcall(f.torch.empty, args, 1, nullptr)
+                    : PyObject_Vectorcall(f.torch.empty, args, 1, f.kw_memory_format);
+  } else {
+    PyObject* shape = PyTuple_New(v.t.ndim);
+    if (!shape) throw nb::python_error();
+    for (int i = 0; i < v.t.ndim; ++i) {
+      PyObject* d = PyLong_FromLongLong(v.shape[i]);
+      if (!d) {
+        Py_DECREF(shape);
+        throw nb::python_error();
+      }
+      PyTuple_SET_ITEM(shape, i, d);
+    }
+    PyObject* args[] = {shape, v.dtype};
+    out = PyObject_Vectorcall(f.numpy.empty, args, 2, nullptr);
+    Py_DECREF(shape);
+  }
+  if (!out) throw nb::python_error();
+  return nb::steal(out);
+}
+
+// An exact Python int in range (bool and other integer types take the
+// general path, which reports or converts them).
+template <typename Int>
+bool fast_int(PyObject* o, Int& out) {
+  if (!PyLong_CheckExact(o)) return false;
+  int overflow = 0;
+  const long long x = PyLong_AsLongLongAndOverflow(o, &overflow);
+  if (overflow || (x == -1 && PyErr_Occurred()) || x < std::numeric_limits<Int>::min() ||
+      x > std::numeric_limits<Int>::max()) {
+    PyErr_Clear();
+    return false;
+  }
+  out = static_cast<Int>(x);
+  return true;
+}
+
+// Registers numpy.ndarray (with numpy.empty) or torch.Tensor (with
+// torch.empty_like and torch.contiguous_format) and the dtypes run_fast
+// reads for it: (dtype, DLPack type code, bits) each.
+void fast_path_types(const std::string& framework, nb::handle type, nb::list dtypes,
+                     nb::handle empty, nb::handle contiguous_format) {
+  FastTypes& f = fast_types();
+  if (!f.s_dtype) {
+    f.s_dtype = PyUnicode_InternFromString("dtype");
+    f.s_array_struct = PyUnicode_InternFromString("__array_struct__");
+    f.s_is_cpu = PyUnicode_InternFromString("is_cpu");
+    f.s_requires_grad = PyUnicode_InternFromString("requires_grad");
+    f.s_shape = PyUnicode_InternFromString("shape");
+    f.s_stride = PyUnicode_InternFromString("stride");
+    f.s_data_ptr = PyUnicode_InternFromString("data_ptr");
+    f.kw_memory_format = nb::make_tuple("memory_format").release().ptr();
+  }
+  if (!PyType_Check(type.ptr()) || !PyCallable_Check(empty.ptr()))
+    throw nb::type_error("fast_path_types: a type and a callable");
+  FastFramework fw;
+  for (nb::handle item : dtypes) {
+    nb::tuple t = nb::cast<nb::tuple>(item);
+    fw.dtypes.push_back(FastDtype{
+        t[0].inc_ref().ptr(), DLDataType{nb::cast<uint8_t>(t[1]), nb::cast<uint8_t>(t[2]), 1}});
+  }
+  fw.type = reinterpret_cast<PyTypeObject*>(type.inc_ref().ptr());
+  fw.empty = empty.inc_ref().ptr();
+  if (framework == "numpy") {
+    f.numpy = std::move(fw);
+  } else if (framework == "torch") {
+    if (contiguous_format.is_none()) throw nb::type_error("fast_path_types: contiguous_format");
+    f.contiguous_format = contiguous_format.inc_ref().ptr();
+    f.torch = std::move(fw);
+  } else {
+    throw nb::value_error("fast_path_types: framework must be 'numpy' or 'torch'");
+  }
+}
+
+// ropekv.rope_pool_fused without options on numpy arrays and PyTorch CPU
+// tensors. Returns (q_rot, k_rot, k_pool, v_pool), making q_rot / k_rot
+// when None is given, or None, having written nothing, when an argument is
+// not one it reads (fast_view, fast_int) or a pool or output is read-only;
+// raises the contract's ValueError.
+nb::object run_fast(nb::handle q, nb::handle k, nb::handle v, nb::handle positions,
+                    nb::handle slots, nb::handle k_pool, nb::handle v_pool, nb::handle q_rot,
+                    nb::handle k_rot, nb::handle head_dim, nb::handle num_qo_heads,
+                    nb::handle num_kv_heads, nb::handle rope_base, nb::handle rotary_dim,
+                    nb::handle num_threads, bool checked) {
+  ropekv::RopeConfig cfg;
+  int threads = 0;
+  if (!fast_int(head_dim.ptr(), cfg.head_dim) || !fast_int(num_qo_heads.ptr(), cfg.num_qo_heads) ||
+      !fast_int(num_kv_heads.ptr(), cfg.num_kv_heads) || !fast_int(num_threads.ptr(), threads))
+    return nb::none();
+  if (!rotary_dim.is_none() && !fast_int(rotary_dim.ptr(), cfg.rotary_dim)) return nb::none();
+  if (PyFloat_CheckExact(rope_base.ptr())) {
+    cfg.rope_base = PyFloat_AS_DOUBLE(rope_base.ptr());
+  } else if (PyLong_CheckExact(rope_base.ptr())) {  // float(int), as the general path does
+    cfg.rope_base = PyLong_AsDouble(rope_base.ptr());
+    if (cfg.rope_base == -1.0 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return nb::none();
+    }
+  } else {
+    return nb::none();
+  }
+
+  const nb::handle in[7] = {q, k, v, positions, slots, k_pool, v_pool};
+  FastView views[9];
+  for (int i = 0; i < 7; ++i)
+    if (!fast_view(in[i].ptr(), views[i])) return nb::none();
+  // Outputs: made like q and k when not given (and q / k is 3-D; otherwise
+  // None, and the core reports the rank).
+  nb::object outs[2] = {nb::borrow(q_rot), nb::borrow(k_rot)};
+  for (int j = 0; j < 2; ++j) {
+    if (outs[j].is_none() && views[j].t.ndim == 3) outs[j] = new_output(in[j].ptr(), views[j]);
+    if (!outs[j].is_none() && !fast_view(outs[j].ptr(), views[7 + j])) return nb::none();
+  }
+  // A pool or output numpy exports as read-only may be a warn-on-write
+  // broadcast view that the general path judges by flags.writeable: it
+  // decides (and reports) every such call.
+  for (int i = 5; i < 9; ++i)
+    if (views[i].read_only) return nb::none();
+
+  const ropekv::RopePoolTensors t{views[0].t, views[1].t, views[2].t, views[3].t,
+                                  views[4].t, views[5].t, views[6].t, views[7].t,
+                                  views[8].t, DLTensor{},  DLTensor{},  DLTensor{}};
+  {
+    nb::gil_scoped_release release;
+    execute(t, cfg, 0, 0, threads, checked);
+  }
+  return nb::make_tuple(outs[0], outs[1], k_pool, v_pool);
+}
+
 std::pair<std::vector<float>, double> inv_freq(int64_t head_dim, double rope_base,
                                                int64_t rotary_dim,
                                                const std::optional<Scaling>& rope_scaling) {
@@ -190,6 +513,18 @@ NB_MODULE(_ext, m) {
         nb::arg("stream"), nb::arg("num_threads"), nb::arg("checked"),
         nb::call_guard<nb::gil_scoped_release>(),
         "Runs ropekv::rope_pool_fused with its options (see ropekv.rope_pool_fused).");
+  m.def("run_fast", &run_fast, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("positions"),
+        nb::arg("slots"), nb::arg("k_pool"), nb::arg("v_pool"), nb::arg("q_rot").none(),
+        nb::arg("k_rot").none(), nb::arg("head_dim"), nb::arg("num_qo_heads"),
+        nb::arg("num_kv_heads"), nb::arg("rope_base"), nb::arg("rotary_dim").none(),
+        nb::arg("num_threads"), nb::arg("checked"),
+        "ropekv.rope_pool_fused without options on numpy arrays or PyTorch CPU tensors, read "
+        "in place (see fast_path_types): (q_rot, k_rot, k_pool, v_pool), or None, having "
+        "written nothing, for anything else.");
+  m.def("fast_path_types", &fast_path_types, nb::arg("framework"), nb::arg("type"),
+        nb::arg("dtypes"), nb::arg("empty"), nb::arg("contiguous_format").none(),
+        "Registers numpy.ndarray or torch.Tensor for run_fast: its (dtype, DLPack code, bits) "
+        "and the function that makes outputs.");
   m.def("inv_freq", &inv_freq, nb::arg("head_dim"), nb::arg("rope_base"), nb::arg("rotary_dim"),
         nb::arg("rope_scaling").none(), "See ropekv.rope_inv_freq.");
   m.def(

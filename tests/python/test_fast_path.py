@@ -1,0 +1,315 @@
+"""The binding's fast path (ropekv._ext.run_fast): numpy arrays and PyTorch
+CPU tensors read in place, for calls without options. It must give the
+general path's results (and the float64 reference's) for any strides,
+offsets and dtypes, raise the contract's messages, and decline every
+argument it does not take exactly (another dtype or type, a tensor that
+requires grad, a byte-swapped, unaligned or read-only numpy array, a bool
+head_dim...) before anything is written, so that the general path decides
+those calls as before.
+
+A call with ``stream=0`` takes the general path (CPU arrays ignore the
+stream): the tests use it as the second oracle.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import ropekv
+from ropekv import _ext
+from reference import BF16, assert_close, bits, poison, rope
+
+RNG = np.random.default_rng()
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+NUMPY_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+                "bfloat16": BF16}
+T, HQ, HK, D, P = 7, 4, 2, 32, 20
+KW = dict(head_dim=D, num_qo_heads=HQ, num_kv_heads=HK, rope_base=500000.0)
+
+
+def np_of(t):
+    """A numpy view (bf16 through ml_dtypes) of a CPU tensor, or the array."""
+    if isinstance(t, np.ndarray):
+        return t
+    t = t.detach()
+    if t.is_sparse:
+        t = t.to_dense()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(BF16)
+    return t.numpy()
+
+
+def snapshot(arrays):
+    return [bits(np_of(a)) for a in arrays]
+
+
+def args_of(c):
+    return (c["q"], c["k"], c["v"], c["positions"], c["slots"], c["k_pool"], c["v_pool"])
+
+
+def check_result(c, q_rot, k_rot, pools_before):
+    """q_rot / k_rot against the float64 reference; the pool rows the slots
+    name hold k_rot and v; every other pool row as it was."""
+    pos = np_of(c["positions"]).astype(np.int64)
+    slots = np_of(c["slots"]).astype(np.int64)
+    ref_q, mag_q = rope(np_of(c["q"]), pos, KW["rope_base"])
+    ref_k, mag_k = rope(np_of(c["k"]), pos, KW["rope_base"])
+    assert_close(np_of(q_rot), ref_q, mag_q, "q_rot")
+    assert_close(np_of(k_rot), ref_k, mag_k, "k_rot")
+    kp, vp = np_of(c["k_pool"]), np_of(c["v_pool"])
+    kp0, vp0 = pools_before
+    assert bits(kp[slots]) == bits(np_of(k_rot)) and bits(vp[slots]) == bits(np_of(c["v"]))
+    rest = np.setdiff1d(np.arange(P), slots)
+    assert bits(kp[rest]) == bits(kp0[rest]) and bits(vp[rest]) == bits(vp0[rest])
+
+
+def new_seed():
+    return int(RNG.integers(1 << 62))
+
+
+def torch_call(dtype, seed=None):
+    """Tensors with odd strides and storage offsets: q/k/v views of one fused
+    QKV output, positions every other int64, slots at an offset, pools with
+    a row stride of two rows; outputs given, poisoned, with gaps. The same
+    seed gives the same call."""
+    g = torch.Generator().manual_seed(new_seed() if seed is None else seed)
+    tdt = TORCH_DTYPES[dtype]
+    qkv = torch.randn(T, (HQ + 2 * HK) * D, generator=g).to(tdt)
+    pos = torch.randint(0, 1 << 20, (2 * T,), generator=g)
+    slots = torch.zeros(T + 3, dtype=torch.int32)
+    slots[3:] = torch.randperm(P, generator=g)[:T].to(torch.int32)
+    k_big = torch.randn(P, 2, HK, D, generator=g).to(tdt)
+    v_big = torch.randn(P, 2, HK, D, generator=g).to(tdt)
+    nan = float("nan")
+    return dict(q=qkv[:, : HQ * D].view(T, HQ, D),
+                k=qkv[:, HQ * D : (HQ + HK) * D].view(T, HK, D),
+                v=qkv[:, (HQ + HK) * D :].view(T, HK, D),
+                positions=pos[::2], slots=slots[3:],
+                k_pool=k_big[:, 1], v_pool=v_big[:, 0],
+                q_out=torch.full((T, HQ, 2 * D), nan, dtype=tdt)[:, :, D:],
+                k_out=torch.full((T + 1, HK, D), nan, dtype=tdt)[1:])
+
+
+def numpy_call(dtype, seed=None):
+    """numpy arrays with negative and gapped strides, poisoned outputs."""
+    rng = np.random.default_rng(new_seed() if seed is None else seed)
+    ndt = NUMPY_DTYPES[dtype]
+    a = lambda *s: rng.standard_normal(s).astype(np.float32).astype(ndt)  # noqa: E731
+    return dict(q=a(T, HQ, D)[::-1], k=a(T, HK, 2 * D)[:, :, ::2], v=a(T, HK, D),
+                positions=rng.integers(-(1 << 20), 1 << 20, 2 * T)[::-2],
+                slots=rng.permutation(P)[:T].astype(np.int32),
+                k_pool=a(P, HK, D), v_pool=a(2 * P, HK, D)[1::2],
+                q_out=poison((T, HQ, D), ndt), k_out=poison((T, HK, 3 * D), ndt)[:, :, D : 2 * D])
+
+
+MAKE = {"torch": torch_call, "numpy": numpy_call}
+
+
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+@pytest.mark.parametrize("make", [torch_call, numpy_call], ids=["torch", "numpy"])
+@pytest.mark.parametrize("outputs_given", [True, False], ids=["out-given", "out-new"])
+def test_odd_strides_match_reference_and_general_path(make, dtype, outputs_given):
+    seed = new_seed()
+    c, general = make(dtype, seed), make(dtype, seed)
+    before = (np_of(c["k_pool"]).copy(), np_of(c["v_pool"]).copy())
+    out = dict(q_out=c["q_out"], k_out=c["k_out"]) if outputs_given else {}
+    q_rot, k_rot, kp, vp = ropekv.rope_pool_fused(*args_of(c), **out, **KW)
+    assert kp is c["k_pool"] and vp is c["v_pool"]
+    if outputs_given:
+        assert q_rot is c["q_out"] and k_rot is c["k_out"]
+    else:
+        assert type(q_rot) is type(c["q"]) and tuple(q_rot.shape) == tuple(c["q"].shape)
+        assert np_of(q_rot).flags.c_contiguous and np_of(k_rot).flags.c_contiguous
+    check_result(c, q_rot, k_rot, before)
+    # The general path, on the same inputs, writes the same bits.
+    g_out = dict(q_out=general["q_out"], k_out=general["k_out"]) if outputs_given else {}
+    g = ropekv.rope_pool_fused(*args_of(general), **g_out, stream=0, **KW)
+    for got, want in zip((q_rot, k_rot, kp, vp), g):
+        assert bits(np_of(got)) == bits(np_of(want))
+    # And the fast path did take the call (it returns None where it declines).
+    again = make(dtype, seed)
+    assert _ext.run_fast(*args_of(again), again["q_out"], again["k_out"], D, HQ, HK,
+                         KW["rope_base"], None, 0, True) is not None
+
+
+def test_mixed_numpy_and_torch_arrays():
+    c = numpy_call("float32")
+    c["k_pool"], c["v_pool"] = torch.from_numpy(c["k_pool"]), torch.from_numpy(c["v_pool"][::1])
+    c["q"] = torch.from_numpy(np.ascontiguousarray(c["q"]))
+    before = (np_of(c["k_pool"]).copy(), np_of(c["v_pool"]).copy())
+    q_rot, k_rot, _, _ = ropekv.rope_pool_fused(*args_of(c), **KW)
+    assert isinstance(q_rot, torch.Tensor) and isinstance(k_rot, np.ndarray)
+    check_result(c, q_rot, k_rot, before)
+
+
+@pytest.mark.parametrize("framework", ["torch", "numpy"])
+def test_no_tokens(framework):
+    c = MAKE[framework]("bfloat16")
+    for n in ("q", "k", "v", "positions", "slots"):
+        c[n] = c[n][:0]
+    before = snapshot((c["k_pool"], c["v_pool"]))
+    q_rot, k_rot, _, _ = ropekv.rope_pool_fused(*args_of(c), **KW)
+    assert tuple(q_rot.shape) == (0, HQ, D) and tuple(k_rot.shape) == (0, HK, D)
+    assert snapshot((c["k_pool"], c["v_pool"])) == before
+
+
+def test_int_rope_base_is_the_float():
+    c = torch_call("float32")
+    a = ropekv.rope_pool_fused(*args_of(c), **dict(KW, rope_base=500000))
+    b = ropekv.rope_pool_fused(*args_of(c), **KW)
+    assert bits(np_of(a[0])) == bits(np_of(b[0])) and bits(np_of(a[1])) == bits(np_of(b[1]))
+
+
+# Errors the core raises through the fast path: the general path's messages,
+# nothing written.
+def e_pool_dtype(c):
+    c["k_pool"] = c["k_pool"].to(torch.float16) if isinstance(c["k_pool"], torch.Tensor) \
+        else c["k_pool"].astype(np.float16)
+
+
+def e_qkv_dtype(c):
+    c["v"] = c["v"].to(torch.bfloat16) if isinstance(c["v"], torch.Tensor) \
+        else c["v"].astype(BF16)
+
+
+def e_rank(c):
+    c["q"] = c["q"][0]
+
+
+def e_index_len(c):
+    c["slots"] = c["slots"][:-1]
+
+
+def e_slot_range(c):
+    c["slots"][1] = P
+
+
+def e_overlapping_output(c):
+    c["q_out"] = c["q_out"][:1].expand(T, HQ, D) if isinstance(c["q_out"], torch.Tensor) \
+        else np.broadcast_to(c["q_out"][:1], (T, HQ, D))
+
+
+@pytest.mark.parametrize("framework", ["torch", "numpy"])
+@pytest.mark.parametrize("mutate", [e_pool_dtype, e_qkv_dtype, e_rank, e_index_len, e_slot_range,
+                                    e_overlapping_output], ids=lambda f: f.__name__)
+def test_errors_through_the_fast_path(framework, mutate):
+    c = MAKE[framework]("float32")
+    mutate(c)
+    arrays = args_of(c)
+    out = dict(q_out=c["q_out"], k_out=c["k_out"])
+    before = snapshot(arrays + (c["q_out"], c["k_out"]))
+    messages = []
+    for stream in (None, 0):
+        with pytest.raises(ValueError) as info:
+            ropekv.rope_pool_fused(*arrays, **out, stream=stream, **KW)
+        messages.append(str(info.value))
+        assert snapshot(arrays + (c["q_out"], c["k_out"])) == before
+    assert messages[0] == messages[1]
+
+
+# Arguments the fast path declines (run_fast returns None, nothing written);
+# ropekv.rope_pool_fused then behaves as the general path does.
+def d_requires_grad(c):
+    c["q"] = c["q"].clone().requires_grad_()
+
+
+def d_float64(c):
+    c["q"], c["k"], c["v"] = (c[n].to(torch.float64) for n in "qkv")
+
+
+def d_int16_slots(c):
+    c["slots"] = c["slots"].to(torch.int16)
+
+
+def d_parameter(c):
+    c["k_pool"] = torch.nn.Parameter(c["k_pool"], requires_grad=False)
+
+
+def d_sparse_positions(c):
+    c["positions"] = c["positions"].to_sparse()
+
+
+def d_four_dims(c):
+    c["v"] = c["v"][None]
+
+
+def d_byte_swapped(c):
+    c["q"] = c["q"].astype(c["q"].dtype.newbyteorder())
+
+
+def d_unaligned(c):
+    raw = np.zeros(c["q"].nbytes + 1, np.uint8)[1:]
+    q = raw.view(c["q"].dtype).reshape(c["q"].shape)
+    q[...] = c["q"]
+    c["q"] = q
+
+
+def d_read_only_pool(c):
+    c["v_pool"].flags.writeable = False
+
+
+def d_read_only_output(c):
+    c["k_out"].flags.writeable = False
+
+
+def d_numpy_subclass(c):
+    c["k"] = c["k"].view(np.recarray)
+
+
+def d_strides_not_whole_elements(c):
+    row = HK * D * 4 + 2  # bytes: a token's row starts 2 bytes past a float boundary
+    c["v"] = np.ndarray((T, HK, D), np.float32, np.zeros(T * row, np.uint8), 0, (row, D * 4, 4))
+
+
+def d_bool_head_dim(c):
+    c["kw"] = dict(KW, head_dim=True)
+
+
+def d_numpy_int_head_dim(c):
+    c["kw"] = dict(KW, head_dim=np.int64(D))
+
+
+def d_huge_head_dim(c):
+    c["kw"] = dict(KW, head_dim=1 << 70)
+
+
+def d_float_head_dim(c):
+    c["kw"] = dict(KW, head_dim=float(D))
+
+
+TORCH_DECLINED = [d_requires_grad, d_float64, d_int16_slots, d_parameter, d_sparse_positions,
+                  d_four_dims, d_bool_head_dim, d_numpy_int_head_dim, d_huge_head_dim,
+                  d_float_head_dim]
+NUMPY_DECLINED = [d_byte_swapped, d_unaligned, d_read_only_pool, d_read_only_output,
+                  d_numpy_subclass, d_strides_not_whole_elements, d_four_dims]
+
+
+def outcome(c, stream):
+    """(q_rot, k_rot, k_pool, v_pool) bits, or the error's type and message."""
+    try:
+        r = ropekv.rope_pool_fused(*args_of(c), q_out=c["q_out"], k_out=c["k_out"],
+                                   stream=stream, **c.get("kw", KW))
+    except Exception as e:  # noqa: BLE001 - the general path's error, whatever it is
+        return type(e), str(e)
+    return tuple(bits(np_of(x)) for x in r)
+
+
+@pytest.mark.parametrize("framework,mutate",
+                         [("torch", f) for f in TORCH_DECLINED]
+                         + [("numpy", f) for f in NUMPY_DECLINED],
+                         ids=lambda x: x if isinstance(x, str) else x.__name__)
+def test_declined_arguments_take_the_general_path(framework, mutate):
+    seed = new_seed()
+    c, general = MAKE[framework]("float32", seed), MAKE[framework]("float32", seed)
+    mutate(c)
+    mutate(general)
+    arrays = args_of(c) + (c["q_out"], c["k_out"])
+    before = snapshot(arrays)
+    kw = c.get("kw", KW)
+    assert _ext.run_fast(*arrays, kw["head_dim"], HQ, HK, kw["rope_base"], None, 0,
+                         True) is None
+    assert snapshot(arrays) == before
+    # The default call ends as the general path does on the same inputs.
+    assert outcome(c, None) == outcome(general, 0)
