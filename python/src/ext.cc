@@ -157,8 +157,8 @@ void run_options(const Array& q, const Array& k, const Array& v, const Array& po
 // each array's pointer, shape and strides straight from the object: no
 // DLPack capsule or numpy view per array, which cost more than the op at
 // T = 1. Anything it does not know exactly (another type or dtype, a tensor
-// on a GPU or requiring grad, a big-endian or unaligned numpy array, an
-// argument of another type) makes it decline before anything is written,
+// on a GPU or with the negative bit, a big-endian or unaligned numpy array,
+// an argument of another type) makes it decline before anything is written,
 // and the Python layer takes the general path, so errors and conversions
 // stay those of the general path.
 
@@ -182,7 +182,7 @@ struct Member {
   bool getset = false;
 };
 
-enum MemberId { kDtype, kArrayStruct, kIsCpu, kRequiresGrad, kShape, kStride, kDataPtr, kMembers };
+enum MemberId { kDtype, kArrayStruct, kIsCpu, kIsNeg, kShape, kStride, kDataPtr, kMembers };
 
 struct FastFramework {
   PyTypeObject* type = nullptr;  // numpy.ndarray or torch.Tensor, exactly (no subclass)
@@ -323,14 +323,16 @@ bool numpy_view(PyObject* o, const FastTypes& f, FastView& v) {
 bool torch_view(PyObject* o, const FastTypes& f, FastView& v) {
   const FastFramework& fw = f.torch;
   if (!dtype_of(o, fw, v)) return false;
-  // A CUDA tensor's pointer is not host memory, and a tensor that requires
-  // grad is refused by the general path (tensor.numpy() and __dlpack__).
+  // A CUDA tensor's pointer is not host memory, and a tensor with the
+  // negative bit (e.g. z.conj().imag) holds its values negated: the general
+  // path raises for it. (A tensor that requires grad is read and written in
+  // place, as the general path does through torch.utils.dlpack.to_dlpack.)
   PyObject* is_cpu = attr(o, fw.members[kIsCpu]);
   Py_XDECREF(is_cpu);
   if (is_cpu != Py_True) return false;
-  PyObject* requires_grad = attr(o, fw.members[kRequiresGrad]);
-  Py_XDECREF(requires_grad);
-  if (requires_grad != Py_False) return false;
+  PyObject* is_neg = attr(o, fw.members[kIsNeg]);
+  Py_XDECREF(is_neg);
+  if (is_neg != Py_False) return false;
   // Sparse, MKL-DNN or wrapper tensors raise on shape/stride()/data_ptr():
   // they take the general path.
   int n = -1;
@@ -436,7 +438,7 @@ void fast_path_types(const std::string& framework, nb::handle type, nb::list dty
   }
   fw.type = reinterpret_cast<PyTypeObject*>(type.inc_ref().ptr());
   const std::pair<const char*, bool> names[kMembers] = {
-      {"dtype", false}, {"__array_struct__", false}, {"is_cpu", false}, {"requires_grad", false},
+      {"dtype", false}, {"__array_struct__", false}, {"is_cpu", false}, {"is_neg", true},
       {"shape", false}, {"stride", true},             {"data_ptr", true}};
   for (int i = 0; i < kMembers; ++i)
     fw.members[i] = member(fw.type, names[i].first, names[i].second);
@@ -548,11 +550,14 @@ NB_MODULE(_ext, m) {
         nb::arg("stream"), nb::arg("num_threads"), nb::arg("checked"),
         nb::call_guard<nb::gil_scoped_release>(),
         "Runs ropekv::rope_pool_fused with its options (see ropekv.rope_pool_fused).");
-  m.def("run_fast", &run_fast, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("positions"),
-        nb::arg("slots"), nb::arg("k_pool"), nb::arg("v_pool"), nb::arg("q_rot").none(),
-        nb::arg("k_rot").none(), nb::arg("head_dim"), nb::arg("num_qo_heads"),
-        nb::arg("num_kv_heads"), nb::arg("rope_base"), nb::arg("rotary_dim").none(),
-        nb::arg("num_threads"), nb::arg("checked"),
+  // Every argument may be None (or anything): run_fast declines what it does
+  // not take, and the general path reports it.
+  m.def("run_fast", &run_fast, nb::arg("q").none(), nb::arg("k").none(), nb::arg("v").none(),
+        nb::arg("positions").none(), nb::arg("slots").none(), nb::arg("k_pool").none(),
+        nb::arg("v_pool").none(), nb::arg("q_rot").none(), nb::arg("k_rot").none(),
+        nb::arg("head_dim").none(), nb::arg("num_qo_heads").none(),
+        nb::arg("num_kv_heads").none(), nb::arg("rope_base").none(),
+        nb::arg("rotary_dim").none(), nb::arg("num_threads").none(), nb::arg("checked"),
         "ropekv.rope_pool_fused without options on numpy arrays or PyTorch CPU tensors, read "
         "in place (see fast_path_types): (q_rot, k_rot, k_pool, v_pool), or None, having "
         "written nothing, for anything else.");

@@ -3,7 +3,7 @@ CPU tensors read in place, for calls without options. It must give the
 general path's results (and the float64 reference's) for any strides,
 offsets and dtypes, raise the contract's messages, and decline every
 argument it does not take exactly (another dtype or type, a tensor that
-requires grad, a byte-swapped, unaligned or read-only numpy array, a bool
+has the negative bit, a byte-swapped, unaligned or read-only numpy array, a bool
 head_dim...) before anything is written, so that the general path decides
 those calls as before.
 
@@ -33,7 +33,7 @@ def np_of(t):
     """A numpy view (bf16 through ml_dtypes) of a CPU tensor, or the array."""
     if isinstance(t, np.ndarray):
         return t
-    t = t.detach()
+    t = t.detach().resolve_neg()  # (a copy where the negative bit is set)
     if t.is_sparse:
         t = t.to_dense()
     if t.dtype == torch.bfloat16:
@@ -42,7 +42,7 @@ def np_of(t):
 
 
 def snapshot(arrays):
-    return [bits(np_of(a)) for a in arrays]
+    return [None if a is None else bits(np_of(a)) for a in arrays]
 
 
 def args_of(c):
@@ -155,6 +155,22 @@ def test_no_tokens(framework):
     assert snapshot((c["k_pool"], c["v_pool"])) == before
 
 
+def test_tensors_that_require_grad_are_read_and_written_in_place():
+    """As the general path does (through torch.utils.dlpack.to_dlpack)."""
+    seed = new_seed()
+    c, general = torch_call("float32", seed), torch_call("float32", seed)
+    for x in (c, general):
+        x["q"] = x["q"].clone().requires_grad_()
+        x["k_pool"] = x["k_pool"].clone().requires_grad_()
+    assert _ext.run_fast(*args_of(c), None, None, D, HQ, HK, KW["rope_base"], None, 0,
+                         True) is not None
+    c = torch_call("float32", seed)
+    c["q"] = c["q"].clone().requires_grad_()
+    c["k_pool"] = c["k_pool"].clone().requires_grad_()
+    assert outcome(c, None) == outcome(general, 0)
+    assert not any(x.requires_grad for x in ropekv.rope_pool_fused(*args_of(c), **KW)[:2])
+
+
 def test_int_rope_base_is_the_float():
     c = torch_call("float32")
     a = ropekv.rope_pool_fused(*args_of(c), **dict(KW, rope_base=500000))
@@ -211,8 +227,19 @@ def test_errors_through_the_fast_path(framework, mutate):
 
 # Arguments the fast path declines (run_fast returns None, nothing written);
 # ropekv.rope_pool_fused then behaves as the general path does.
-def d_requires_grad(c):
-    c["q"] = c["q"].clone().requires_grad_()
+def d_negative_bit(c):
+    # z.conj().imag is a float32 view whose memory holds the values negated
+    z = torch.complex(torch.zeros_like(c["q"]), c["q"].contiguous())
+    c["q"] = z.conj().imag
+    assert c["q"].is_neg()
+
+
+def d_none_pool(c):
+    c["v_pool"] = None
+
+
+def d_none_head_dim(c):
+    c["kw"] = dict(KW, head_dim=None)
 
 
 def d_float64(c):
@@ -279,7 +306,7 @@ def d_float_head_dim(c):
     c["kw"] = dict(KW, head_dim=float(D))
 
 
-TORCH_DECLINED = [d_requires_grad, d_float64, d_int16_slots, d_parameter, d_sparse_positions,
+TORCH_DECLINED = [d_negative_bit, d_none_pool, d_none_head_dim, d_float64, d_int16_slots, d_parameter, d_sparse_positions,
                   d_four_dims, d_bool_head_dim, d_numpy_int_head_dim, d_huge_head_dim,
                   d_float_head_dim]
 NUMPY_DECLINED = [d_byte_swapped, d_unaligned, d_read_only_pool, d_read_only_output,
