@@ -6,6 +6,9 @@
 // L2 flushed before each replay).
 //
 //   library   rope_pool_kernel itself (the header's template)
+//   options   rope_pool_options_kernel with no option set (what a decode
+//             call of it costs before its options); "/table" with a
+//             cos_sin_cache (f32)
 //   fp64-sc   the same work in a shorter kernel (no wide-head loop, no
 //             bad-slot report, no yarn factor)
 //   warp-sc   each warp makes all cos/sin of the token into its own shared
@@ -154,7 +157,7 @@ __global__ void __launch_bounds__(256) probe_kernel(const __grid_constant__ Para
 }
 
 int main() {
-  const int Hq = 32, Hk = 8, D = 128, half = D / 2;
+  constexpr int Hq = 32, Hk = 8, D = 128, half = D / 2;
   const long long P = 1 << 20, kRows = 1 << 17;
   const int kCalls = 50;
   cudaStream_t s;
@@ -310,6 +313,29 @@ int main() {
     row("library/i32", library, sets32);
     row("library/i64-fixed", library, sets64fixed);
     row("library/i32-random", library, sets32rand);
+    // The options kernel as a decode call runs it (16-byte form, 2 of its
+    // kOptSteps steps, pools of q's dtype, no QK-norm): cos/sin made, or read
+    // from a cos_sin_cache (an f32 table).
+    auto options = [](const float* cos_sin, long long rows) {
+      Options o{};
+      o.cos_sin = cos_sin;
+      o.cs_rows = rows;
+      o.cs_s0 = D;
+      o.cs_s1 = 1;
+      o.pool_mode = kPoolSame;
+      o.head_dim = D;
+      o.steps = kU;
+      o.k_scale = o.v_scale = o.k_mul = o.v_mul = 1.0f;
+      return [o](cudaLaunchConfig_t* cfg, const Params& p) {
+        OptParams op{};
+        static_cast<Params&>(op) = p;
+        op.o = o;
+        CK(cudaLaunchKernelEx(cfg, rope_pool_options_kernel<T, kN, true, kOptSteps, kPoolsWide, false>,
+                              op));
+      };
+    };
+    row("options", options(nullptr, 0), sets);
+    row("options/table", options(table, kRows), sets);
     const float* tab = table;
     auto probe = [tab](auto kernel) {
       return [tab, kernel](cudaLaunchConfig_t* cfg, const Params& p) {

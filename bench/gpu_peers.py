@@ -6,6 +6,8 @@ For every model (gpu_bench.MODELS), dtype and token count T it times, per call:
 
   ropekv            one fused launch (rotated q, k out of place; k_rot and v
                     scattered into the pools)
+  ropekv_cache      the same call with cos_sin_cache= the float32 table the
+                    table peers read (rows in place of the computed cos/sin)
   vllm              vLLM's rotary_embedding (NeoX, cos/sin table in the model
                     dtype, in place) then reshape_and_cache_flash
                     (kv_cache_dtype "auto", NHD cache, block size 16): 2 launches
@@ -58,8 +60,10 @@ from gpu_bench import DTYPES, MODELS, POOL_ROWS, TOKENS, Timer, peak_copy_gbps, 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEERS = ["vllm", "flashinfer", "flashinfer_cache", "sglang"]
-IMPLS = ["ropekv"] + PEERS + ["copy"]
-LABELS = {"ropekv": "ropekv", "vllm": "vLLM", "flashinfer": "FlashInfer",
+# Checked against "ropekv" like the peers (its own table path).
+CHECKED = ["ropekv_cache"] + PEERS
+IMPLS = ["ropekv", "ropekv_cache"] + PEERS + ["copy"]
+LABELS = {"ropekv": "ropekv", "ropekv_cache": "ropekv (cos/sin table)", "vllm": "vLLM", "flashinfer": "FlashInfer",
           "flashinfer_cache": "FlashInfer (cos/sin table)", "sglang": "SGLang", "copy": "copy"}
 MAX_POS = 1 << 17
 # The head dims each peer's kernels are built for here (FlashInfer dispatches
@@ -153,20 +157,23 @@ def make_fns(c, mods, tables, use_pdl):
     kp, vp = c.k_pool, c.v_pool
     fns = {}
 
-    def ropekv_call(q, k, v, pos, slots, qo, ko):
+    def ropekv_call(q, k, v, pos, slots, qo, ko, table):
         ropekv.rope_pool_fused(q, k, v, pos, slots, kp, vp, head_dim=D, num_qo_heads=Hq,
-                               num_kv_heads=Hk, rope_base=base, q_out=qo, k_out=ko)
+                               num_kv_heads=Hk, rope_base=base, q_out=qo, k_out=ko,
+                               cos_sin_cache=table)
 
-    def f_ropekv(i):
-        j = i % S
-        ropekv_call(c.q[j], c.k[j], c.v[j], c.pos32[j], c.slots32[j], c.q_out[j], c.k_out[j])
+    for name, table in (("ropekv", None), ("ropekv_cache", f32)):
+        def f_ropekv(i, table=table):
+            j = i % S
+            ropekv_call(c.q[j], c.k[j], c.v[j], c.pos32[j], c.slots32[j], c.q_out[j],
+                        c.k_out[j], table)
 
-    def chk_ropekv():
-        qo, ko = torch.empty_like(c.q[0]), torch.empty_like(c.k[0])
-        ropekv_call(c.q[0], c.k[0], c.v[0], c.pos32[0], c.slots32[0], qo, ko)
-        return qo, ko
+        def chk_ropekv(table=table):
+            qo, ko = torch.empty_like(c.q[0]), torch.empty_like(c.k[0])
+            ropekv_call(c.q[0], c.k[0], c.v[0], c.pos32[0], c.slots32[0], qo, ko, table)
+            return qo, ko
 
-    fns["ropekv"] = (f_ropekv, chk_ropekv)
+        fns[name] = (f_ropekv, chk_ropekv)
 
     if "vllm" in mods:
         mv = mods["vllm"]
@@ -257,7 +264,7 @@ def check(c, fns, dtype_name):
     bad = max((kp_ref - k_ref).abs().max().item(), (vp_ref - v0).abs().max().item())
     if bad != 0:
         res["ropekv"] = f"ropekv's own pool rows differ from its k_rot / v by {bad}"
-    for name in PEERS:
+    for name in CHECKED:
         if name not in fns:
             continue
         try:

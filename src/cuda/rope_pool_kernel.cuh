@@ -288,16 +288,22 @@ __device__ __forceinline__ long long load_index(const void* base, long long stri
               : static_cast<long long>(__ldg(static_cast<const int*>(base) + i * stride));
 }
 
-__device__ __noinline__ void report_bad_slot(ErrorRecord* e, long long t, long long slot,
-                                             long long pool_size) {
-  atomicAdd(&e->count, 1u);
+// Counts token t's bad index (a slot >= the pool size, or with `position` a
+// position outside the cos_sin_cache) and, under the record's lock, keeps the
+// smallest such token with the index and the limit it broke. Out of line and
+// with few arguments: the call sits on a rarely taken branch of a kernel
+// whose length a decode call pays for.
+__device__ __noinline__ void report_bad_index(ErrorRecord* e, bool position, long long t,
+                                              long long value, long long limit) {
+  atomicAdd(position ? &e->pos_count : &e->count, 1u);
   while (atomicCAS(&e->lock, 0, 1) != 0) __nanosleep(64);
   __threadfence();
   volatile ErrorRecord* ve = e;
-  if (t < ve->token) {
-    ve->token = t;
-    ve->slot = slot;
-    ve->pool_size = pool_size;
+  volatile long long* first = position ? &ve->pos_token : &ve->token;
+  if (t < *first) {
+    *first = t;
+    *(position ? &ve->position : &ve->slot) = value;
+    *(position ? &ve->rows : &ve->pool_size) = limit;
   }
   __threadfence();
   atomicExch(&e->lock, 0);
@@ -506,7 +512,8 @@ __global__ void __launch_bounds__(max_block(U)) rope_pool_kernel(const __grid_co
   const long long position = load_index(p.positions, p.pos_stride, p.pos64, t);
   const long long slot = load_index(p.slots, p.slot_stride, p.slot64, t);
   make_cos_sin(p, position, tid, freq0, cs_smem);
-  if (slot >= p.pool_size && pl.part == 0 && tid == 0) report_bad_slot(p.err, t, slot, p.pool_size);
+  if (slot >= p.pool_size && pl.part == 0 && tid == 0)
+    report_bad_index(p.err, false, t, slot, p.pool_size);
   __syncthreads();
   if (!active) return;
 
@@ -555,26 +562,29 @@ __device__ __forceinline__ Vec<T, N> from_floats(const float (&x)[N]) {
 }
 
 // Element i of a float vector of dtype code 0 f32, 1 f16, 2 bf16, widened.
+__device__ __forceinline__ float widen(unsigned int u16, int dtype) {
+  if (dtype == 2) return __uint_as_float(u16 << 16);
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(u16)));
+}
 __device__ __forceinline__ float load_float(const void* base, long long i, int dtype) {
   if (dtype == 0) return __ldg(static_cast<const float*>(base) + i);
-  const unsigned int u = __ldg(static_cast<const unsigned short*>(base) + i);
-  if (dtype == 2) return __uint_as_float(u << 16);
-  return __half2float(__ushort_as_half(static_cast<unsigned short>(u)));
+  return widen(__ldg(static_cast<const unsigned short*>(base) + i), dtype);
 }
-
-__device__ __noinline__ void report_bad_position(ErrorRecord* e, long long t, long long position,
-                                                 long long rows) {
-  atomicAdd(&e->pos_count, 1u);
-  while (atomicCAS(&e->lock, 0, 1) != 0) __nanosleep(64);
-  __threadfence();
-  volatile ErrorRecord* ve = e;
-  if (t < ve->pos_token) {
-    ve->pos_token = t;
-    ve->position = position;
-    ve->rows = rows;
+// Elements i and j, both loads issued before either is converted: a table
+// row's cos and sin, one memory round trip (converting the first before
+// loading the second made it two, 0.6 us at decode with a cold table).
+__device__ __forceinline__ void load_float2(const void* base, long long i, long long j, int dtype,
+                                            float* x, float* y) {
+  if (dtype == 0) {
+    const float* f = static_cast<const float*>(base);
+    *x = __ldg(f + i);
+    *y = __ldg(f + j);
+  } else {
+    const unsigned short* h = static_cast<const unsigned short*>(base);
+    const unsigned int a = __ldg(h + i), b = __ldg(h + j);
+    *x = widen(a, dtype);
+    *y = widen(b, dtype);
   }
-  __threadfence();
-  atomicExch(&e->lock, 0);
 }
 
 // B floats from shared memory: float4 / float2 loads in the contiguous
@@ -922,11 +932,14 @@ __global__ void __launch_bounds__(max_block(U))
     if (!skip) {
       const long long base = position * o.cs_s0;
       for (int i = tid; i < p.half; i += blockDim.x) {
-        cs_smem[i] = load_float(o.cos_sin, base + i * o.cs_s1, o.cs_dtype);
-        cs_smem[p.half + i] = load_float(o.cos_sin, base + (p.half + i) * o.cs_s1, o.cs_dtype);
+        float c, s;
+        load_float2(o.cos_sin, base + i * o.cs_s1, base + (p.half + i) * o.cs_s1, o.cs_dtype,
+                    &c, &s);
+        cs_smem[i] = c;
+        cs_smem[p.half + i] = s;
       }
     } else if (pl.part == 0 && tid == 0) {
-      report_bad_position(p.err, t, position, o.cs_rows);
+      report_bad_index(p.err, true, t, position, o.cs_rows);
     }
     // The row of the token o.prefetch ahead into L2: that token's block
     // starts about a wave later, and its table load (which waits for its
@@ -947,7 +960,7 @@ __global__ void __launch_bounds__(max_block(U))
     }
   }
   if (!skip && slot >= p.pool_size && pl.part == 0 && tid == 0)
-    report_bad_slot(p.err, t, slot, p.pool_size);
+    report_bad_index(p.err, false, t, slot, p.pool_size);
 
   // QK-norm: each lane's sum of squares over its chunks, then over the lanes
   // of the head, in a fixed order (the result does not depend on timing).

@@ -208,7 +208,8 @@ void run_case(const char* name, int T, int Hq, int Hk, int D, DLDataType dt, boo
 
 // A call with options (the options kernel) for the sanitizers: interleaved
 // pairs or not, a cos_sin_cache (f32) with token 1 outside it, QK-norm
-// weights (f32), fp8_e4m3 or float32 pools. Checks that the call raises the
+// weights (f32), fp8_e4m3 or float32 pools; with kAuto pools (q's dtype) the
+// table alone, without weights. Checks that the call raises the
 // position error, leaves token 1's outputs and pool row untouched, writes
 // every element of the other tokens' outputs (no NaN from the poison) and no
 // pool row that no token names. The math is the pytest suite's job.
@@ -216,7 +217,8 @@ void run_options_case(const char* name, int T, int Hq, int Hk, int D, DLDataType
                       int64_t last_stride, bool interleaved, ropekv::KvCacheDtype pool_type) {
   const int esize = dt.bits / 8;
   const bool fp8 = pool_type == ropekv::KvCacheDtype::kFp8E4M3;
-  const int pesize = fp8 ? 1 : 4;
+  const bool table_only = pool_type == ropekv::KvCacheDtype::kAuto;
+  const int pesize = fp8 ? 1 : (table_only ? esize : 4);
   const int64_t P = 2 * T + 3, rows = 50;
   std::mt19937 rng(99 + T + D);
   std::uniform_real_distribution<float> uni(-1.f, 1.f);
@@ -269,13 +271,14 @@ void run_options_case(const char* name, int T, int Hq, int Hk, int D, DLDataType
   int64_t stq[3] = {Hq * D * last_stride, D * last_stride, last_stride};
   int64_t stk[3] = {Hk * D * last_stride, D * last_stride, last_stride};
   const DLDataType it{kDLInt, 64, 1}, f32{kDLFloat, 32, 1};
-  const DLDataType pt = fp8 ? DLDataType{kDLUInt, 8, 1} : f32;
+  const DLDataType pt = fp8 ? DLDataType{kDLUInt, 8, 1} : (table_only ? dt : f32);
   ropekv::RopePoolTensors t{view(q.ptr, dt, 3, sq, stq),     view(k.ptr, dt, 3, sk, stk),
                             view(v.ptr, dt, 3, sk, stk),     view(dpos.ptr, it, 1, s1, nullptr),
                             view(dslot.ptr, it, 1, s1, nullptr), view(kp.ptr, pt, 3, sp, nullptr),
                             view(vp.ptr, pt, 3, sp, nullptr), view(qr.ptr, dt, 3, sq, stq),
                             view(kr.ptr, dt, 3, sk, stk),    view(cs.ptr, f32, 2, scs, nullptr),
                             view(w.ptr, f32, 1, sw, nullptr), view(w.ptr, f32, 1, sw, nullptr)};
+  if (table_only) t.q_norm_weight = t.k_norm_weight = DLTensor{};
   ropekv::RopeConfig cfg;
   cfg.head_dim = D;
   cfg.num_qo_heads = Hq;
@@ -496,6 +499,8 @@ int main(int argc, char** argv) {
   run_case("f16 out-of-range slot, int64", 3, 8, 2, 64, f16, true, 1, true);
   using KV = ropekv::KvCacheDtype;
   run_options_case("opt bf16 norm fp8 cache", 9, 32, 8, 128, bf16, 1, false, KV::kFp8E4M3);
+  run_options_case("opt bf16 table alone", 9, 32, 8, 128, bf16, 1, false, KV::kAuto);
+  run_options_case("opt f16 strided table alone", 5, 4, 2, 64, f16, 2, false, KV::kAuto);
   run_options_case("opt f16 interleaved f32 pools", 5, 8, 2, 96, f16, 1, true, KV::kFloat32);
   run_options_case("opt f32 interleaved fp8", 4, 4, 2, 64, f32, 1, true, KV::kFp8E4M3);
   run_options_case("opt bf16 strided", 6, 4, 2, 64, bf16, 2, true, KV::kFp8E4M3);

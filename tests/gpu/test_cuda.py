@@ -894,10 +894,16 @@ def test_options_cos_sin_cache_strided_table():
     check_options(t, kw, options_call(t, kw), snap, "strided table")
 
 
-def position_case():
+# Out-of-table positions with the table alone and with other options.
+TABLE_CASES = {"table alone": {},
+               "with fp8 and QK-norm": dict(kv_cache_dtype="fp8_e4m3", k_scale=0.5,
+                                            q_norm=torch.float32)}
+
+
+def position_case(case):
     """Tokens 2 and 4 lie outside a 100-row table (positions 100 and -3)."""
     t, kw = options_case(7, 8, 2, 128, torch.bfloat16, table_dtype=torch.float32, table_rows=100,
-                         kv_cache_dtype="fp8_e4m3", k_scale=0.5, q_norm=torch.float32)
+                         **TABLE_CASES[case])
     t["positions"][2] = 100
     t["positions"][4] = -3
     t["slots"].copy_(torch.arange(7, device=DEV))
@@ -917,8 +923,9 @@ def check_skipped(t, kw, snap, q_out, k_out, bad):
 
 
 @cuda_only
-def test_options_position_outside_cos_sin_cache_is_skipped_and_raised():
-    t, kw = position_case()
+@pytest.mark.parametrize("case", list(TABLE_CASES))
+def test_options_position_outside_cos_sin_cache_is_skipped_and_raised(case):
+    t, kw = position_case(case)
     snap = snapshot(t)
     q_out, k_out = poisoned(t["q"]), poisoned(t["k"])
     with pytest.raises(ValueError, match=r"^positions\[2\] = 100 is outside cos_sin_cache, which "
@@ -934,9 +941,10 @@ def test_options_position_outside_cos_sin_cache_is_skipped_and_raised():
 
 
 @cuda_only
-def test_options_position_and_slot_errors_unchecked_then_check_device_errors():
+@pytest.mark.parametrize("case", list(TABLE_CASES))
+def test_options_position_and_slot_errors_unchecked_then_check_device_errors(case):
     ropekv.set_checked(False)
-    t, kw = position_case()
+    t, kw = position_case(case)
     t["slots"][5] = 10**6
     options_call(t, kw)  # no sync, no raise
     dev = t["q"].device.index
@@ -948,11 +956,13 @@ def test_options_position_and_slot_errors_unchecked_then_check_device_errors():
 
 
 @cuda_only
-def test_options_out_of_table_token_with_several_blocks_per_token():
+@pytest.mark.parametrize("norm", [True, False])
+def test_options_out_of_table_token_with_several_blocks_per_token(norm):
     """Heads of 1024 (teams of two warps, five blocks per token): every block
-    of the token skips it, and the QK-norm's sums cross warps."""
+    of the token skips it, and (with a QK-norm) the norm's sums cross warps."""
+    norms = dict(q_norm=torch.bfloat16, k_norm=torch.float32) if norm else {}
     t, kw = options_case(3, 32, 4, 1024, torch.bfloat16, table_dtype=torch.float32,
-                         table_rows=64, q_norm=torch.bfloat16, k_norm=torch.float32)
+                         table_rows=64, **norms)
     t["positions"][1] = 64
     t["slots"].copy_(torch.tensor([0, 1, 2], device=DEV))
     snap = snapshot(t)
