@@ -103,6 +103,48 @@ inline int plan_threads(const ExecOptions& options, int64_t bytes) {
   return static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(1, bytes / kMinBytesPerThread)));
 }
 
+// The thread plan of a call over T tokens of `heads` heads each (q and k),
+// on `threads` threads (plan_threads). One thread: tokens(0, T), on the
+// caller. T >= 2 * threads: each thread takes a contiguous range of whole
+// tokens, tokens(t0, t1), so every token's cos/sin is made once. Fewer,
+// larger tokens: table() makes every token's cos/sin once, on the caller,
+// then (token, head-group) units go to the threads, heads(t, h0, h1), so
+// that every thread has work. Each element is computed from its own head
+// alone: results do not depend on the plan.
+template <class Tokens, class Table, class Heads>
+void run_planned(int64_t T, int64_t heads, int threads, const Tokens& tokens, const Table& table,
+                 const Heads& head_group) {
+  if (threads <= 1) {
+    tokens(int64_t{0}, T);
+    return;
+  }
+#ifdef _OPENMP
+  if (T >= 2 * threads) {
+#pragma omp parallel num_threads(threads)
+    {
+      const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
+      const int64_t t0 = T * i / n, t1 = T * (i + 1) / n;
+      if (t0 < t1) tokens(t0, t1);
+    }
+    return;
+  }
+  table();
+  const int64_t groups = std::min<int64_t>(heads, (2 * threads + T - 1) / T);
+  const int64_t heads_per_group = (heads + groups - 1) / groups;
+  const int64_t units = T * groups;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t t = u / groups, g = u % groups;
+    const int64_t h0 = g * heads_per_group, h1 = std::min(heads, h0 + heads_per_group);
+    if (h0 < h1) head_group(t, h0, h1);
+  }
+#else
+  (void)heads;
+  (void)table;
+  (void)head_group;
+#endif
+}
+
 }  // namespace host
 
 /// The options path (rope_options_cpu.cc): every call that is not is_plain.

@@ -14,10 +14,6 @@
 #include "cpu/scratch.h"
 #include "problem.h"
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/rope_options_cpu.cc"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
@@ -130,51 +126,32 @@ void run_options(const Problem& p, const ExecOptions& options) {
   const int64_t T = p.num_tokens;
   const int64_t heads = p.num_qo_heads + p.num_kv_heads;
   const bool stream = option_bytes_written(p) >= kStreamMinBytes;
-  const int threads = plan_threads(options, option_bytes_moved(p));
-
-  if (threads <= 1) {
-    const Scratch sc = thread_scratch(p);
-    HWY_DYNAMIC_DISPATCH(ProcessOptions)
-    (OptWork{&p, &od, &sc, 0, T, false, stream, nullptr, nullptr, 0, 0});
-    return;
-  }
-#ifdef _OPENMP
-  if (T >= 2 * threads) {
-#pragma omp parallel num_threads(threads)
-    {
-      const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
-      const int64_t t0 = T * i / n, t1 = T * (i + 1) / n;
-      const Scratch sc = thread_scratch(p);
-      if (t0 < t1)
-        HWY_DYNAMIC_DISPATCH(ProcessOptions)
-        (OptWork{&p, &od, &sc, t0, t1, false, stream, nullptr, nullptr, 0, 0});
-    }
-    return;
-  }
-  // Few large tokens: (token, head-group) units, cos/sin made once here.
+  // Few large tokens: their cos/sin once, in the caller's table (see
+  // run_planned); the threads read it through `tab` (a thread_local named in
+  // a lambda they run would be their own).
   thread_local std::vector<float> table;
+  float* tab = nullptr;
   const int64_t part = round_up(p.is_neox ? p.rotary_dim / 2 : p.rotary_dim, kPad);
   const int64_t stride = 2 * part;
-  if (table.size() < static_cast<size_t>(T * stride)) table.resize(T * stride);
-  {
-    const Scratch sc = thread_scratch(p);
-    HWY_DYNAMIC_DISPATCH(OptionsCosSinTable)(p, od, table.data(), stride, sc);
-  }
-  const float* tab = table.data();
-  const int64_t groups = std::min<int64_t>(heads, (2 * threads + T - 1) / T);
-  const int64_t heads_per_group = (heads + groups - 1) / groups;
-  const int64_t units = T * groups;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t u = 0; u < units; ++u) {
-    const int64_t t = u / groups, g = u % groups;
-    const int64_t h0 = g * heads_per_group, h1 = std::min(heads, h0 + heads_per_group);
-    const Scratch sc = thread_scratch(p);
-    if (h0 < h1)
-      HWY_DYNAMIC_DISPATCH(ProcessOptions)
-      (OptWork{&p, &od, &sc, t, t + 1, true, stream, tab + t * stride, tab + t * stride + part, h0,
-               h1});
-  }
-#endif
+  run_planned(
+      T, heads, plan_threads(options, option_bytes_moved(p)),
+      [&](int64_t t0, int64_t t1) {
+        const Scratch sc = thread_scratch(p);
+        HWY_DYNAMIC_DISPATCH(ProcessOptions)
+        (OptWork{&p, &od, &sc, t0, t1, false, stream, nullptr, nullptr, 0, 0});
+      },
+      [&] {
+        if (table.size() < static_cast<size_t>(T * stride)) table.resize(T * stride);
+        tab = table.data();
+        const Scratch sc = thread_scratch(p);
+        HWY_DYNAMIC_DISPATCH(OptionsCosSinTable)(p, od, tab, stride, sc);
+      },
+      [&](int64_t t, int64_t h0, int64_t h1) {
+        const float* row = tab + t * stride;
+        const Scratch sc = thread_scratch(p);
+        HWY_DYNAMIC_DISPATCH(ProcessOptions)
+        (OptWork{&p, &od, &sc, t, t + 1, true, stream, row, row + part, h0, h1});
+      });
 }
 
 }  // namespace cpu

@@ -18,10 +18,6 @@
 #include "common/inv_freq.h"
 #include "problem.h"
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/rope_pool_cpu.cc"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
@@ -301,42 +297,26 @@ void run(const Problem& p, const ExecOptions& options) {
   const int64_t heads = p.num_qo_heads + p.num_kv_heads;
   const bool stream = bytes_written(p) >= kStreamMinBytes;
 
-  const int threads = plan_threads(options, bytes_moved(p));
-
-  if (threads <= 1) {
-    HWY_DYNAMIC_DISPATCH(ProcessTokens)(p, inv_freq, 0, T, stream, thread_scratch(p));
-    return;
-  }
-#ifdef _OPENMP
-  if (T >= 2 * threads) {
-    // Contiguous ranges of whole tokens, one per thread, one dispatch each.
-#pragma omp parallel num_threads(threads)
-    {
-      const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
-      const int64_t t0 = T * i / n, t1 = T * (i + 1) / n;
-      if (t0 < t1) HWY_DYNAMIC_DISPATCH(ProcessTokens)(p, inv_freq, t0, t1, stream, thread_scratch(p));
-    }
-    return;
-  }
-  // Few large tokens: their cos/sin once, here; then (token, head-group)
-  // units so that every thread has work.
+  // Few large tokens: their cos/sin once, in the caller's table (see
+  // run_planned); the threads read it through `tab` (a thread_local named in
+  // a lambda they run would be their own).
   thread_local std::vector<float> table;
+  float* tab = nullptr;
   const int64_t stride = 2 * round_up(p.rotary_dim / 2, kPad);
-  if (table.size() < static_cast<size_t>(T * stride)) table.resize(T * stride);
-  HWY_DYNAMIC_DISPATCH(SinCosTable)(p, inv_freq, table.data(), stride, thread_scratch(p).theta);
-  const float* tab = table.data();
-  const int64_t groups = std::min<int64_t>(heads, (2 * threads + T - 1) / T);
-  const int64_t heads_per_group = (heads + groups - 1) / groups;
-  const int64_t units = T * groups;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t u = 0; u < units; ++u) {
-    const int64_t t = u / groups, g = u % groups;
-    const int64_t h0 = g * heads_per_group, h1 = std::min(heads, h0 + heads_per_group);
-    if (h0 < h1)
-      HWY_DYNAMIC_DISPATCH(ProcessHeads)(p, tab + t * stride, tab + t * stride + stride / 2, t,
-                                         h0, h1, thread_scratch(p));
-  }
-#endif
+  run_planned(
+      T, heads, plan_threads(options, bytes_moved(p)),
+      [&](int64_t t0, int64_t t1) {
+        HWY_DYNAMIC_DISPATCH(ProcessTokens)(p, inv_freq, t0, t1, stream, thread_scratch(p));
+      },
+      [&] {
+        if (table.size() < static_cast<size_t>(T * stride)) table.resize(T * stride);
+        tab = table.data();
+        HWY_DYNAMIC_DISPATCH(SinCosTable)(p, inv_freq, tab, stride, thread_scratch(p).theta);
+      },
+      [&](int64_t t, int64_t h0, int64_t h1) {
+        const float* row = tab + t * stride;
+        HWY_DYNAMIC_DISPATCH(ProcessHeads)(p, row, row + stride / 2, t, h0, h1, thread_scratch(p));
+      });
 }
 
 std::string target_name() {
