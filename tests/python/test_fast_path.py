@@ -42,7 +42,8 @@ def np_of(t):
 
 
 def snapshot(arrays):
-    return [None if a is None else bits(np_of(a)) for a in arrays]
+    return [None if a is None or getattr(a, "is_meta", False) else bits(np_of(a))
+            for a in arrays]
 
 
 def args_of(c):
@@ -171,6 +172,21 @@ def test_tensors_that_require_grad_are_read_and_written_in_place():
     assert not any(x.requires_grad for x in ropekv.rope_pool_fused(*args_of(c), **KW)[:2])
 
 
+@pytest.mark.parametrize("framework", ["torch", "numpy"])
+def test_inplace(framework):
+    seed = new_seed()
+    c, general = MAKE[framework]("bfloat16", seed), MAKE[framework]("bfloat16", seed)
+    q0, k0 = np_of(c["q"]).copy(), np_of(c["k"]).copy()
+    res = ropekv.rope_pool_fused(*args_of(c), inplace=True, **KW)
+    assert res[0] is c["q"] and res[1] is c["k"]
+    ref_q, mag_q = rope(q0, np_of(c["positions"]).astype(np.int64), KW["rope_base"])
+    assert_close(np_of(c["q"]), ref_q, mag_q, "q in place")
+    g = ropekv.rope_pool_fused(*args_of(general), inplace=True, stream=0, **KW)
+    for got, want in zip(res, g):
+        assert bits(np_of(got)) == bits(np_of(want))
+    assert bits(np_of(c["k"])) != bits(k0)
+
+
 def test_int_rope_base_is_the_float():
     c = torch_call("float32")
     a = ropekv.rope_pool_fused(*args_of(c), **dict(KW, rope_base=500000))
@@ -242,6 +258,10 @@ def d_none_head_dim(c):
     c["kw"] = dict(KW, head_dim=None)
 
 
+def d_meta_pool(c):
+    c["k_pool"] = torch.empty(tuple(c["k_pool"].shape), dtype=c["k_pool"].dtype, device="meta")
+
+
 def d_float64(c):
     c["q"], c["k"], c["v"] = (c[n].to(torch.float64) for n in "qkv")
 
@@ -306,7 +326,7 @@ def d_float_head_dim(c):
     c["kw"] = dict(KW, head_dim=float(D))
 
 
-TORCH_DECLINED = [d_negative_bit, d_none_pool, d_none_head_dim, d_float64, d_int16_slots, d_parameter, d_sparse_positions,
+TORCH_DECLINED = [d_negative_bit, d_meta_pool, d_none_pool, d_none_head_dim, d_float64, d_int16_slots, d_parameter, d_sparse_positions,
                   d_four_dims, d_bool_head_dim, d_numpy_int_head_dim, d_huge_head_dim,
                   d_float_head_dim]
 NUMPY_DECLINED = [d_byte_swapped, d_unaligned, d_read_only_pool, d_read_only_output,
