@@ -158,10 +158,10 @@ _FAST_TENSOR: Optional[type] = None
 
 
 def _register_fast_numpy() -> None:
-    # Exact dtype objects: a byte-swapped or otherwise unusual dtype is not
-    # one of them and takes the general path. Both C names of int64 ('l' and
-    # 'q') and int32 ('i' and, where long is 32 bits, 'l') are listed.
-    # (A list: equal dtypes such as 'l' and 'q' are distinct objects.)
+    """Tells _ext.run_fast the numpy dtypes it reads, as exact dtype objects:
+    a byte-swapped or otherwise unusual dtype is none of them and takes the
+    general path. Equal dtypes can be distinct objects (int64 is 'l' and
+    'q'), hence a list of every C name."""
     table = [(dt, _DL_FLOAT if dt.kind == "f" else _DL_INT, dt.itemsize * 8)
              for dt in map(_np.dtype, "efilq")]
     if _BF16 is not None:
@@ -175,7 +175,8 @@ _TORCH_FAST: Optional[Tuple[Any, ...]] = None
 def _torch_fast() -> Optional[Tuple[Any, ...]]:
     """(torch.Tensor, torch.bfloat16, torch.int16, the dtypes numpy shares)
     once torch is imported (by the caller: ropekv never imports it here),
-    else None: the inline fast path of CPU tensors in rope_pool_fused."""
+    else None: the inline path of CPU tensors in rope_pool_fused. The first
+    time, also tells _ext.run_fast the tensor type and dtypes it reads."""
     global _TORCH_FAST, _FAST_TENSOR
     if _TORCH_FAST is None:
         torch = _sys.modules.get("torch")
@@ -490,7 +491,7 @@ def rope_pool_fused(
             for given, src in ((q_out, q), (k_out, k))]
     arrays = (q, k, v, positions, slots, k_pool, v_pool, outs[0], outs[1])
     converted, bf16_mask, readonly_mask = [], 0, 0
-    tf = _torch_fast()  # (also registers torch.Tensor for run_fast once torch is imported)
+    tf = _torch_fast()
     for i, x in enumerate(arrays):
         # The common cases inline (a function call per array costs).
         if type(x) is _np.ndarray:
