@@ -326,9 +326,9 @@ def d_float_head_dim(c):
     c["kw"] = dict(KW, head_dim=float(D))
 
 
-TORCH_DECLINED = [d_negative_bit, d_meta_pool, d_none_pool, d_none_head_dim, d_float64, d_int16_slots, d_parameter, d_sparse_positions,
-                  d_four_dims, d_bool_head_dim, d_numpy_int_head_dim, d_huge_head_dim,
-                  d_float_head_dim]
+TORCH_DECLINED = [d_negative_bit, d_meta_pool, d_none_pool, d_none_head_dim, d_float64,
+                  d_int16_slots, d_parameter, d_sparse_positions, d_four_dims, d_bool_head_dim,
+                  d_numpy_int_head_dim, d_huge_head_dim, d_float_head_dim]
 NUMPY_DECLINED = [d_byte_swapped, d_unaligned, d_read_only_pool, d_read_only_output,
                   d_numpy_subclass, d_strides_not_whole_elements, d_four_dims]
 
