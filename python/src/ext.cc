@@ -180,9 +180,12 @@ struct Member {
   PyObject* descr = nullptr;  // null: generic attribute lookup
   bool call = false;
   bool getset = false;
+  bool present = false;  // the type has it (else every read fails)
 };
 
-enum MemberId { kDtype, kArrayStruct, kIsCpu, kIsNeg, kShape, kStride, kDataPtr, kMembers };
+enum MemberId {
+  kDtype, kArrayStruct, kIsCpu, kIsNeg, kIsZero, kShape, kStride, kDataPtr, kMembers
+};
 
 struct FastFramework {
   PyTypeObject* type = nullptr;  // numpy.ndarray or torch.Tensor, exactly (no subclass)
@@ -247,6 +250,7 @@ Member member(PyTypeObject* type, const char* name, bool call) {
   m.call = call;
   if (!m.name) throw nb::python_error();
   PyObject* d = PyObject_GetAttr(reinterpret_cast<PyObject*>(type), m.name);
+  m.present = d != nullptr;
   if (!d) {
     PyErr_Clear();
   } else if (call ? Py_IS_TYPE(d, &PyMethodDescr_Type) : Py_IS_TYPE(d, &PyGetSetDescr_Type)) {
@@ -333,6 +337,15 @@ bool torch_view(PyObject* o, const FastTypes& f, FastView& v) {
   PyObject* is_neg = attr(o, fw.members[kIsNeg]);
   Py_XDECREF(is_neg);
   if (is_neg != Py_False) return false;
+  // A ZeroTensor (torch._efficientzerotensor, autograd's zero gradients) has
+  // no storage: data_ptr() is null plus the view's offset, never memory to
+  // read or write (the general path raises for it). (A torch without
+  // ZeroTensors has no _is_zerotensor.)
+  if (fw.members[kIsZero].present) {
+    PyObject* is_zero = attr(o, fw.members[kIsZero]);
+    Py_XDECREF(is_zero);
+    if (is_zero != Py_False) return false;
+  }
   // Sparse, MKL-DNN or wrapper tensors raise on shape/stride()/data_ptr():
   // they take the general path.
   int n = -1;
@@ -438,8 +451,9 @@ void fast_path_types(const std::string& framework, nb::handle type, nb::list dty
   }
   fw.type = reinterpret_cast<PyTypeObject*>(type.inc_ref().ptr());
   const std::pair<const char*, bool> names[kMembers] = {
-      {"dtype", false}, {"__array_struct__", false}, {"is_cpu", false}, {"is_neg", true},
-      {"shape", false}, {"stride", true},             {"data_ptr", true}};
+      {"dtype", false}, {"__array_struct__", false}, {"is_cpu", false},
+      {"is_neg", true}, {"_is_zerotensor", true},    {"shape", false},
+      {"stride", true}, {"data_ptr", true}};
   for (int i = 0; i < kMembers; ++i)
     fw.members[i] = member(fw.type, names[i].first, names[i].second);
   fw.empty = empty.inc_ref().ptr();

@@ -36,6 +36,8 @@ def np_of(t):
     t = t.detach().resolve_neg()  # (a copy where the negative bit is set)
     if t.is_sparse:
         t = t.to_dense()
+    if t._is_zerotensor():  # (no memory: its values are zeros)
+        t = torch.zeros(t.shape, dtype=t.dtype)
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(BF16)
     return t.numpy()
@@ -262,6 +264,18 @@ def d_meta_pool(c):
     c["k_pool"] = torch.empty(tuple(c["k_pool"].shape), dtype=c["k_pool"].dtype, device="meta")
 
 
+def d_zero_tensor_view(c):
+    # A ZeroTensor has no storage: a view's data_ptr() is null plus its
+    # offset, an address that must be neither read nor written.
+    z = torch._efficientzerotensor((T + 1, HK, D), dtype=c["k"].dtype)[1:]
+    assert z._is_zerotensor() and z.data_ptr() != 0
+    c["k"] = z
+
+
+def d_zero_tensor_pool(c):
+    c["v_pool"] = torch._efficientzerotensor((P + 1, HK, D), dtype=c["v_pool"].dtype)[1:]
+
+
 def d_float64(c):
     c["q"], c["k"], c["v"] = (c[n].to(torch.float64) for n in "qkv")
 
@@ -326,7 +340,7 @@ def d_float_head_dim(c):
     c["kw"] = dict(KW, head_dim=float(D))
 
 
-TORCH_DECLINED = [d_negative_bit, d_meta_pool, d_none_pool, d_none_head_dim, d_float64,
+TORCH_DECLINED = [d_negative_bit, d_zero_tensor_view, d_zero_tensor_pool, d_meta_pool, d_none_pool, d_none_head_dim, d_float64,
                   d_int16_slots, d_parameter, d_sparse_positions, d_four_dims, d_bool_head_dim,
                   d_numpy_int_head_dim, d_huge_head_dim, d_float_head_dim]
 NUMPY_DECLINED = [d_byte_swapped, d_unaligned, d_read_only_pool, d_read_only_output,
