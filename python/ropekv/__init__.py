@@ -128,9 +128,13 @@ def _as_array(x: Any, name: str) -> Tuple[Any, bool, bool]:
     if fw == "torch":
         import torch
 
-        if x.device.type == "cpu" and not x.requires_grad:
+        if x.device.type == "cpu" and not x.requires_grad and x.data_ptr() != 0:
             # A numpy view of a CPU tensor (same memory) is imported in a
             # third of the time of its __dlpack__ capsule (~0.7 vs 2.2 us).
+            # Not for a tensor without memory (data_ptr() 0: its storage
+            # freed or resized to nothing): numpy would allocate an array of
+            # its own, and a pool write would land there and be lost. Through
+            # DLPack the contract check names it.
             try:
                 if x.dtype == torch.bfloat16:
                     return x.view(torch.int16).numpy(), True, False
@@ -505,9 +509,11 @@ def rope_pool_fused(
                 if i >= 5:  # only pools and outputs must be writable
                     readonly_mask |= int(not x.flags.writeable) << i
                 continue
-        elif tf is not None and type(x) is tf[0] and x.is_cpu and not x.requires_grad:
+        elif (tf is not None and type(x) is tf[0] and x.is_cpu and not x.requires_grad
+              and x.data_ptr() != 0):
             # A numpy view of a CPU tensor (the same memory) imports in a
-            # third of the time of its DLPack capsule; bf16 as its bits.
+            # third of the time of its DLPack capsule; bf16 as its bits. (A
+            # tensor without memory goes through _as_array: see there.)
             dt = x.dtype
             if dt is tf[1]:
                 converted.append(x.view(tf[2]).numpy())

@@ -60,6 +60,30 @@ def test_torch_float32_pool_with_bf16_inputs_is_an_error_not_a_copy():
     assert torch.count_nonzero(pool) == 0
 
 
+@pytest.mark.parametrize("stream", [None, 0])  # the binding's fast path, and the general path
+@pytest.mark.parametrize("which", ["k_pool", "v_pool", "q_out"])
+def test_torch_tensor_without_memory_is_an_error_not_a_lost_write(which, stream):
+    """A tensor whose storage was freed (resized to 0 bytes, as FSDP does)
+    still reports its shape; a numpy view of it would be a fresh array of
+    numpy's own, and the writes would land there. It must raise instead, with
+    nothing written to the other arrays."""
+    T, H, D = 3, 2, 16
+    g = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 62)))
+    q = torch.randn(T, H, D, generator=g)
+    arrays = {"k_pool": torch.randn(4, H, D, generator=g),
+              "v_pool": torch.randn(4, H, D, generator=g),
+              "q_out": torch.full_like(q, float("nan"))}
+    arrays[which].untyped_storage().resize_(0)
+    before = {n: a.clone() for n, a in arrays.items() if n != which}
+    with pytest.raises(ValueError, match=rf"^{which if which != 'q_out' else 'q_rot'} has no data "
+                                         r"pointer"):
+        ropekv.rope_pool_fused(q, q, q, torch.arange(T), torch.arange(T), arrays["k_pool"],
+                               arrays["v_pool"], head_dim=D, num_qo_heads=H, num_kv_heads=H,
+                               rope_base=1e4, q_out=arrays["q_out"], stream=stream)
+    for n, a in before.items():
+        assert bits(arrays[n].numpy()) == bits(a.numpy()), n
+
+
 def test_torch_int32_indices_and_preallocated_outputs():
     T, H, D = 5, 4, 32
     q = torch.randn(T, H, D)
