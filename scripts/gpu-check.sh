@@ -213,7 +213,10 @@ do_peers() {
   fi
   local left=$((budget - (SECONDS - t0)))
   (cd /tmp && timeout "$left" $PY "$ROOT/bench/gpu_peers.py" --out "$OUT" --peers-build "$build" \
-     --budget-s $((left - 60)) ${PEERS_ARGS:-})
+     --budget-s $((left - 60)) ${PEERS_ARGS:-}) || return 1
+  # The plot (matplotlib, where it installs; docs/ has the committed one).
+  $PY bench/plot_gpu_peers.py "$OUT/gpu_peers.json" --out "$OUT/cuda_peers_bandwidth.png" ||
+    echo "(no plot)"
 }
 
 for s in "${STEPS[@]}"; do
