@@ -174,6 +174,7 @@ def _register_fast_numpy() -> None:
 
 
 _TORCH_FAST: Optional[Tuple[Any, ...]] = None
+_DECLINE = object()  # a rope_scaling the fast path leaves to the general path
 
 
 def _torch_fast() -> Optional[Tuple[Any, ...]]:
@@ -453,22 +454,33 @@ def rope_pool_fused(
             position outside cos_sin_cache) is skipped and raised only in
             checked mode (:func:`set_checked`).
     """
-    options = (is_neox is not True or rope_scaling is not None or cos_sin_cache is not None
-               or kv_cache_dtype != "auto" or k_scale != 1.0 or v_scale != 1.0
-               or q_norm_weight is not None or k_norm_weight is not None)
+    # Options beyond the frequencies and the pair layout.
+    more_options = (cos_sin_cache is not None or kv_cache_dtype != "auto" or k_scale != 1.0
+                    or v_scale != 1.0 or q_norm_weight is not None or k_norm_weight is not None)
+    options = more_options or is_neox is not True or rope_scaling is not None
     if inplace:
         if q_out is not None or k_out is not None:
             raise ValueError("inplace=True writes q and k themselves: pass no q_out/k_out")
         q_out, k_out = q, k
-    if not options and stream is None and (type(q) is _np.ndarray or type(q) is _FAST_TENSOR):
+    if not more_options and stream is None and (type(q) is _np.ndarray
+                                                 or type(q) is _FAST_TENSOR):
         # numpy arrays and PyTorch CPU tensors of the plain dtypes, read in
         # place by the binding; it declines anything else (None), having
-        # written nothing, and the general path below takes the call.
-        done = _ext.run_fast(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, head_dim,
-                             num_qo_heads, num_kv_heads, rope_base, rotary_dim, num_threads,
-                             _checked)
-        if done is not None:
-            return done
+        # written nothing, and the general path below takes the call. A
+        # rope_scaling it cannot read is left to the general path too, which
+        # raises in its own order.
+        scaling: Any = None
+        if rope_scaling is not None:
+            try:
+                scaling = _scaling_params(rope_scaling)
+            except Exception:  # noqa: BLE001 - the general path reports it
+                scaling = _DECLINE
+        if scaling is not _DECLINE:
+            done = _ext.run_fast(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out,
+                                 head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim,
+                                 is_neox, scaling, num_threads, _checked)
+            if done is not None:
+                return done
     if options:
         kv_code = _KV_CACHE_DTYPES.get(kv_cache_dtype)
         if kv_code is None:

@@ -16,7 +16,8 @@ def run_options(q: Any, k: Any, v: Any, positions: Any, slots: Any, k_pool: Any,
                 readonly_mask: int, stream: int, num_threads: int, checked: bool) -> None: ...
 def run_fast(q: Any, k: Any, v: Any, positions: Any, slots: Any, k_pool: Any, v_pool: Any,
              q_rot: Optional[Any], k_rot: Optional[Any], head_dim: Any, num_qo_heads: Any,
-             num_kv_heads: Any, rope_base: Any, rotary_dim: Optional[Any], num_threads: Any,
+             num_kv_heads: Any, rope_base: Any, rotary_dim: Optional[Any], is_neox: Any,
+             rope_scaling: Optional[Tuple[float, ...]], num_threads: Any,
              checked: bool) -> Optional[Tuple[Any, Any, Any, Any]]: ...
 def fast_path_types(framework: str, type: type, dtypes: List[Tuple[Any, int, int]],
                     empty: Any, contiguous_format: Optional[Any]) -> None: ...

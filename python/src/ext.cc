@@ -468,17 +468,23 @@ void fast_path_types(const std::string& framework, nb::handle type, nb::list dty
   }
 }
 
-// ropekv.rope_pool_fused without options on numpy arrays and PyTorch CPU
-// tensors. Returns (q_rot, k_rot, k_pool, v_pool), making q_rot / k_rot
-// when None is given, or None, having written nothing, when an argument is
-// not one it reads (fast_view, fast_int) or a pool or output is read-only;
-// raises the contract's ValueError.
+// ropekv.rope_pool_fused on numpy arrays and PyTorch CPU tensors, with no
+// options but is_neox and rope_scaling (those of most model configs; the
+// Python layer has turned rope_scaling into its numbers). Returns (q_rot,
+// k_rot, k_pool, v_pool), making q_rot / k_rot when None is given, or None,
+// having written nothing, when an argument is not one it reads (fast_view,
+// fast_int, is_neox not a bool) or a pool or output is read-only; raises
+// the contract's ValueError.
 nb::object run_fast(nb::handle q, nb::handle k, nb::handle v, nb::handle positions,
                     nb::handle slots, nb::handle k_pool, nb::handle v_pool, nb::handle q_rot,
                     nb::handle k_rot, nb::handle head_dim, nb::handle num_qo_heads,
                     nb::handle num_kv_heads, nb::handle rope_base, nb::handle rotary_dim,
+                    nb::handle is_neox, const std::optional<Scaling>& rope_scaling,
                     nb::handle num_threads, bool checked) {
   ropekv::RopeConfig cfg;
+  if (is_neox.ptr() != Py_True && is_neox.ptr() != Py_False) return nb::none();
+  cfg.is_neox = is_neox.ptr() == Py_True;
+  cfg.rope_scaling = to_scaling(rope_scaling);
   int threads = 0;
   if (!fast_int(head_dim.ptr(), cfg.head_dim) || !fast_int(num_qo_heads.ptr(), cfg.num_qo_heads) ||
       !fast_int(num_kv_heads.ptr(), cfg.num_kv_heads) || !fast_int(num_threads.ptr(), threads))
@@ -571,10 +577,11 @@ NB_MODULE(_ext, m) {
         nb::arg("v_pool").none(), nb::arg("q_rot").none(), nb::arg("k_rot").none(),
         nb::arg("head_dim").none(), nb::arg("num_qo_heads").none(),
         nb::arg("num_kv_heads").none(), nb::arg("rope_base").none(),
-        nb::arg("rotary_dim").none(), nb::arg("num_threads").none(), nb::arg("checked"),
-        "ropekv.rope_pool_fused without options on numpy arrays or PyTorch CPU tensors, read "
-        "in place (see fast_path_types): (q_rot, k_rot, k_pool, v_pool), or None, having "
-        "written nothing, for anything else.");
+        nb::arg("rotary_dim").none(), nb::arg("is_neox").none(), nb::arg("rope_scaling").none(),
+        nb::arg("num_threads").none(), nb::arg("checked"),
+        "ropekv.rope_pool_fused with no options but is_neox and rope_scaling, on numpy arrays "
+        "or PyTorch CPU tensors read in place (see fast_path_types): (q_rot, k_rot, k_pool, "
+        "v_pool), or None, having written nothing, for anything else.");
   m.def("fast_path_types", &fast_path_types, nb::arg("framework"), nb::arg("type"),
         nb::arg("dtypes"), nb::arg("empty"), nb::arg("contiguous_format").none(),
         "Registers numpy.ndarray or torch.Tensor for run_fast: its (dtype, DLPack code, bits) "

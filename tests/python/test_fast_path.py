@@ -134,7 +134,7 @@ def test_odd_strides_match_reference_and_general_path(make, dtype, outputs_given
     # And the fast path did take the call (it returns None where it declines).
     again = make(dtype, seed)
     assert _ext.run_fast(*args_of(again), again["q_out"], again["k_out"], D, HQ, HK,
-                         KW["rope_base"], None, 0, True) is not None
+                         KW["rope_base"], None, True, None, 0, True) is not None
 
 
 def test_mixed_numpy_and_torch_arrays():
@@ -165,8 +165,8 @@ def test_tensors_that_require_grad_are_read_and_written_in_place():
     for x in (c, general):
         x["q"] = x["q"].clone().requires_grad_()
         x["k_pool"] = x["k_pool"].clone().requires_grad_()
-    assert _ext.run_fast(*args_of(c), None, None, D, HQ, HK, KW["rope_base"], None, 0,
-                         True) is not None
+    assert _ext.run_fast(*args_of(c), None, None, D, HQ, HK, KW["rope_base"], None, True, None,
+                         0, True) is not None
     c = torch_call("float32", seed)
     c["q"] = c["q"].clone().requires_grad_()
     c["k_pool"] = c["k_pool"].clone().requires_grad_()
@@ -369,8 +369,78 @@ def test_declined_arguments_take_the_general_path(framework, mutate):
     arrays = args_of(c) + (c["q_out"], c["k_out"])
     before = snapshot(arrays)
     kw = c.get("kw", KW)
-    assert _ext.run_fast(*arrays, kw["head_dim"], HQ, HK, kw["rope_base"], None, 0,
+    assert _ext.run_fast(*arrays, kw["head_dim"], HQ, HK, kw["rope_base"], None, True, None, 0,
                          True) is None
     assert snapshot(arrays) == before
     # The default call ends as the general path does on the same inputs.
     assert outcome(c, None) == outcome(general, 0)
+
+
+# is_neox and rope_scaling (the options of most model configs) also take the
+# fast path; the general path (tested against the float64 reference in
+# test_options.py) is the oracle, bit for bit.
+FREQ_OPTIONS = {
+    "interleaved": dict(is_neox=False),
+    "llama3": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 8192}),
+    "yarn": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                               "original_max_position_embeddings": 32768}),
+    "linear-json-interleaved": dict(is_neox=False,
+                                    rope_scaling='{"type": "linear", "factor": 2.0}'),
+}
+
+
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+@pytest.mark.parametrize("make", [torch_call, numpy_call], ids=["torch", "numpy"])
+@pytest.mark.parametrize("opts", list(FREQ_OPTIONS))
+def test_is_neox_and_rope_scaling_match_general_path(make, dtype, opts):
+    seed = new_seed()
+    kw = dict(KW, **FREQ_OPTIONS[opts])
+    c, general = make(dtype, seed), make(dtype, seed)
+    got = ropekv.rope_pool_fused(*args_of(c), q_out=c["q_out"], k_out=c["k_out"], **kw)
+    want = ropekv.rope_pool_fused(*args_of(general), q_out=general["q_out"],
+                                  k_out=general["k_out"], stream=0, **kw)
+    for g, w in zip(got, want):
+        assert bits(np_of(g)) == bits(np_of(w))
+    assert not np.isnan(np_of(got[0]).astype(np.float32)).any()  # every element written
+    again = make(dtype, seed)
+    scaling = ropekv._scaling_params(kw.get("rope_scaling"))
+    assert _ext.run_fast(*args_of(again), again["q_out"], again["k_out"], D, HQ, HK,
+                         KW["rope_base"], None, kw.get("is_neox", True), scaling, 0,
+                         True) is not None
+
+
+@pytest.mark.parametrize("framework", ["torch", "numpy"])
+@pytest.mark.parametrize("bad", [{"rope_type": "dynamic", "factor": 2.0},
+                                 {"rope_type": "llama3", "factor": 8.0},
+                                 {"rope_type": "linear", "factor": -1.0},
+                                 "{not json", 3.0],
+                         ids=["unknown-type", "missing-field", "bad-factor", "bad-json",
+                              "not-a-dict"])
+def test_bad_rope_scaling_raises_the_general_paths_error(framework, bad):
+    c = MAKE[framework]("float32")
+    arrays = args_of(c)
+    out = dict(q_out=c["q_out"], k_out=c["k_out"])
+    before = snapshot(arrays + (c["q_out"], c["k_out"]))
+    errors = []
+    for stream in (None, 0):
+        with pytest.raises(ValueError) as info:
+            ropekv.rope_pool_fused(*arrays, **out, stream=stream, rope_scaling=bad, **KW)
+        errors.append(str(info.value))
+        assert snapshot(arrays + (c["q_out"], c["k_out"])) == before
+    assert errors[0] == errors[1]
+
+
+@pytest.mark.parametrize("is_neox", [np.bool_(False), 0, None], ids=repr)
+def test_is_neox_not_a_bool_is_declined(is_neox):
+    """The general path decides what a non-bool is_neox means."""
+    seed = new_seed()
+    c = torch_call("float32", seed)
+    before = snapshot(args_of(c) + (c["q_out"], c["k_out"]))
+    assert _ext.run_fast(*args_of(c), c["q_out"], c["k_out"], D, HQ, HK, KW["rope_base"], None,
+                         is_neox, None, 0, True) is None
+    assert snapshot(args_of(c) + (c["q_out"], c["k_out"])) == before
+    general = torch_call("float32", seed)
+    assert outcome(dict(c, kw=dict(KW, is_neox=is_neox)), None) == \
+        outcome(dict(general, kw=dict(KW, is_neox=is_neox)), 0)
