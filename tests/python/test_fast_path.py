@@ -231,13 +231,19 @@ def e_overlapping_output(c):
 def test_errors_through_the_fast_path(framework, mutate):
     c = MAKE[framework]("float32")
     mutate(c)
+    expect_same_error(c, KW)
+
+
+def expect_same_error(c, kw):
+    """The call raises the same ValueError on the fast path and on the
+    general path (stream=0), with nothing written either time."""
     arrays = args_of(c)
     out = dict(q_out=c["q_out"], k_out=c["k_out"])
     before = snapshot(arrays + (c["q_out"], c["k_out"]))
     messages = []
     for stream in (None, 0):
         with pytest.raises(ValueError) as info:
-            ropekv.rope_pool_fused(*arrays, **out, stream=stream, **KW)
+            ropekv.rope_pool_fused(*arrays, **out, stream=stream, **kw)
         messages.append(str(info.value))
         assert snapshot(arrays + (c["q_out"], c["k_out"])) == before
     assert messages[0] == messages[1]
@@ -419,17 +425,7 @@ def test_is_neox_and_rope_scaling_match_general_path(make, dtype, opts):
                          ids=["unknown-type", "missing-field", "bad-factor", "bad-json",
                               "not-a-dict"])
 def test_bad_rope_scaling_raises_the_general_paths_error(framework, bad):
-    c = MAKE[framework]("float32")
-    arrays = args_of(c)
-    out = dict(q_out=c["q_out"], k_out=c["k_out"])
-    before = snapshot(arrays + (c["q_out"], c["k_out"]))
-    errors = []
-    for stream in (None, 0):
-        with pytest.raises(ValueError) as info:
-            ropekv.rope_pool_fused(*arrays, **out, stream=stream, rope_scaling=bad, **KW)
-        errors.append(str(info.value))
-        assert snapshot(arrays + (c["q_out"], c["k_out"])) == before
-    assert errors[0] == errors[1]
+    expect_same_error(MAKE[framework]("float32"), dict(KW, rope_scaling=bad))
 
 
 @pytest.mark.parametrize("is_neox", [np.bool_(False), 0, None], ids=repr)
