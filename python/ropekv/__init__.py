@@ -104,6 +104,14 @@ except ImportError:  # pragma: no cover
     _BF16, _FP8_DTYPES = None, ()
 
 
+def _torch_without_memory(x: Any) -> bool:
+    """Whether torch tensor x has elements but no memory: its storage was
+    freed or resized to 0 bytes (as FSDP does). Its data_ptr() is then null
+    plus the view's offset in bytes, an address no live storage has."""
+    p = x.data_ptr()
+    return p < (1 << 32) and p == x.storage_offset() * x.element_size() and x.numel() > 0
+
+
 def _as_array(x: Any, name: str) -> Tuple[Any, bool, bool]:
     """Returns (what the binding takes, is_bf16_view, is_read_only)."""
     if not (hasattr(x, "__dlpack__") or hasattr(x, "__array_interface__")):
@@ -128,13 +136,15 @@ def _as_array(x: Any, name: str) -> Tuple[Any, bool, bool]:
     if fw == "torch":
         import torch
 
-        if x.device.type == "cpu" and not x.requires_grad and x.data_ptr() != 0:
+        if _torch_without_memory(x):
+            # Neither a numpy view (numpy would allocate an array of its own,
+            # and a pool write would land there and be lost) nor DLPack (a
+            # pointer to nothing): the contract check's error for a null array.
+            raise ValueError(f"{name} has no data pointer (a null array with {x.numel()} "
+                             f"elements)")
+        if x.device.type == "cpu" and not x.requires_grad:
             # A numpy view of a CPU tensor (same memory) is imported in a
             # third of the time of its __dlpack__ capsule (~0.7 vs 2.2 us).
-            # Not for a tensor without memory (data_ptr() 0: its storage
-            # freed or resized to nothing): numpy would allocate an array of
-            # its own, and a pool write would land there and be lost. Through
-            # DLPack the contract check names it.
             try:
                 if x.dtype == torch.bfloat16:
                     return x.view(torch.int16).numpy(), True, False
@@ -522,7 +532,7 @@ def rope_pool_fused(
                     readonly_mask |= int(not x.flags.writeable) << i
                 continue
         elif (tf is not None and type(x) is tf[0] and x.is_cpu and not x.requires_grad
-              and x.data_ptr() != 0):
+              and (x.data_ptr() >= 1 << 32 or not _torch_without_memory(x))):
             # A numpy view of a CPU tensor (the same memory) imports in a
             # third of the time of its DLPack capsule; bf16 as its bits. (A
             # tensor without memory goes through _as_array: see there.)

@@ -184,7 +184,8 @@ struct Member {
 };
 
 enum MemberId {
-  kDtype, kArrayStruct, kIsCpu, kIsNeg, kIsZero, kShape, kStride, kDataPtr, kMembers
+  kDtype, kArrayStruct, kIsCpu, kIsNeg, kIsZero, kShape, kStride, kDataPtr, kStorageOffset,
+  kMembers
 };
 
 struct FastFramework {
@@ -365,6 +366,24 @@ bool torch_view(PyObject* o, const FastTypes& f, FastView& v) {
     PyErr_Clear();
     return false;
   }
+  // A tensor whose storage was freed (resized to 0 bytes, as FSDP does) keeps
+  // its shape, and its data_ptr() is null plus the view's offset in bytes: an
+  // address no live storage has. It goes on as a null array, which the
+  // contract check names. (Only a low address can be one; heap addresses of
+  // a non-PIE Python are low too, hence the exact test.)
+  const auto addr = reinterpret_cast<uintptr_t>(v.t.data);
+  if (addr != 0 && addr < (uintptr_t{1} << 32)) {
+    PyObject* off = attr(o, fw.members[kStorageOffset]);
+    if (!off) return false;
+    const long long elements = PyLong_AsLongLong(off);
+    Py_DECREF(off);
+    if (elements == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+    if (static_cast<unsigned long long>(elements) * (v.t.dtype.bits / 8) == addr)
+      v.t.data = nullptr;
+  }
   v.t.ndim = n;
   v.is_torch = true;
   return true;
@@ -453,7 +472,7 @@ void fast_path_types(const std::string& framework, nb::handle type, nb::list dty
   const std::pair<const char*, bool> names[kMembers] = {
       {"dtype", false}, {"__array_struct__", false}, {"is_cpu", false},
       {"is_neg", true}, {"_is_zerotensor", true},    {"shape", false},
-      {"stride", true}, {"data_ptr", true}};
+      {"stride", true}, {"data_ptr", true}, {"storage_offset", true}};
   for (int i = 0; i < kMembers; ++i)
     fw.members[i] = member(fw.type, names[i].first, names[i].second);
   fw.empty = empty.inc_ref().ptr();

@@ -61,19 +61,22 @@ def test_torch_float32_pool_with_bf16_inputs_is_an_error_not_a_copy():
 
 
 @pytest.mark.parametrize("stream", [None, 0])  # the binding's fast path, and the general path
+@pytest.mark.parametrize("offset", [0, 3])  # rows before the view in its storage
 @pytest.mark.parametrize("which", ["k_pool", "v_pool", "q_out"])
-def test_torch_tensor_without_memory_is_an_error_not_a_lost_write(which, stream):
+def test_torch_tensor_without_memory_is_an_error_not_a_lost_write(which, offset, stream):
     """A tensor whose storage was freed (resized to 0 bytes, as FSDP does)
     still reports its shape; a numpy view of it would be a fresh array of
-    numpy's own, and the writes would land there. It must raise instead, with
-    nothing written to the other arrays."""
+    numpy's own, and the writes would land there. Its data_ptr() is null, or
+    null plus the view's offset (a small address, not memory). It must raise
+    instead, with nothing written to the other arrays."""
     T, H, D = 3, 2, 16
     g = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 62)))
     q = torch.randn(T, H, D, generator=g)
-    arrays = {"k_pool": torch.randn(4, H, D, generator=g),
-              "v_pool": torch.randn(4, H, D, generator=g),
-              "q_out": torch.full_like(q, float("nan"))}
+    arrays = {"k_pool": torch.randn(offset + 4, H, D, generator=g)[offset:],
+              "v_pool": torch.randn(offset + 4, H, D, generator=g)[offset:],
+              "q_out": torch.full((offset + T, H, D), float("nan"))[offset:]}
     arrays[which].untyped_storage().resize_(0)
+    assert arrays[which].data_ptr() == offset * H * D * 4
     before = {n: a.clone() for n, a in arrays.items() if n != which}
     with pytest.raises(ValueError, match=rf"^{which if which != 'q_out' else 'q_rot'} has no data "
                                          r"pointer"):
