@@ -10,6 +10,9 @@
 #             initcheck over its core tests (about 100 s on an H200)
 #   ncu       Nsight Compute on Llama-3.1-8B bf16 calls of T = 1, 64 and 8192
 #   latency   per-call time of small calls in CUDA graphs, next to an empty kernel
+#   cold      per-call time of plain calls of four model shapes, T = 1..8192, cold L2,
+#             at the library's and at each forced number of steps per team (not a
+#             default step)
 #   probe     bench/cuda_decode_probe.cu: decode-sized calls of kernel variants that
 #             each drop one part of the critical path (not a default step)
 #   cputest   the CPU Python suite tests/python
@@ -148,14 +151,15 @@ do_ncu() {
   return $rc
 }
 
-do_latency() {
-  # Llama-3.1-8B bf16; "auto" is the library's own choice of steps per team.
+# The driver's --latency or --cold timing at the library's steps per team
+# ("auto") and at each forced one; Llama-3.1-8B bf16 for --latency.
+each_unroll() {
   local u rc=0
   for u in auto 1 2 4 8; do
     if [ "$u" = auto ]; then
-      timeout 60 "$DRIVER" --latency || rc=1
+      timeout 60 "$DRIVER" "$1" || rc=1
     else
-      ROPEKV_CUDA_UNROLL=$u timeout 60 "$DRIVER" --latency || rc=1
+      ROPEKV_CUDA_UNROLL=$u timeout 60 "$DRIVER" "$1" || rc=1
     fi
   done
   return $rc
@@ -226,7 +230,8 @@ for s in "${STEPS[@]}"; do
     sanitize) step sanitize do_sanitize ;;
     sansuite) step sansuite do_sansuite ;;
     ncu) step ncu do_ncu ;;
-    latency) step latency do_latency ;;
+    latency) step latency each_unroll --latency ;;
+    cold) step cold each_unroll --cold ;;
     probe) step probe do_probe ;;
     cputest) step cputest do_cputest ;;
     bench) step bench do_bench ;;

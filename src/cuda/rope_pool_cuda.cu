@@ -308,9 +308,13 @@ void launch_typed(const Params& prm, int vec, bool contig, int unroll, const Lau
   }
 }
 
-// Steps per team. Small calls (about one wave) take U = 2 and large calls
-// U = 4, the fastest of 1, 2, 4 and 8 on an H200 for Llama-3.1-8B bf16 from
-// T = 1 to 32768 (docs/performance.md, "latency" step of gpu-check.sh). With
+// Steps per team. Small calls (up to 6144 team steps, about a wave and a
+// half) take U = 2 and larger calls U = 4: of 1, 2, 4 and 8 the fastest on
+// an H200 for Llama-3.1-8B bf16 from T = 1 to 32768 (docs/performance.md,
+// "latency" and "cold" steps of gpu-check.sh), and within 2 % of it at
+// T >= 2048 for Qwen2.5-7B, Gemma-2-9B and Phi-3-mini. At T = 512 the best
+// U varies by shape (1 for Qwen, 2 for Llama, 4 for Phi-3, 8 for Gemma-2);
+// the rule takes Llama's and Qwen's 2 (9-12 % faster than 4). With
 // a QK-norm each step adds its sum of squares and 1 / sqrt to a team's serial
 // path: the options kernel then takes 1 step for small calls and 2 up to
 // about T = 512 (latency step, H200, Llama shape with QK-norm and fp8 pools:
@@ -327,7 +331,7 @@ int choose_unroll(int64_t tokens, int64_t steps, int64_t vec_bytes, bool qk_norm
   if (forced) return forced;
   const int64_t work = tokens * steps;
   if (qk_norm) return work <= 2048 ? 1 : (work <= 8192 ? 2 : 4);
-  return work <= 4096 ? 2 : 4;
+  return work <= 6144 ? 2 : 4;
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

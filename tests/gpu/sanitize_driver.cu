@@ -5,6 +5,7 @@
 //   sanitize_driver --profile  Llama-3.1-8B bf16 calls of T = 1, 64, 8192 (for ncu)
 //   sanitize_driver --latency  per-call time of T = 1..512 in CUDA graphs, and
 //                              of an empty kernel (the launch floor)
+//   sanitize_driver --cold     per-call time of four model shapes, cold L2 (T = 1..8192)
 //
 // Built by scripts/gpu-check.sh against the library the Python build made.
 #include <cuda_bf16.h>
@@ -17,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -328,26 +330,34 @@ void run_options_case(const char* name, int T, int Hq, int Hk, int D, DLDataType
   if (!ok) ++g_failures;
 }
 
-// Llama-3.1-8B bf16 buffers for T tokens (pool of 2^19 rows, random slots).
-// With `options`: Qwen3's QK-norm (bf16 weights) and fp8_e4m3 pools, the
-// options kernel.
-struct LlamaCall {
-  static constexpr int Hq = 32, Hk = 8, D = 128;
+// bf16 buffers of one call for T tokens of a model shape (Llama-3.1-8B by
+// default; a pool of 2^19 rows, scattered slots). With `options`: Qwen3's
+// QK-norm (bf16 weights) and fp8_e4m3 pools, the options kernel.
+struct Shape {
+  const char* name;
+  int Hq, Hk, D;
+};
+constexpr Shape kLlama{"Llama-3.1-8B", 32, 8, 128};
+constexpr Shape kShapes[] = {kLlama, {"Qwen2.5-7B", 28, 4, 128}, {"Gemma-2-9B", 16, 8, 256},
+                             {"Phi-3-mini", 32, 32, 96}};
+
+struct ModelCall {
   static constexpr int64_t P = 1 << 19;
-  int T;
+  int T, Hq, Hk, D;
   Buf q, k, v, qr, kr, kp, vp, dpos, dslot, w;
   int64_t sq[3], sk[3], sp[3], s1[1], sw[1];
   ropekv::RopePoolTensors t;
   ropekv::RopeConfig cfg;
-  explicit LlamaCall(int T_, bool options = false)
-      : T(T_), q(size_t(T_) * Hq * D * 2), k(size_t(T_) * Hk * D * 2), v(k.bytes), qr(q.bytes),
-        kr(k.bytes), kp(size_t(P) * Hk * D * (options ? 1 : 2)), vp(kp.bytes), dpos(T_ * 4),
-        dslot(T_ * 4), w(D * 2), sq{T_, Hq, D}, sk{T_, Hk, D}, sp{P, Hk, D}, s1{T_}, sw{D} {
+  // pool_rows: P, or fewer for a call whose pools are never used.
+  ModelCall(int T_, Shape m, bool options = false, int64_t pool_rows = P)
+      : T(T_), Hq(m.Hq), Hk(m.Hk), D(m.D), q(size_t(T_) * Hq * D * 2), k(size_t(T_) * Hk * D * 2),
+        v(k.bytes), qr(q.bytes), kr(k.bytes), kp(size_t(pool_rows) * Hk * D * (options ? 1 : 2)),
+        vp(kp.bytes), dpos(T_ * 4), dslot(T_ * 4), w(D * 2), sq{T_, Hq, D}, sk{T_, Hk, D},
+        sp{P, Hk, D}, s1{T_}, sw{D} {
     CK(cudaMemset(q.ptr, 0x3c, q.bytes));
     CK(cudaMemset(k.ptr, 0x3c, k.bytes));
     CK(cudaMemset(v.ptr, 0x3c, v.bytes));
     std::vector<int32_t> pos(T), slot(T);
-    std::mt19937 rng(7);
     for (int i = 0; i < T; ++i) {
       pos[i] = i + 1000;
       slot[i] = static_cast<int32_t>((static_cast<int64_t>(i) * 7919 + 13) % P);
@@ -379,11 +389,19 @@ struct LlamaCall {
     // reads the buffers.
     CK(cudaDeviceSynchronize());
   }
+  // Bytes a plain call moves (SPEC 7): q and k read and written, v read, the
+  // pool rows of k and v written, positions and slots read.
+  double bytes() const {
+    return 2.0 * (2.0 * T * Hq * D + 3.0 * T * Hk * D) + 2.0 * 2.0 * T * Hk * D + 8.0 * T;
+  }
   void run(cudaStream_t s = nullptr) {
     ropekv::ExecOptions o;
     o.stream = s;
     ropekv::rope_pool_fused(t, cfg, o);
   }
+};
+struct LlamaCall : ModelCall {
+  explicit LlamaCall(int T_, bool options = false) : ModelCall(T_, kLlama, options) {}
 };
 
 // For ncu: T = 1, 64 and 8192, two calls each.
@@ -473,11 +491,90 @@ void latency() {
   ropekv::check_device_errors(0, s);
 }
 
+// Per-call time of plain calls with a cold L2, as the peers benchmark
+// measures them: 50 calls in one CUDA graph, each on its own q, k, v,
+// positions and slots (fewer sets, cycled, where 50 would not fit in about
+// 1 GB), random positions and distinct random slots, the L2 flushed before
+// each replay. Every shape of kShapes at T = 1..8192; run it with
+// ROPEKV_CUDA_UNROLL=1|2|4|8 to compare the kernel's steps per team.
+void cold() {
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  Buf flush(size_t(256) << 20);
+  const char* u = std::getenv("ROPEKV_CUDA_UNROLL");
+  std::mt19937 rng(11);
+  for (const Shape& m : kShapes) {
+    std::printf("U=%s cold %-12s", u ? u : "auto", m.name);
+    for (int T : {1, 32, 128, 256, 512, 2048, 8192}) {
+      ModelCall c(T, m);
+      const size_t set_bytes = c.q.bytes * 2 + c.k.bytes * 3 + size_t(T) * 8;
+      const int n = static_cast<int>(std::clamp<size_t>((size_t(1) << 30) / set_bytes, 1, 50));
+      std::vector<std::unique_ptr<ModelCall>> sets;  // inputs and outputs of each call
+      for (int i = 0; i < n; ++i) {
+        sets.emplace_back(new ModelCall(T, m, false, /*pool_rows=*/1));
+        std::vector<int32_t> pos(T), slot(T);
+        for (int j = 0; j < T; ++j) pos[j] = static_cast<int32_t>(rng() % (1 << 17));
+        // Distinct slots: T draws from disjoint strides of the pool.
+        const int64_t stride = ModelCall::P / T;
+        for (int j = 0; j < T; ++j) slot[j] = static_cast<int32_t>(j * stride + rng() % stride);
+        CK(cudaMemcpy(sets[i]->dpos.ptr, pos.data(), T * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(sets[i]->dslot.ptr, slot.data(), T * 4, cudaMemcpyHostToDevice));
+      }
+      CK(cudaDeviceSynchronize());
+      auto call = [&](int i) {
+        ropekv::RopePoolTensors t = c.t;
+        const ModelCall& x = *sets[i % n];
+        t.q.data = x.q.ptr;
+        t.k.data = x.k.ptr;
+        t.v.data = x.v.ptr;
+        t.q_rot.data = x.qr.ptr;
+        t.k_rot.data = x.kr.ptr;
+        t.positions.data = x.dpos.ptr;
+        t.slots.data = x.dslot.ptr;
+        ropekv::ExecOptions o;
+        o.stream = s;
+        ropekv::rope_pool_fused(t, c.cfg, o);
+      };
+      cudaGraph_t g;
+      cudaGraphExec_t ge;
+      CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+      for (int i = 0; i < 50; ++i) call(i);
+      CK(cudaStreamEndCapture(s, &g));
+      CK(cudaGraphInstantiate(&ge, g, 0));
+      std::vector<float> ms;
+      for (int r = 0; r < 11; ++r) {
+        CK(cudaMemsetAsync(flush.ptr, r, flush.bytes, s));
+        CK(cudaEventRecord(e0, s));
+        CK(cudaGraphLaunch(ge, s));
+        CK(cudaEventRecord(e1, s));
+        CK(cudaEventSynchronize(e1));
+        float t;
+        CK(cudaEventElapsedTime(&t, e0, e1));
+        if (r > 0) ms.push_back(t);
+      }
+      std::sort(ms.begin(), ms.end());
+      const double us = ms[ms.size() / 2] * 1e3 / 50;
+      std::printf(" | T=%d %.2f us %.0f GB/s", T, us, c.bytes() / us / 1e3);
+      CK(cudaGraphExecDestroy(ge));
+      CK(cudaGraphDestroy(g));
+    }
+    std::printf("\n");
+  }
+  ropekv::check_device_errors(0, s);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "--profile") {
     profile();
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "--cold") {
+    cold();
     return 0;
   }
   if (argc > 1 && std::string(argv[1]) == "--latency") {
