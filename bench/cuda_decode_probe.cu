@@ -21,7 +21,11 @@
 //             N cos/sin with sincos_fp32
 //   table     no sincos at all: each lane reads its chunk's cos/sin from a
 //             [positions, R] f32 table row (a cos_sin_cache)
-//   copy      loads and stores only (no cos/sin, no rotation)
+//   table+bar the same with a block barrier before the rotation
+//   fast-lane each lane its own chunk's N cos/sin with __sincosf (inaccurate;
+//             timing only): no shared memory, no barrier
+//   copy      loads and stores only (no cos/sin, no rotation); "+bar" with a
+//             block barrier before the stores
 //   empty     an empty kernel (the launch floor)
 // each as one block per token (the library's plan) and, with "/split", one
 // block per team (6 blocks per token).
@@ -58,7 +62,10 @@ constexpr int kN = 8, kU = 2;
     }                                                                             \
   } while (0)
 
-enum Mode { kFastSc = 1, kLaneSc = 2, kTable = 3, kCopy = 4, kF64Sc = 5, kWarpSc = 6, kShflSc = 7 };
+enum Mode {
+  kFastSc = 1, kLaneSc = 2, kTable = 3, kCopy = 4, kF64Sc = 5, kWarpSc = 6, kShflSc = 7,
+  kTableBar = 8, kCopyBar = 9, kFastLane = 10
+};
 
 __global__ void empty_kernel() { grid_dependency_sync(); }
 
@@ -121,7 +128,11 @@ __global__ void __launch_bounds__(256) probe_kernel(const __grid_constant__ Para
 #pragma unroll
     for (int e = 0; e < kN; ++e)
       ropekv::sincos_fp32(__fmul_rn(pos, __ldg(p.inv_freq + c * kN + e)), &ss[e], &cc[e]);
-  } else if constexpr (kMode == kTable) {
+  } else if constexpr (kMode == kFastLane) {
+#pragma unroll
+    for (int e = 0; e < kN; ++e)
+      __sincosf(__fmul_rn(pos, __ldg(p.inv_freq + c * kN + e)), &ss[e], &cc[e]);
+  } else if constexpr (kMode == kTable || kMode == kTableBar) {
     const float* row = table + position * p.rotary_dim;
     const float4* r4 = reinterpret_cast<const float4*>(row + c * kN);
     const float4* s4 = reinterpret_cast<const float4*>(row + p.half + c * kN);
@@ -131,6 +142,7 @@ __global__ void __launch_bounds__(256) probe_kernel(const __grid_constant__ Para
     ss[0] = s0.x; ss[1] = s0.y; ss[2] = s0.z; ss[3] = s0.w;
     ss[4] = s1.x; ss[5] = s1.y; ss[6] = s1.z; ss[7] = s1.w;
   }
+  if constexpr (kMode == kTableBar || kMode == kCopyBar) __syncthreads();
   if (!active) return;
   const long long row = slot >= 0 && slot < p.pool_size ? slot : -1;
   const int Hq = p.num_qo_heads, Hk = p.num_kv_heads;
@@ -140,7 +152,7 @@ __global__ void __launch_bounds__(256) probe_kernel(const __grid_constant__ Para
     if (vh >= Hq + 2 * Hk) continue;
     int h;
     const int kind = kind_of(vh, Hq, Hk, &h);
-    if constexpr (kMode != kCopy) {
+    if constexpr (kMode != kCopy && kMode != kCopyBar) {
       if (kind != 2) rotate<T, kN>(a[u], b[u], cc, ss);
     }
     const Tensor3& y = kind == 0 ? p.q_rot : (kind == 1 ? p.k_rot : p.v_pool);
@@ -348,7 +360,10 @@ int main() {
     row("fast-sc", probe(probe_kernel<kFastSc>), sets);
     row("lane-sc", probe(probe_kernel<kLaneSc>), sets);
     row("table", probe(probe_kernel<kTable>), sets);
+    row("table+bar", probe(probe_kernel<kTableBar>), sets);
+    row("fast-lane", probe(probe_kernel<kFastLane>), sets);
     row("copy", probe(probe_kernel<kCopy>), sets);
+    row("copy+bar", probe(probe_kernel<kCopyBar>), sets);
     // The empty kernel (one block of 192 threads per token): the launch floor.
     auto empty = [](cudaLaunchConfig_t* cfg, const Params&) {
       CK(cudaLaunchKernelEx(cfg, empty_kernel));

@@ -256,17 +256,21 @@ void launch_options_as(const OptParams& prm, const Launch& l, cudaStream_t strea
         "launching the rope_pool options kernel");
 }
 
-// The 16-byte options kernels (kOptSteps steps at most, o.steps taken): one
-// for fp8 pools and one for the others, each with or without the QK-norm
-// code; or the strided one (one step, every option at run time: rare
-// layouts, and the shortest code).
+// The 16-byte options kernels: one for fp8 pools and one for the others,
+// each with or without the QK-norm code, compiled for one step (small calls)
+// or for kOptSteps steps of which o.steps are taken; or the strided one (one
+// step, every option at run time: rare layouts).
+template <class T, bool kNorm, int U>
+void launch_options_steps(const OptParams& prm, const Launch& l, cudaStream_t stream) {
+  constexpr int kVec = static_cast<int>(16 / sizeof(T));
+  if (prm.o.pool_mode == detail::kPoolFp8)
+    return launch_options_as<T, kVec, true, U, detail::kPoolsFp8, kNorm>(prm, l, stream);
+  return launch_options_as<T, kVec, true, U, detail::kPoolsWide, kNorm>(prm, l, stream);
+}
 template <class T, bool kNorm>
 void launch_options_pools(const OptParams& prm, const Launch& l, cudaStream_t stream) {
-  constexpr int kVec = static_cast<int>(16 / sizeof(T));
-  constexpr int kU = detail::kOptSteps;
-  if (prm.o.pool_mode == detail::kPoolFp8)
-    return launch_options_as<T, kVec, true, kU, detail::kPoolsFp8, kNorm>(prm, l, stream);
-  return launch_options_as<T, kVec, true, kU, detail::kPoolsWide, kNorm>(prm, l, stream);
+  if (prm.o.steps == 1) return launch_options_steps<T, kNorm, 1>(prm, l, stream);
+  return launch_options_steps<T, kNorm, detail::kOptSteps>(prm, l, stream);
 }
 
 // float32 inputs (rarer with options, and lighter on registers) take the
@@ -321,7 +325,13 @@ void launch_typed(const Params& prm, int vec, bool contig, int unroll, const Lau
 // T = 1..64 3.7-3.9 us at 1 step, 4.4-4.6 at 2; T = 512 6.2 us at 2, 7.4 at
 // 4). ROPEKV_CUDA_UNROLL=1|2|4|8 forces a value for the 16-byte kernels (for
 // tuning; read once).
-int choose_unroll(int64_t tokens, int64_t steps, int64_t vec_bytes, bool qk_norm) {
+//
+// Calls with options take the options kernel compiled for one step up to
+// 2048 team steps: its code is a third of the kOptSteps kernel's, and a
+// decode call fetches its instructions cold (Nsight Compute's stall sampling
+// of a T = 1 call with QK-norm and fp8 pools: "no instruction" stalls were
+// a quarter of the samples).
+int choose_unroll(int64_t tokens, int64_t steps, int64_t vec_bytes, bool options, bool qk_norm) {
   static const int forced = [] {
     const char* e = std::getenv("ROPEKV_CUDA_UNROLL");
     const int v = e ? std::atoi(e) : 0;
@@ -330,7 +340,8 @@ int choose_unroll(int64_t tokens, int64_t steps, int64_t vec_bytes, bool qk_norm
   if (vec_bytes != 16) return 4;  // only the 16-byte kernels have other U
   if (forced) return forced;
   const int64_t work = tokens * steps;
-  if (qk_norm) return work <= 2048 ? 1 : (work <= 8192 ? 2 : 4);
+  if (options && work <= 2048) return 1;
+  if (qk_norm) return work <= 8192 ? 2 : 4;
   return work <= 6144 ? 2 : 4;
 }
 
@@ -459,10 +470,10 @@ void run(const Problem& p, const ExecOptions& options) {
   if (heads > INT_MAX / 4 || p.head_dim > INT_MAX / 4)
     throw Error("num_qo_heads + 2*num_kv_heads and head_dim must fit in 29 bits");
   const int64_t steps = ceil_div(heads, heads_par);
-  int unroll = contig ? choose_unroll(p.num_tokens, steps, vec * esize, norm) : 4;
-  // The options kernels: U = kOptSteps compiled, `unroll` of them taken
-  // (1, 2 or 4), or the strided kernel's one.
-  const int kernel_u = plain ? unroll : (contig ? detail::kOptSteps : 1);
+  int unroll = contig ? choose_unroll(p.num_tokens, steps, vec * esize, !plain, norm) : 4;
+  // The options kernels: U = 1 compiled, or U = kOptSteps compiled and
+  // `unroll` of them taken (2 or 4), or the strided kernel's one.
+  const int kernel_u = plain ? unroll : (contig && unroll > 1 ? detail::kOptSteps : 1);
   if (!plain) unroll = !contig ? 1 : std::min(unroll, detail::kOptSteps);
   const int64_t batches = ceil_div(steps, unroll);
   // The teams of one token share a block (and its cos/sin) when they fit.

@@ -566,10 +566,18 @@ __device__ __forceinline__ float widen(unsigned int u16, int dtype) {
   if (dtype == 2) return __uint_as_float(u16 << 16);
   return __half2float(__ushort_as_half(static_cast<unsigned short>(u16)));
 }
-// Element i of a float vector of dtype code 0 f32, 1 f16, 2 bf16, widened.
+// Element i of a float vector of dtype code 0 f32, 1 f16, 2 bf16: its bits,
+// and the bits as a float (exact). Apart, the conversion can wait where the
+// value is used instead of stalling right after the load.
+__device__ __forceinline__ unsigned int load_bits(const void* base, long long i, int dtype) {
+  if (dtype == 0) return __ldg(static_cast<const unsigned int*>(base) + i);
+  return __ldg(static_cast<const unsigned short*>(base) + i);
+}
+__device__ __forceinline__ float bits_to_float(unsigned int bits, int dtype) {
+  return dtype == 0 ? __uint_as_float(bits) : widen(bits, dtype);
+}
 __device__ __forceinline__ float load_float(const void* base, long long i, int dtype) {
-  if (dtype == 0) return __ldg(static_cast<const float*>(base) + i);
-  return widen(__ldg(static_cast<const unsigned short*>(base) + i), dtype);
+  return bits_to_float(load_bits(base, i, dtype), dtype);
 }
 // Elements i and j, both loads issued before either is converted: a table
 // row's cos and sin. Loaded and converted one after the other, a decode call
@@ -927,6 +935,16 @@ __global__ void __launch_bounds__(max_block(U))
   float* wq = smem + p.rotary_dim;  // with a QK-norm: the weights of q, k
   float* wk = wq + D;
   float* partial = wk + D;
+  // In the one-step kernel (small calls), a thread's first QK-norm weights go
+  // out now, with the index loads: issued after the cos/sin (which wait for
+  // the position), they cost a decode call a second memory round trip. (In
+  // the kOptSteps kernel the two registers they hold cost 2 % at T >= 2048.)
+  constexpr bool kEarly = kNorm && U == 1;
+  unsigned int wq0 = 0, wk0 = 0;  // bits, converted where stored
+  if (kEarly && norm && tid < D) {
+    if (o.q_norm) wq0 = load_bits(o.q_norm, tid * o.qn_stride, o.qn_dtype);
+    if (o.k_norm) wk0 = load_bits(o.k_norm, tid * o.kn_stride, o.kn_dtype);
+  }
   // A position outside the table skips the token: the same for the block.
   bool skip = false;
   if (o.cos_sin != nullptr) {
@@ -956,7 +974,11 @@ __global__ void __launch_bounds__(max_block(U))
     make_cos_sin(p, position, tid, freq0, cs_smem);
   }
   if (norm) {
-    for (int i = tid; i < D; i += blockDim.x) {
+    if (kEarly && tid < D) {
+      wq[tid] = o.q_norm ? bits_to_float(wq0, o.qn_dtype) : 1.0f;
+      wk[tid] = o.k_norm ? bits_to_float(wk0, o.kn_dtype) : 1.0f;
+    }
+    for (int i = kEarly ? tid + blockDim.x : tid; i < D; i += blockDim.x) {
       wq[i] = o.q_norm ? load_float(o.q_norm, i * o.qn_stride, o.qn_dtype) : 1.0f;
       wk[i] = o.k_norm ? load_float(o.k_norm, i * o.kn_stride, o.kn_dtype) : 1.0f;
     }

@@ -5,7 +5,9 @@
 //   sanitize_driver --profile  Llama-3.1-8B bf16 calls of T = 1, 64, 8192 (for ncu)
 //   sanitize_driver --latency  per-call time of T = 1..512 in CUDA graphs, and
 //                              of an empty kernel (the launch floor)
+//   sanitize_driver --profile-decode  T = 1, plain and options kernels (for ncu)
 //   sanitize_driver --cold     per-call time of four model shapes, cold L2 (T = 1..8192)
+//   sanitize_driver --cold-options  the same for Llama with QK-norm and fp8 pools
 //
 // Built by scripts/gpu-check.sh against the library the Python build made.
 #include <cuda_bf16.h>
@@ -343,14 +345,14 @@ constexpr Shape kShapes[] = {kLlama, {"Qwen2.5-7B", 28, 4, 128}, {"Gemma-2-9B", 
 
 struct ModelCall {
   static constexpr int64_t P = 1 << 19;
-  int T, Hq, Hk, D;
+  int T, Hq, Hk, D, pool_esize;
   Buf q, k, v, qr, kr, kp, vp, dpos, dslot, w;
   int64_t sq[3], sk[3], sp[3], s1[1], sw[1];
   ropekv::RopePoolTensors t;
   ropekv::RopeConfig cfg;
   // pool_rows: P, or fewer for a call whose pools are never used.
   ModelCall(int T_, Shape m, bool options = false, int64_t pool_rows = P)
-      : T(T_), Hq(m.Hq), Hk(m.Hk), D(m.D), q(size_t(T_) * Hq * D * 2), k(size_t(T_) * Hk * D * 2),
+      : T(T_), Hq(m.Hq), Hk(m.Hk), D(m.D), pool_esize(options ? 1 : 2), q(size_t(T_) * Hq * D * 2), k(size_t(T_) * Hk * D * 2),
         v(k.bytes), qr(q.bytes), kr(k.bytes), kp(size_t(pool_rows) * Hk * D * (options ? 1 : 2)),
         vp(kp.bytes), dpos(T_ * 4), dslot(T_ * 4), w(D * 2), sq{T_, Hq, D}, sk{T_, Hk, D},
         sp{P, Hk, D}, s1{T_}, sw{D} {
@@ -389,10 +391,10 @@ struct ModelCall {
     // reads the buffers.
     CK(cudaDeviceSynchronize());
   }
-  // Bytes a plain call moves (SPEC 7): q and k read and written, v read, the
-  // pool rows of k and v written, positions and slots read.
+  // Bytes a call moves (SPEC 7): q and k read and written, v read, the pool
+  // rows of k and v written, positions and slots read.
   double bytes() const {
-    return 2.0 * (2.0 * T * Hq * D + 3.0 * T * Hk * D) + 2.0 * 2.0 * T * Hk * D + 8.0 * T;
+    return 2.0 * (2.0 * T * Hq * D + 3.0 * T * Hk * D) + pool_esize * 2.0 * T * Hk * D + 8.0 * T;
   }
   void run(cudaStream_t s = nullptr) {
     ropekv::ExecOptions o;
@@ -408,6 +410,19 @@ struct LlamaCall : ModelCall {
 void profile() {
   for (int T : {1, 64, 8192}) {
     LlamaCall c(T);
+    c.run();
+    c.run();
+    CK(cudaDeviceSynchronize());
+  }
+  ropekv::check_device_errors(0, nullptr);
+  std::printf("profile cases done\n");
+}
+
+// For ncu's stall sampling of decode: T = 1, the plain kernel twice, then
+// the options kernel (QK-norm, fp8 pools) twice.
+void profile_decode() {
+  for (bool options : {false, true}) {
+    LlamaCall c(1, options);
     c.run();
     c.run();
     CK(cudaDeviceSynchronize());
@@ -495,9 +510,10 @@ void latency() {
 // measures them: 50 calls in one CUDA graph, each on its own q, k, v,
 // positions and slots (fewer sets, cycled, where 50 would not fit in about
 // 1 GB), random positions and distinct random slots, the L2 flushed before
-// each replay. Every shape of kShapes at T = 1..8192; run it with
+// each replay. Every shape of kShapes at T = 1..8192 (with `options`: the
+// Llama shape with QK-norm and fp8 pools); run it with
 // ROPEKV_CUDA_UNROLL=1|2|4|8 to compare the kernel's steps per team.
-void cold() {
+void cold(bool options) {
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cudaEvent_t e0, e1;
@@ -507,9 +523,10 @@ void cold() {
   const char* u = std::getenv("ROPEKV_CUDA_UNROLL");
   std::mt19937 rng(11);
   for (const Shape& m : kShapes) {
-    std::printf("U=%s cold %-12s", u ? u : "auto", m.name);
+    if (options && m.name != kLlama.name) continue;
+    std::printf("U=%s cold %-12s%s", u ? u : "auto", m.name, options ? " QK-norm fp8" : "");
     for (int T : {1, 32, 128, 256, 512, 2048, 8192}) {
-      ModelCall c(T, m);
+      ModelCall c(T, m, options);
       const size_t set_bytes = c.q.bytes * 2 + c.k.bytes * 3 + size_t(T) * 8;
       const int n = static_cast<int>(std::clamp<size_t>((size_t(1) << 30) / set_bytes, 1, 50));
       std::vector<std::unique_ptr<ModelCall>> sets;  // inputs and outputs of each call
@@ -573,8 +590,12 @@ int main(int argc, char** argv) {
     profile();
     return 0;
   }
-  if (argc > 1 && std::string(argv[1]) == "--cold") {
-    cold();
+  if (argc > 1 && std::string(argv[1]) == "--profile-decode") {
+    profile_decode();
+    return 0;
+  }
+  if (argc > 1 && (std::string(argv[1]) == "--cold" || std::string(argv[1]) == "--cold-options")) {
+    cold(std::string(argv[1]) == "--cold-options");
     return 0;
   }
   if (argc > 1 && std::string(argv[1]) == "--latency") {
