@@ -28,7 +28,8 @@
 //             block barrier before the stores
 //   empty     an empty kernel (the launch floor)
 // each as one block per token (the library's plan) and, with "/split", one
-// block per team (6 blocks per token).
+// block per team (6 blocks per token); "/inplace": q_rot and k_rot are q and
+// k (the call with inplace=True, and what SGLang's kernel does).
 //
 // Llama-3.1-8B shape (32 q heads, 8 kv heads, head_dim 128), bf16, random
 // slots in a 2^20-row pool, random positions below 2^17.
@@ -261,6 +262,12 @@ int main() {
     // The same sets with int32 indices, positions 1000 + t and slots
     // (7919 t + 13) mod P (the inputs of the library's own latency step), and
     // each of the two differences alone.
+    // In place: q_rot and k_rot are q and k (what SGLang's kernel does).
+    std::vector<Params> sets_inplace = sets;
+    for (Params& p : sets_inplace) {
+      p.q_rot = p.q;
+      p.k_rot = p.k;
+    }
     std::vector<Params> sets32 = sets, sets64fixed = sets, sets32rand = sets;
     for (int i = 0; i < kCalls; ++i) {
       set_indices(&sets32[i], false, false);
@@ -325,6 +332,7 @@ int main() {
     row("library/i32", library, sets32);
     row("library/i64-fixed", library, sets64fixed);
     row("library/i32-random", library, sets32rand);
+    row("library/inplace", library, sets_inplace);
     // The options kernel as a decode call runs it (16-byte form, 2 of its
     // kOptSteps steps, pools of q's dtype, no QK-norm): cos/sin made, or read
     // from a cos_sin_cache (an f32 table).
@@ -363,6 +371,8 @@ int main() {
     row("table+bar", probe(probe_kernel<kTableBar>), sets);
     row("fast-lane", probe(probe_kernel<kFastLane>), sets);
     row("copy", probe(probe_kernel<kCopy>), sets);
+    row("copy/inplace", probe(probe_kernel<kCopy>), sets_inplace);
+    row("table/inplace", probe(probe_kernel<kTable>), sets_inplace);
     row("copy+bar", probe(probe_kernel<kCopyBar>), sets);
     // The empty kernel (one block of 192 threads per token): the launch floor.
     auto empty = [](cudaLaunchConfig_t* cfg, const Params&) {

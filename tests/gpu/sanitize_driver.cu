@@ -8,6 +8,7 @@
 //   sanitize_driver --profile-decode  T = 1, plain and options kernels (for ncu)
 //   sanitize_driver --cold     per-call time of four model shapes, cold L2 (T = 1..8192)
 //   sanitize_driver --cold-options  the same for Llama with QK-norm and fp8 pools
+//   sanitize_driver --cold-inplace  the same in place (q_rot, k_rot = q, k)
 //
 // Built by scripts/gpu-check.sh against the library the Python build made.
 #include <cuda_bf16.h>
@@ -511,9 +512,10 @@ void latency() {
 // positions and slots (fewer sets, cycled, where 50 would not fit in about
 // 1 GB), random positions and distinct random slots, the L2 flushed before
 // each replay. Every shape of kShapes at T = 1..8192 (with `options`: the
-// Llama shape with QK-norm and fp8 pools); run it with
-// ROPEKV_CUDA_UNROLL=1|2|4|8 to compare the kernel's steps per team.
-void cold(bool options) {
+// Llama shape with QK-norm and fp8 pools; with `inplace`: q_rot and k_rot are
+// q and k, as with inplace=True); run it with ROPEKV_CUDA_UNROLL=1|2|4|8 to
+// compare the kernel's steps per team.
+void cold(bool options, bool inplace) {
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cudaEvent_t e0, e1;
@@ -524,7 +526,8 @@ void cold(bool options) {
   std::mt19937 rng(11);
   for (const Shape& m : kShapes) {
     if (options && m.name != kLlama.name) continue;
-    std::printf("U=%s cold %-12s%s", u ? u : "auto", m.name, options ? " QK-norm fp8" : "");
+    std::printf("U=%s cold %-12s%s%s", u ? u : "auto", m.name, options ? " QK-norm fp8" : "",
+                inplace ? " in place" : "");
     for (int T : {1, 32, 128, 256, 512, 2048, 8192}) {
       ModelCall c(T, m, options);
       const size_t set_bytes = c.q.bytes * 2 + c.k.bytes * 3 + size_t(T) * 8;
@@ -547,8 +550,8 @@ void cold(bool options) {
         t.q.data = x.q.ptr;
         t.k.data = x.k.ptr;
         t.v.data = x.v.ptr;
-        t.q_rot.data = x.qr.ptr;
-        t.k_rot.data = x.kr.ptr;
+        t.q_rot.data = inplace ? x.q.ptr : x.qr.ptr;
+        t.k_rot.data = inplace ? x.k.ptr : x.kr.ptr;
         t.positions.data = x.dpos.ptr;
         t.slots.data = x.dslot.ptr;
         ropekv::ExecOptions o;
@@ -594,8 +597,9 @@ int main(int argc, char** argv) {
     profile_decode();
     return 0;
   }
-  if (argc > 1 && (std::string(argv[1]) == "--cold" || std::string(argv[1]) == "--cold-options")) {
-    cold(std::string(argv[1]) == "--cold-options");
+  const std::string mode = argc > 1 ? argv[1] : "";
+  if (mode == "--cold" || mode == "--cold-options" || mode == "--cold-inplace") {
+    cold(mode == "--cold-options", mode == "--cold-inplace");
     return 0;
   }
   if (argc > 1 && std::string(argv[1]) == "--latency") {
