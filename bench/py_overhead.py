@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Per-call time of ropekv.rope_pool_fused at T = 1 through Python, with
 PyTorch CPU tensors (Llama-3.1-8B shapes, warm caches): the plain call, the
-call with Llama 3.1's rope_scaling and with interleaved pairs, each through
-the binding's fast path (the default) and through the general path
-(stream=0, which CPU arrays otherwise ignore). Best of 5 timeit runs of
-5000 calls each.
+call with Llama 3.1's rope_scaling, with interleaved pairs, with a QK-norm
+(weights in the input dtype, as Qwen3 has them) and with a float32
+cos_sin_cache, each through the binding's fast path (the default) and through
+the general path (stream=0, which CPU arrays otherwise ignore). Best of 5
+timeit runs of 5000 calls each.
 
 Usage: .venv/bin/python bench/py_overhead.py
 """
@@ -20,8 +21,18 @@ import ropekv
 T, HQ, HK, D, P = 1, 32, 8, 128, 4096
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-CALLS = {"plain": {}, "llama3 rope_scaling": {"rope_scaling": LLAMA3},
-         "is_neox=False": {"is_neox": False}}
+ROWS = 8192  # cos_sin_cache rows
+
+
+def calls(dt: torch.dtype) -> dict:
+    inv = 500000.0 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ang = torch.arange(ROWS, dtype=torch.float64)[:, None] * inv
+    table = torch.cat([ang.cos(), ang.sin()], 1).float()
+    w = torch.randn(D).to(dt)
+    return {"plain": {}, "llama3 rope_scaling": {"rope_scaling": LLAMA3},
+            "is_neox=False": {"is_neox": False},
+            "QK-norm": {"q_norm_weight": w, "k_norm_weight": w},
+            "cos_sin_cache f32": {"cos_sin_cache": table}}
 
 
 def main() -> None:
@@ -31,7 +42,7 @@ def main() -> None:
         q, k, v = (torch.randn(T, h, D).to(dt) for h in (HQ, HK, HK))
         pos, slots = torch.tensor([1234]), torch.tensor([17])
         k_pool, v_pool = torch.zeros(P, HK, D, dtype=dt), torch.zeros(P, HK, D, dtype=dt)
-        for name, kw in CALLS.items():
+        for name, kw in calls(dt).items():
             us = []
             for stream in (None, 0):
                 def call(stream=stream, kw=kw):

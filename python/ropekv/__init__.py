@@ -464,15 +464,16 @@ def rope_pool_fused(
             position outside cos_sin_cache) is skipped and raised only in
             checked mode (:func:`set_checked`).
     """
-    # Options beyond the frequencies and the pair layout.
-    more_options = (cos_sin_cache is not None or kv_cache_dtype != "auto" or k_scale != 1.0
-                    or v_scale != 1.0 or q_norm_weight is not None or k_norm_weight is not None)
+    # The pool formats; and the options beyond the frequencies and the pair layout.
+    pool_options = kv_cache_dtype != "auto" or k_scale != 1.0 or v_scale != 1.0
+    more_options = (pool_options or cos_sin_cache is not None or q_norm_weight is not None
+                    or k_norm_weight is not None)
     options = more_options or is_neox is not True or rope_scaling is not None
     if inplace:
         if q_out is not None or k_out is not None:
             raise ValueError("inplace=True writes q and k themselves: pass no q_out/k_out")
         q_out, k_out = q, k
-    if not more_options and stream is None and (type(q) is _np.ndarray
+    if not pool_options and stream is None and (type(q) is _np.ndarray
                                                  or type(q) is _FAST_TENSOR):
         # numpy arrays and PyTorch CPU tensors of the plain dtypes, read in
         # place by the binding; it declines anything else (None), having
@@ -488,7 +489,8 @@ def rope_pool_fused(
         if scaling is not _DECLINE:
             done = _ext.run_fast(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out,
                                  head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim,
-                                 is_neox, scaling, num_threads, _checked)
+                                 is_neox, scaling, num_threads, _checked, cos_sin_cache,
+                                 q_norm_weight, k_norm_weight, norm_eps)
             if done is not None:
                 return done
     if options:

@@ -2,7 +2,7 @@
 // DLPack (or the buffer protocol) as they are, never converted, become
 // DLTensor views, and go to the C++ front end, which validates everything.
 // run_fast reads numpy arrays and PyTorch CPU tensors in place instead, for
-// the call without options (see "fast path" below).
+// calls without pool-format options (see "fast path" below).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/array.h>
@@ -499,7 +499,8 @@ nb::object run_fast(nb::handle q, nb::handle k, nb::handle v, nb::handle positio
                     nb::handle k_rot, nb::handle head_dim, nb::handle num_qo_heads,
                     nb::handle num_kv_heads, nb::handle rope_base, nb::handle rotary_dim,
                     nb::handle is_neox, const std::optional<Scaling>& rope_scaling,
-                    nb::handle num_threads, bool checked) {
+                    nb::handle num_threads, bool checked, nb::handle cos_sin_cache,
+                    nb::handle q_norm_weight, nb::handle k_norm_weight, nb::handle norm_eps) {
   ropekv::RopeConfig cfg;
   if (is_neox.ptr() != Py_True && is_neox.ptr() != Py_False) return nb::none();
   cfg.is_neox = is_neox.ptr() == Py_True;
@@ -520,11 +521,24 @@ nb::object run_fast(nb::handle q, nb::handle k, nb::handle v, nb::handle positio
   } else {
     return nb::none();
   }
+  if (PyFloat_CheckExact(norm_eps.ptr())) {
+    cfg.norm_eps = PyFloat_AS_DOUBLE(norm_eps.ptr());
+  } else if (!norm_eps.is_none()) {
+    return nb::none();
+  }
 
   const nb::handle in[7] = {q, k, v, positions, slots, k_pool, v_pool};
-  FastView views[9];
+  FastView views[12];
   for (int i = 0; i < 7; ++i)
     if (!fast_view(in[i].ptr(), views[i])) return nb::none();
+  // The optional inputs: absent (None) or read in place like the others.
+  const nb::handle opt[3] = {cos_sin_cache, q_norm_weight, k_norm_weight};
+  for (int i = 0; i < 3; ++i)
+    if (!opt[i].is_none() && !fast_view(opt[i].ptr(), views[9 + i])) return nb::none();
+  // Without rotary_dim, a 2-D cos_sin_cache's width is R (as the general
+  // path has it).
+  if (rotary_dim.is_none() && !cos_sin_cache.is_none() && views[9].t.ndim == 2)
+    cfg.rotary_dim = views[9].shape[1];
   // Outputs: made like q and k when not given (and q / k is 3-D; otherwise
   // None, and the core reports the rank).
   nb::object outs[2] = {nb::borrow(q_rot), nb::borrow(k_rot)};
@@ -538,9 +552,12 @@ nb::object run_fast(nb::handle q, nb::handle k, nb::handle v, nb::handle positio
   for (int i = 5; i < 9; ++i)
     if (views[i].read_only) return nb::none();
 
-  const ropekv::RopePoolTensors t{views[0].t, views[1].t, views[2].t, views[3].t,
-                                  views[4].t, views[5].t, views[6].t, views[7].t,
-                                  views[8].t, DLTensor{},  DLTensor{},  DLTensor{}};
+  DLTensor optional[3] = {};
+  for (int i = 0; i < 3; ++i)
+    if (!opt[i].is_none()) optional[i] = views[9 + i].t;
+  const ropekv::RopePoolTensors t{views[0].t, views[1].t,  views[2].t,  views[3].t,
+                                  views[4].t, views[5].t,  views[6].t,  views[7].t,
+                                  views[8].t, optional[0], optional[1], optional[2]};
   {
     nb::gil_scoped_release release;
     execute(t, cfg, 0, 0, threads, checked);
@@ -598,8 +615,11 @@ NB_MODULE(_ext, m) {
         nb::arg("num_kv_heads").none(), nb::arg("rope_base").none(),
         nb::arg("rotary_dim").none(), nb::arg("is_neox").none(), nb::arg("rope_scaling").none(),
         nb::arg("num_threads").none(), nb::arg("checked"),
-        "ropekv.rope_pool_fused with no options but is_neox and rope_scaling, on numpy arrays "
-        "or PyTorch CPU tensors read in place (see fast_path_types): (q_rot, k_rot, k_pool, "
+        nb::arg("cos_sin_cache").none() = nb::none(), nb::arg("q_norm_weight").none() = nb::none(),
+        nb::arg("k_norm_weight").none() = nb::none(), nb::arg("norm_eps").none() = nb::none(),
+        "ropekv.rope_pool_fused with the options other than the pool formats (is_neox, "
+        "rope_scaling, cos_sin_cache, the QK-norm weights and norm_eps), on numpy arrays or "
+        "PyTorch CPU tensors read in place (see fast_path_types): (q_rot, k_rot, k_pool, "
         "v_pool), or None, having written nothing, for anything else.");
   m.def("fast_path_types", &fast_path_types, nb::arg("framework"), nb::arg("type"),
         nb::arg("dtypes"), nb::arg("empty"), nb::arg("contiguous_format").none(),

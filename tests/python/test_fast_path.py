@@ -1,5 +1,5 @@
 """The binding's fast path (ropekv._ext.run_fast): numpy arrays and PyTorch
-CPU tensors read in place, for calls without options. It must give the
+CPU tensors read in place, for calls without pool-format options. It must give the
 general path's results (and the float64 reference's) for any strides,
 offsets and dtypes, raise the contract's messages, and decline every
 argument it does not take exactly (another dtype or type, a tensor that
@@ -440,3 +440,91 @@ def test_is_neox_not_a_bool_is_declined(is_neox):
     general = torch_call("float32", seed)
     assert outcome(dict(c, kw=dict(KW, is_neox=is_neox)), None) == \
         outcome(dict(general, kw=dict(KW, is_neox=is_neox)), 0)
+
+
+ROWS = 64  # cos_sin_cache rows: positions of these calls are below it
+
+
+def table_and_norm_options(framework, dtype, which, rng):
+    """Options the fast path reads in place (besides is_neox / rope_scaling),
+    as arrays of the call's framework: a cos_sin_cache (float32 or q's dtype,
+    full or half width: rotary_dim then comes from its width), QK-norm
+    weights (q's dtype or float32) with norm_eps, or a mix."""
+    def arr(shape, dt):
+        x = rng.standard_normal(shape).astype(np.float32)
+        if framework == "torch":
+            return torch.from_numpy(x).to(TORCH_DTYPES[dt])
+        return x.astype(NUMPY_DTYPES[dt])
+    table = lambda width, dt: arr((ROWS, width), dt)  # noqa: E731
+    return {
+        "table-f32": lambda: dict(cos_sin_cache=table(D, "float32")),
+        "table-q-dtype": lambda: dict(cos_sin_cache=table(D, dtype)),
+        "table-half-width": lambda: dict(cos_sin_cache=table(D // 2, "float32")),
+        "qk-norm": lambda: dict(q_norm_weight=arr((D,), dtype), k_norm_weight=arr((D,), "float32"),
+                                norm_eps=1e-5),
+        "q-norm-only": lambda: dict(q_norm_weight=arr((D,), dtype)),
+        "table-norm-interleaved": lambda: dict(cos_sin_cache=table(D, "float32"),
+                                               k_norm_weight=arr((D,), dtype), is_neox=False),
+    }[which]()
+
+
+def positions_below(c, framework, rows, rng):
+    """c with positions drawn below `rows` (a cos_sin_cache's rows), every
+    other element of an int64 array, the last one rows - 1."""
+    pos = rng.integers(0, rows, 2 * T)
+    pos[-2] = rows - 1
+    c["positions"] = (torch.from_numpy(pos) if framework == "torch" else pos)[::2]
+    return c
+
+
+TABLE_NORM = ["table-f32", "table-q-dtype", "table-half-width", "qk-norm", "q-norm-only",
+              "table-norm-interleaved"]
+
+
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+@pytest.mark.parametrize("framework", ["torch", "numpy"])
+@pytest.mark.parametrize("which", TABLE_NORM)
+def test_cos_sin_cache_and_qk_norm_match_general_path(framework, dtype, which):
+    """cos_sin_cache and the QK-norm weights are read in place too: the fast
+    path's results are the general path's, bit for bit, and it took the call."""
+    seed = new_seed()
+    calls = []
+    for _ in range(3):  # fast path, general path, run_fast itself
+        rng = np.random.default_rng(seed)
+        c = positions_below(MAKE[framework](dtype, seed), framework, ROWS, rng)
+        calls.append((c, table_and_norm_options(framework, dtype, which, rng)))
+    (c, opts), (general, gopts), (again, aopts) = calls
+    got = ropekv.rope_pool_fused(*args_of(c), q_out=c["q_out"], k_out=c["k_out"], **KW, **opts)
+    want = ropekv.rope_pool_fused(*args_of(general), q_out=general["q_out"],
+                                  k_out=general["k_out"], stream=0, **KW, **gopts)
+    for g, w in zip(got, want):
+        assert bits(np_of(g)) == bits(np_of(w))
+    assert not np.isnan(np_of(got[0]).astype(np.float32)).any()  # every element written
+    is_neox = aopts.pop("is_neox", True)
+    assert _ext.run_fast(*args_of(again), again["q_out"], again["k_out"], D, HQ, HK,
+                         KW["rope_base"], None, is_neox, None, 0, True, **aopts) is not None
+
+
+@pytest.mark.parametrize("framework", ["torch", "numpy"])
+@pytest.mark.parametrize("bad", ["position-outside-table", "table-too-wide", "weight-length",
+                                 "negative-eps", "table-with-scaling"])
+def test_table_and_norm_errors_are_the_general_paths(framework, bad):
+    seed = new_seed()
+    rng = np.random.default_rng(seed)
+    c = MAKE[framework]("float32", seed)
+    c = positions_below(c, framework, ROWS, rng)
+    opts = table_and_norm_options(framework, "float32", "table-f32", rng)
+    if bad == "position-outside-table":  # the last position is ROWS - 1
+        opts["cos_sin_cache"] = opts["cos_sin_cache"][: ROWS - 1]
+    elif bad == "table-too-wide":
+        opts["cos_sin_cache"] = (torch.ones(ROWS, 2 * D) if framework == "torch"
+                                 else np.ones((ROWS, 2 * D), np.float32))
+    elif bad == "weight-length":
+        opts = table_and_norm_options(framework, "float32", "qk-norm", rng)
+        opts["k_norm_weight"] = opts["k_norm_weight"][: D - 2]
+    elif bad == "negative-eps":
+        opts = table_and_norm_options(framework, "float32", "qk-norm", rng)
+        opts["norm_eps"] = -1.0
+    else:
+        opts["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    expect_same_error(c, dict(KW, **opts))
