@@ -107,9 +107,14 @@ except ImportError:  # pragma: no cover
 def _torch_without_memory(x: Any) -> bool:
     """Whether torch tensor x has elements but no memory: its storage was
     freed or resized to 0 bytes (as FSDP does). Its data_ptr() is then null
-    plus the view's offset in bytes, an address no live storage has."""
-    p = x.data_ptr()
-    return p < (1 << 32) and p == x.storage_offset() * x.element_size() and x.numel() > 0
+    plus the view's offset in bytes, an address no live storage has. (A
+    tensor that has no data_ptr() at all, sparse or a wrapper, is left to
+    DLPack, which reports it.)"""
+    try:
+        p = x.data_ptr()
+        return p < (1 << 32) and p == x.storage_offset() * x.element_size() and x.numel() > 0
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
 
 
 def _as_array(x: Any, name: str) -> Tuple[Any, bool, bool]:
