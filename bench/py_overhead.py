@@ -7,11 +7,18 @@ cos_sin_cache, each through the binding's fast path (the default) and through
 the general path (stream=0, which CPU arrays otherwise ignore). Best of 5
 timeit runs of 5000 calls each.
 
-Usage: .venv/bin/python bench/py_overhead.py
+With --cuda (on a GPU machine): the same calls with CUDA tensors, the host
+time per call of a stream of 5000 asynchronous calls (the kernels run
+behind; synchronised once at the end), through the default path and through
+torch.ops.ropekv.rope_pool_fused (with --ops, the latter on the CPU too).
+
+Usage: .venv/bin/python bench/py_overhead.py [--cuda] [--ops]
 """
 
 from __future__ import annotations
 
+import json
+import sys
 import timeit
 
 import torch
@@ -36,21 +43,46 @@ def calls(dt: torch.dtype) -> dict:
 
 
 def main() -> None:
+    cuda = "--cuda" in sys.argv[1:]
+    ops = cuda or "--ops" in sys.argv[1:]
+    if ops:
+        import ropekv.ops  # noqa: F401 - registers torch.ops.ropekv
+    dev = "cuda" if cuda else "cpu"
     torch.set_num_threads(1)
-    print(f"{'dtype':9s} {'call':20s} {'fast path us':>13s} {'general path us':>16s}")
+    heads = ("default path us", "torch.ops us") if ops else ("fast path us", "general path us")
+    print(f"{'dtype':9s} {'call':20s} {heads[0]:>15s} {heads[1]:>16s}")
     for dt in (torch.bfloat16, torch.float32):
-        q, k, v = (torch.randn(T, h, D).to(dt) for h in (HQ, HK, HK))
-        pos, slots = torch.tensor([1234]), torch.tensor([17])
-        k_pool, v_pool = torch.zeros(P, HK, D, dtype=dt), torch.zeros(P, HK, D, dtype=dt)
+        q, k, v = (torch.randn(T, h, D).to(dt).to(dev) for h in (HQ, HK, HK))
+        pos, slots = torch.tensor([1234], device=dev), torch.tensor([17], device=dev)
+        k_pool = torch.zeros(P, HK, D, dtype=dt, device=dev)
+        v_pool = torch.zeros(P, HK, D, dtype=dt, device=dev)
         for name, kw in calls(dt).items():
+            kw = {n: x.to(dev) if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
             us = []
-            for stream in (None, 0):
-                def call(stream=stream, kw=kw):
-                    ropekv.rope_pool_fused(q, k, v, pos, slots, k_pool, v_pool, head_dim=D,
-                                           num_qo_heads=HQ, num_kv_heads=HK,
-                                           rope_base=500000.0, stream=stream, **kw)
-                us.append(min(timeit.repeat(call, number=5000, repeat=5)) / 5000 * 1e6)
-            print(f"{str(dt).split('.')[1]:9s} {name:20s} {us[0]:13.2f} {us[1]:16.2f}")
+            for second in (False, True):
+                if ops and second:
+                    okw = {n: json.dumps(x) if isinstance(x, dict) else x for n, x in kw.items()}
+
+                    def call(kw=okw):
+                        torch.ops.ropekv.rope_pool_fused(
+                            q, k, v, pos, slots, k_pool, v_pool, head_dim=D, num_qo_heads=HQ,
+                            num_kv_heads=HK, rope_base=500000.0, **kw)
+                else:
+                    stream = 0 if second else None
+
+                    def call(stream=stream, kw=kw):
+                        ropekv.rope_pool_fused(q, k, v, pos, slots, k_pool, v_pool, head_dim=D,
+                                               num_qo_heads=HQ, num_kv_heads=HK,
+                                               rope_base=500000.0, stream=stream, **kw)
+
+                def batch(call=call):
+                    for _ in range(5000):
+                        call()
+                    if cuda:
+                        torch.cuda.synchronize()
+                batch()  # warm up (CUDA: the first calls make the device state)
+                us.append(min(timeit.repeat(batch, number=1, repeat=5)) / 5000 * 1e6)
+            print(f"{str(dt).split('.')[1]:9s} {name:20s} {us[0]:15.2f} {us[1]:16.2f}")
 
 
 if __name__ == "__main__":
