@@ -17,6 +17,7 @@ Usage: .venv/bin/python bench/py_overhead.py [--cuda] [--ops]
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import timeit
@@ -46,7 +47,7 @@ def main() -> None:
     cuda = "--cuda" in sys.argv[1:]
     ops = cuda or "--ops" in sys.argv[1:]
     if ops:
-        import ropekv.ops  # noqa: F401 - registers torch.ops.ropekv
+        importlib.import_module("ropekv.ops")  # registers torch.ops.ropekv
     dev = "cuda" if cuda else "cpu"
     torch.set_num_threads(1)
     heads = ("default path us", "torch.ops us") if ops else ("fast path us", "general path us")

@@ -111,8 +111,7 @@ def _torch_without_memory(x: Any) -> bool:
     tensor that has no data_ptr() at all, sparse or a wrapper, is left to
     DLPack, which reports it.)"""
     try:
-        p = x.data_ptr()
-        return p < (1 << 32) and p == x.storage_offset() * x.element_size() and x.numel() > 0
+        return x.data_ptr() == x.storage_offset() * x.element_size() and x.numel() > 0
     except (RuntimeError, TypeError, NotImplementedError):
         return False
 
@@ -147,6 +146,11 @@ def _as_array(x: Any, name: str) -> Tuple[Any, bool, bool]:
             # pointer to nothing): the contract check's error for a null array.
             raise ValueError(f"{name} has no data pointer (a null array with {x.numel()} "
                              f"elements)")
+        if x.is_neg():
+            # Its memory holds the values negated (torch applies the sign
+            # lazily); DLPack would hand over the memory as it is.
+            raise ValueError(f"{name} has PyTorch's negative bit set (its memory holds the "
+                             f"values negated): pass {name}.resolve_neg()")
         if x.device.type == "cpu" and not x.requires_grad:
             # A numpy view of a CPU tensor (same memory) is imported in a
             # third of the time of its __dlpack__ capsule (~0.7 vs 2.2 us).
@@ -473,7 +477,10 @@ def rope_pool_fused(
     pool_options = kv_cache_dtype != "auto" or k_scale != 1.0 or v_scale != 1.0
     more_options = (pool_options or cos_sin_cache is not None or q_norm_weight is not None
                     or k_norm_weight is not None)
-    options = more_options or is_neox is not True or rope_scaling is not None
+    # (A norm_eps other than the default is checked even without weights, by
+    # the options' binding, as the fast path checks it.)
+    options = (more_options or is_neox is not True or rope_scaling is not None
+               or norm_eps != 1e-6)
     if inplace:
         if q_out is not None or k_out is not None:
             raise ValueError("inplace=True writes q and k themselves: pass no q_out/k_out")
@@ -539,10 +546,11 @@ def rope_pool_fused(
                     readonly_mask |= int(not x.flags.writeable) << i
                 continue
         elif (tf is not None and type(x) is tf[0] and x.is_cpu and not x.requires_grad
-              and (x.data_ptr() >= 1 << 32 or not _torch_without_memory(x))):
+              and not x.is_neg() and not _torch_without_memory(x)):
             # A numpy view of a CPU tensor (the same memory) imports in a
             # third of the time of its DLPack capsule; bf16 as its bits. (A
-            # tensor without memory goes through _as_array: see there.)
+            # tensor without memory or with the negative bit goes through
+            # _as_array: see there.)
             dt = x.dtype
             if dt is tf[1]:
                 converted.append(x.view(tf[2]).numpy())

@@ -367,12 +367,12 @@ bool torch_view(PyObject* o, const FastTypes& f, FastView& v) {
     return false;
   }
   // A tensor whose storage was freed (resized to 0 bytes, as FSDP does) keeps
-  // its shape, and its data_ptr() is null plus the view's offset in bytes: an
-  // address no live storage has. It goes on as a null array, which the
-  // contract check names. (Only a low address can be one; heap addresses of
-  // a non-PIE Python are low too, hence the exact test.)
-  const auto addr = reinterpret_cast<uintptr_t>(v.t.data);
-  if (addr != 0 && addr < (uintptr_t{1} << 32)) {
+  // its shape, and its data_ptr() is null plus the view's offset in bytes (of
+  // any size): an address no live storage has. The general path raises for
+  // it before anything else, so such a call is left to it.
+  int64_t numel = 1;
+  for (int d = 0; d < n; ++d) numel *= v.shape[d];
+  if (numel > 0) {
     PyObject* off = attr(o, fw.members[kStorageOffset]);
     if (!off) return false;
     const long long elements = PyLong_AsLongLong(off);
@@ -381,8 +381,9 @@ bool torch_view(PyObject* o, const FastTypes& f, FastView& v) {
       PyErr_Clear();
       return false;
     }
-    if (static_cast<unsigned long long>(elements) * (v.t.dtype.bits / 8) == addr)
-      v.t.data = nullptr;
+    if (static_cast<unsigned long long>(elements) * (v.t.dtype.bits / 8) ==
+        reinterpret_cast<uintptr_t>(v.t.data))
+      return false;
   }
   v.t.ndim = n;
   v.is_torch = true;
@@ -521,11 +522,8 @@ nb::object run_fast(nb::handle q, nb::handle k, nb::handle v, nb::handle positio
   } else {
     return nb::none();
   }
-  if (PyFloat_CheckExact(norm_eps.ptr())) {
-    cfg.norm_eps = PyFloat_AS_DOUBLE(norm_eps.ptr());
-  } else if (!norm_eps.is_none()) {
-    return nb::none();
-  }
+  if (!PyFloat_CheckExact(norm_eps.ptr())) return nb::none();
+  cfg.norm_eps = PyFloat_AS_DOUBLE(norm_eps.ptr());
 
   const nb::handle in[7] = {q, k, v, positions, slots, k_pool, v_pool};
   FastView views[12];
@@ -616,7 +614,7 @@ NB_MODULE(_ext, m) {
         nb::arg("rotary_dim").none(), nb::arg("is_neox").none(), nb::arg("rope_scaling").none(),
         nb::arg("num_threads").none(), nb::arg("checked"),
         nb::arg("cos_sin_cache").none() = nb::none(), nb::arg("q_norm_weight").none() = nb::none(),
-        nb::arg("k_norm_weight").none() = nb::none(), nb::arg("norm_eps").none() = nb::none(),
+        nb::arg("k_norm_weight").none() = nb::none(), nb::arg("norm_eps").none() = nb::float_(1e-6),
         "ropekv.rope_pool_fused with the options other than the pool formats (is_neox, "
         "rope_scaling, cos_sin_cache, the QK-norm weights and norm_eps), on numpy arrays or "
         "PyTorch CPU tensors read in place (see fast_path_types): (q_rot, k_rot, k_pool, "

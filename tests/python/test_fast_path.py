@@ -528,3 +528,94 @@ def test_table_and_norm_errors_are_the_general_paths(framework, bad):
     else:
         opts["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
     expect_same_error(c, dict(KW, **opts))
+
+
+def freed(x, offset=0):
+    """A view of x's values at storage offset `offset` (elements), its storage
+    then freed (resized to 0 bytes, as FSDP does)."""
+    big = torch.empty(offset + x.numel(), dtype=x.dtype)
+    view = big[offset:].view(x.shape)
+    view.copy_(x)
+    big.untyped_storage().resize_(0)
+    return view
+
+
+@pytest.mark.parametrize("which", ["cos_sin_cache", "q_norm_weight", "k_norm_weight", "v",
+                                   "slots", "k_pool"])
+@pytest.mark.parametrize("shape_error", [False, True], ids=["alone", "with-shape-error"])
+def test_freed_storage_raises_the_same_error_first_on_both_paths(which, shape_error):
+    """A freed tensor, even 0-d (which an absent option also is) or next to
+    another contract error, raises the same error on both paths, nothing
+    written."""
+    seed = new_seed()
+    rng = np.random.default_rng(seed)
+    c = positions_below(torch_call("float32", seed), "torch", ROWS, rng)
+    opts = {"cos_sin_cache": torch.randn(ROWS, D), "q_norm_weight": torch.randn(D),
+            "k_norm_weight": torch.randn(D)}
+    if which in opts:
+        opts[which] = freed(torch.tensor(1.0) if which != "cos_sin_cache" else opts[which], 3)
+    else:
+        c[which] = freed(c[which], 5)
+    kw = dict(KW, num_qo_heads=HQ + 1) if shape_error else KW
+    live = [a for n, a in c.items() if n not in (which, "kw")]  # (freed memory is not read)
+    for stream in (None, 0):
+        before = snapshot(live)
+        with pytest.raises(ValueError, match=rf"^{which} has no data pointer"):
+            ropekv.rope_pool_fused(*args_of(c), q_out=c["q_out"], k_out=c["k_out"],
+                                   stream=stream, **kw, **opts)
+        assert snapshot(live) == before
+
+
+def test_freed_storage_at_an_offset_of_4_gib_raises():
+    """data_ptr() is then 4 GiB: not a small address, still no memory."""
+    c = torch_call("float32")
+    big = torch.empty((1 << 30) + P * HK * D)  # 4 GiB of address space, never touched
+    pool = big[1 << 30:].view(P, HK, D)
+    big.untyped_storage().resize_(0)
+    assert pool.data_ptr() == 1 << 32
+    for stream in (None, 0):
+        with pytest.raises(ValueError, match=r"^k_pool has no data pointer"):
+            ropekv.rope_pool_fused(c["q"], c["k"], c["v"], c["positions"], c["slots"], pool,
+                                   c["v_pool"], stream=stream, **KW)
+
+
+@pytest.mark.parametrize("which", ["q", "v", "cos_sin_cache", "q_norm_weight"])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_negative_bit_is_an_error_not_a_wrong_result(which, requires_grad):
+    """torch._neg_view(x) holds x's memory and reads as -x: its memory must
+    not be taken for its values."""
+    seed = new_seed()
+    rng = np.random.default_rng(seed)
+    c = positions_below(torch_call("float32", seed), "torch", ROWS, rng)
+    opts = {"cos_sin_cache": torch.randn(ROWS, D), "q_norm_weight": torch.randn(D)}
+    x = (opts if which in opts else c)[which]
+    x = torch._neg_view(x.detach().clone().requires_grad_(requires_grad))
+    (opts if which in opts else c)[which] = x
+    assert x.is_neg()
+    for stream in (None, 0):
+        before = snapshot(args_of(c)[5:] + (c["q_out"], c["k_out"]))
+        with pytest.raises(ValueError, match=rf"^{which} has PyTorch's negative bit set"):
+            ropekv.rope_pool_fused(*args_of(c), q_out=c["q_out"], k_out=c["k_out"],
+                                   stream=stream, **KW, **opts)
+        assert snapshot(args_of(c)[5:] + (c["q_out"], c["k_out"])) == before
+
+
+@pytest.mark.parametrize("eps", [float("nan"), -1.0, float("inf")])
+@pytest.mark.parametrize("weights", [False, True])
+def test_bad_norm_eps_raises_on_both_paths_with_or_without_weights(eps, weights):
+    opts = dict(norm_eps=eps)
+    if weights:
+        opts["q_norm_weight"] = torch.randn(D)
+    expect_same_error(torch_call("float32"), dict(KW, **opts))
+
+
+def test_norm_eps_none_is_the_same_error_on_both_paths():
+    c = torch_call("float32")
+    errors = []
+    for stream in (None, 0):
+        with pytest.raises(TypeError) as info:
+            ropekv.rope_pool_fused(*args_of(c), q_out=c["q_out"], k_out=c["k_out"],
+                                   stream=stream, q_norm_weight=torch.randn(D), norm_eps=None,
+                                   **KW)
+        errors.append(str(info.value))
+    assert errors[0] == errors[1]
