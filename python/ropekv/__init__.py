@@ -116,6 +116,18 @@ def _torch_without_memory(x: Any) -> bool:
         return False
 
 
+def _check_numpy_layout(x: Any, name: str) -> None:
+    """Raises ValueError for a numpy array no DLPack view describes: a
+    byte-swapped dtype, or strides that are not whole elements."""
+    dt = x.dtype
+    if not dt.isnative:
+        raise ValueError(f"{name} has a byte-swapped dtype ({dt.str}): pass an array in the "
+                         f"machine's byte order")
+    if any(st % dt.itemsize for st in x.strides):
+        raise ValueError(f"{name} has strides {x.strides} that are not whole elements "
+                         f"({dt.itemsize} bytes each): pass a copy (numpy.ascontiguousarray)")
+
+
 def _as_array(x: Any, name: str) -> Tuple[Any, bool, bool]:
     """Returns (what the binding takes, is_bf16_view, is_read_only)."""
     if not (hasattr(x, "__dlpack__") or hasattr(x, "__array_interface__")):
@@ -128,6 +140,7 @@ def _as_array(x: Any, name: str) -> Tuple[Any, bool, bool]:
             ) from None
     fw = _framework(x)
     if fw == "numpy":
+        _check_numpy_layout(x, name)
         read_only = not x.flags.writeable
         # ml_dtypes bf16 and fp8 have no DLPack/buffer code of their own: they
         # travel as their bits (dtype equality: dtype.name is a slow property).
@@ -539,7 +552,7 @@ def rope_pool_fused(
             # numpy's own dtypes (ml_dtypes' fp8 types report kind "f" or "V"
             # with one byte), or ml_dtypes bf16 as its bits.
             plain = dt.kind in "iub" or (dt.kind == "f" and dt.itemsize > 1)
-            if plain or dt == _BF16:
+            if (plain or dt == _BF16) and dt.isnative and x.flags.aligned:
                 converted.append(x if plain else x.view(_np.uint16))
                 bf16_mask |= int(not plain) << i
                 if i >= 5:  # only pools and outputs must be writable

@@ -619,3 +619,34 @@ def test_norm_eps_none_is_the_same_error_on_both_paths():
                                    **KW)
         errors.append(str(info.value))
     assert errors[0] == errors[1]
+
+
+def byte_swapped(x):
+    return x.astype(x.dtype.newbyteorder())
+
+
+def byte_strided(x):
+    """x's values in a field of a packed record: strides of 1 + itemsize bytes."""
+    rec = np.zeros(x.shape, dtype=[("pad", "u1"), ("x", x.dtype)])
+    rec["x"] = x
+    return rec["x"]
+
+
+@pytest.mark.parametrize("which", ["q", "k_pool", "cos_sin_cache"])
+@pytest.mark.parametrize("layout", [byte_swapped, byte_strided], ids=lambda f: f.__name__)
+def test_numpy_layouts_dlpack_cannot_describe_raise_value_error(which, layout):
+    """A byte-swapped dtype or strides that are not whole elements: the same
+    ValueError on both paths (not the binding's TypeError), nothing written."""
+    seed = new_seed()
+    rng = np.random.default_rng(seed)
+    c = positions_below(numpy_call("float32", seed), "numpy", ROWS, rng)
+    opts = {"cos_sin_cache": rng.standard_normal((ROWS, D)).astype(np.float32)}
+    if which in opts:
+        opts[which] = layout(opts[which])
+    else:
+        c[which] = layout(c[which])
+    bad = opts[which] if which in opts else c[which]
+    assert not bad.dtype.isnative or any(st % bad.dtype.itemsize for st in bad.strides)
+    expect_same_error(c, dict(KW, **opts))
+    with pytest.raises(ValueError, match=rf"^{which} has (a byte-swapped dtype|strides)"):
+        ropekv.rope_pool_fused(*args_of(c), q_out=c["q_out"], k_out=c["k_out"], **KW, **opts)
