@@ -622,6 +622,10 @@ int main(int argc, char** argv) {
   using KV = ropekv::KvCacheDtype;
   run_options_case("opt bf16 norm fp8 cache", 9, 32, 8, 128, bf16, 1, false, KV::kFp8E4M3);
   run_options_case("opt bf16 table alone", 9, 32, 8, 128, bf16, 1, false, KV::kAuto);
+  // Past 2048 team steps the kOptSteps kernel: 2 steps with QK-norm, 4 without.
+  run_options_case("opt bf16 norm fp8, 2 of 4 steps", 200, 32, 8, 128, bf16, 1, false,
+                   KV::kFp8E4M3);
+  run_options_case("opt bf16 table alone, 4 steps", 520, 32, 8, 128, bf16, 1, false, KV::kAuto);
   run_options_case("opt f16 strided table alone", 5, 4, 2, 64, f16, 2, false, KV::kAuto);
   run_options_case("opt f16 interleaved f32 pools", 5, 8, 2, 96, f16, 1, true, KV::kFloat32);
   run_options_case("opt f32 interleaved fp8", 4, 4, 2, 64, f32, 1, true, KV::kFp8E4M3);
