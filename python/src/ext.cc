@@ -153,7 +153,7 @@ void run_options(const Array& q, const Array& k, const Array& v, const Array& po
 }
 
 // ---------------------------------------------------------------- fast path
-// The common CPU call (numpy arrays or PyTorch CPU tensors, no options) reads
+// The common CPU call (numpy arrays or PyTorch CPU tensors, no pool-format options) reads
 // each array's pointer, shape and strides straight from the object: no
 // DLPack capsule or numpy view per array, which cost more than the op at
 // T = 1. Anything it does not know exactly (another type or dtype, a tensor
