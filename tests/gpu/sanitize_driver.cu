@@ -496,11 +496,7 @@ void latency() {
             for (int i = 0; i < 10; ++i) c.run(s);
           },
           10);
-      // q read and written, k read and written, v read; pool rows of 2 or 1 bytes.
-      const double pool = options ? 1.0 : 2.0;
-      const double bytes = 2.0 * (2.0 * T * 32 * 128 + 3.0 * T * 8 * 128) +
-                           pool * 2.0 * T * 8 * 128 + 8.0 * T;
-      std::printf(" | T=%d %.1f us %.0f GB/s", T, us, bytes / us / 1e3);
+      std::printf(" | T=%d %.1f us %.0f GB/s", T, us, c.bytes() / us / 1e3);
     }
     std::printf("\n");
   }
