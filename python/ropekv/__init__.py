@@ -498,8 +498,8 @@ def rope_pool_fused(
         if q_out is not None or k_out is not None:
             raise ValueError("inplace=True writes q and k themselves: pass no q_out/k_out")
         q_out, k_out = q, k
-    if not pool_options and stream is None and (type(q) is _np.ndarray
-                                                 or type(q) is _FAST_TENSOR):
+    if not pool_options and stream is None and (type(q) is _np.ndarray or (
+            type(q) is _FAST_TENSOR and q.is_cpu)):  # (a CUDA tensor would be declined)
         # numpy arrays and PyTorch CPU tensors of the plain dtypes, read in
         # place by the binding; it declines anything else (None), having
         # written nothing, and the general path below takes the call. A
