@@ -288,6 +288,13 @@ def _stream_handle(stream: Any) -> int:
     return int(stream)
 
 
+def _float_arg(value: Any, name: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+
+
 def _int_arg(value: Any, name: str) -> int:
     try:
         return operator.index(value)
@@ -590,7 +597,7 @@ def rope_pool_fused(
         _int_arg(head_dim, "head_dim"),
         _int_arg(num_qo_heads, "num_qo_heads"),
         _int_arg(num_kv_heads, "num_kv_heads"),
-        float(rope_base),
+        _float_arg(rope_base, "rope_base"),
         0 if rotary_dim is None else _int_arg(rotary_dim, "rotary_dim"),
     )
     if not options:
@@ -610,7 +617,8 @@ def rope_pool_fused(
         if rotary_dim is None and cos_sin_cache is not None and len(getattr(cos_sin_cache, "shape", ())) == 2:
             common = common[:4] + (int(cos_sin_cache.shape[1]),)
         _ext.run_options(*converted, *extra, *common, bool(is_neox), _scaling_params(rope_scaling),
-                         kv_code, float(k_scale), float(v_scale), float(norm_eps), bf16_mask,
+                         kv_code, _float_arg(k_scale, "k_scale"), _float_arg(v_scale, "v_scale"),
+                         _float_arg(norm_eps, "norm_eps"), bf16_mask,
                          readonly_mask, handle, _int_arg(num_threads, "num_threads"), _checked)
     if _framework(q) in ("jax", "jaxlib"):
         import jax.numpy as jnp
@@ -639,7 +647,7 @@ def rope_inv_freq(head_dim: int, rope_base: float, rotary_dim: Optional[int] = N
     Raises:
         ValueError: for the values rope_pool_fused rejects.
     """
-    freq, factor = _ext.inv_freq(_int_arg(head_dim, "head_dim"), float(rope_base),
+    freq, factor = _ext.inv_freq(_int_arg(head_dim, "head_dim"), _float_arg(rope_base, "rope_base"),
                                  0 if rotary_dim is None else _int_arg(rotary_dim, "rotary_dim"),
                                  _scaling_params(rope_scaling))
     return _np.asarray(freq, dtype=_np.float32), factor

@@ -13,6 +13,7 @@ stream): the tests use it as the second oracle.
 
 from __future__ import annotations
 
+import re
 import numpy as np
 import pytest
 import torch
@@ -609,16 +610,20 @@ def test_bad_norm_eps_raises_on_both_paths_with_or_without_weights(eps, weights)
     expect_same_error(torch_call("float32"), dict(KW, **opts))
 
 
-def test_norm_eps_none_is_the_same_error_on_both_paths():
+@pytest.mark.parametrize("name,value", [("norm_eps", None), ("rope_base", None),
+                                        ("rope_base", "base"), ("k_scale", [1.0])])
+def test_a_scalar_that_is_not_a_number_is_a_value_error_on_both_paths(name, value):
+    kw = dict(KW, **{name: value})
     c = torch_call("float32")
-    errors = []
-    for stream in (None, 0):
-        with pytest.raises(TypeError) as info:
-            ropekv.rope_pool_fused(*args_of(c), q_out=c["q_out"], k_out=c["k_out"],
-                                   stream=stream, q_norm_weight=torch.randn(D), norm_eps=None,
-                                   **KW)
-        errors.append(str(info.value))
-    assert errors[0] == errors[1]
+    if name == "norm_eps":
+        kw["q_norm_weight"] = torch.randn(D)
+    if name == "k_scale":  # (scales apply to fp8 pools)
+        kw["kv_cache_dtype"] = "fp8_e4m3"
+        c["k_pool"] = torch.zeros(P, HK, D, dtype=torch.uint8)
+        c["v_pool"] = torch.zeros(P, HK, D, dtype=torch.uint8)
+    expect_same_error(c, kw)
+    with pytest.raises(ValueError, match="^" + re.escape(f"{name} must be a number, got {value!r}")):
+        ropekv.rope_pool_fused(*args_of(c), q_out=c["q_out"], k_out=c["k_out"], **kw)
 
 
 def byte_swapped(x):
