@@ -493,13 +493,12 @@ def rope_pool_fused(
             position outside cos_sin_cache) is skipped and raised only in
             checked mode (:func:`set_checked`).
     """
-    # The pool formats; and the options beyond the frequencies and the pair layout.
+    # The pool formats (the fast path leaves them to the general path), and any
+    # option at all (the general path then runs the options' binding, which
+    # also checks a norm_eps other than the default, as the fast path does).
     pool_options = kv_cache_dtype != "auto" or k_scale != 1.0 or v_scale != 1.0
-    more_options = (pool_options or cos_sin_cache is not None or q_norm_weight is not None
-                    or k_norm_weight is not None)
-    # (A norm_eps other than the default is checked even without weights, by
-    # the options' binding, as the fast path checks it.)
-    options = (more_options or is_neox is not True or rope_scaling is not None
+    options = (pool_options or cos_sin_cache is not None or q_norm_weight is not None
+               or k_norm_weight is not None or is_neox is not True or rope_scaling is not None
                or norm_eps != 1e-6)
     if inplace:
         if q_out is not None or k_out is not None:
