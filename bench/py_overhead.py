@@ -9,16 +9,20 @@ timeit runs of 5000 calls each.
 
 With --cuda (on a GPU machine): the same calls with CUDA tensors, the host
 time per call of a stream of 5000 asynchronous calls (the kernels run
-behind; synchronised once at the end), through the default path and through
-torch.ops.ropekv.rope_pool_fused (with --ops, the latter on the CPU too).
+behind; synchronised once at the end), through the fast path, the general
+path (stream= the current stream) and torch.ops.ropekv.rope_pool_fused (with
+--ops, the latter on the CPU too).
+With --profile, cProfile of 5000 plain bf16 calls through each path.
 
-Usage: .venv/bin/python bench/py_overhead.py [--cuda] [--ops]
+Usage: .venv/bin/python bench/py_overhead.py [--cuda] [--ops] [--profile]
 """
 
 from __future__ import annotations
 
+import cProfile
 import importlib
 import json
+import pstats
 import sys
 import timeit
 
@@ -50,8 +54,13 @@ def main() -> None:
         importlib.import_module("ropekv.ops")  # registers torch.ops.ropekv
     dev = "cuda" if cuda else "cpu"
     torch.set_num_threads(1)
-    heads = ("default path us", "torch.ops us") if ops else ("fast path us", "general path us")
-    print(f"{'dtype':9s} {'call':20s} {heads[0]:>15s} {heads[1]:>16s}")
+    # The paths timed: the default call (the binding's fast path), the general
+    # path (an explicit stream: on the CPU stream=0, which CPU arrays ignore)
+    # and, with --ops or --cuda, torch.ops.ropekv.
+    paths = ["fast", "general"] + (["ops"] if ops else [])
+    heads = {"fast": "fast path us", "general": "general path us", "ops": "torch.ops us"}
+    print(f"{'dtype':9s} {'call':20s}" + "".join(f" {heads[p]:>16s}" for p in paths))
+    profiled = []
     for dt in (torch.bfloat16, torch.float32):
         q, k, v = (torch.randn(T, h, D).to(dt).to(dev) for h in (HQ, HK, HK))
         pos, slots = torch.tensor([1234], device=dev), torch.tensor([17], device=dev)
@@ -60,8 +69,8 @@ def main() -> None:
         for name, kw in calls(dt).items():
             kw = {n: x.to(dev) if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
             us = []
-            for second in (False, True):
-                if ops and second:
+            for path in paths:
+                if path == "ops":
                     okw = {n: json.dumps(x) if isinstance(x, dict) else x for n, x in kw.items()}
 
                     def call(kw=okw):
@@ -69,7 +78,8 @@ def main() -> None:
                             q, k, v, pos, slots, k_pool, v_pool, head_dim=D, num_qo_heads=HQ,
                             num_kv_heads=HK, rope_base=500000.0, **kw)
                 else:
-                    stream = 0 if second else None
+                    stream = None if path == "fast" else (
+                        torch.cuda.current_stream() if cuda else 0)
 
                     def call(stream=stream, kw=kw):
                         ropekv.rope_pool_fused(q, k, v, pos, slots, k_pool, v_pool, head_dim=D,
@@ -83,7 +93,16 @@ def main() -> None:
                         torch.cuda.synchronize()
                 batch()  # warm up (CUDA: the first calls make the device state)
                 us.append(min(timeit.repeat(batch, number=1, repeat=5)) / 5000 * 1e6)
-            print(f"{str(dt).split('.')[1]:9s} {name:20s} {us[0]:15.2f} {us[1]:16.2f}")
+                if "--profile" in sys.argv[1:] and name == "plain" and dt is torch.bfloat16:
+                    profiled.append((path, batch))
+            print(f"{str(dt).split('.')[1]:9s} {name:20s}" + "".join(f" {u:16.2f}" for u in us))
+    for path, batch in profiled:
+        # Where a plain bf16 call's host time goes, by Python function (cProfile
+        # adds its own cost per function call: compare the shares, not the sums).
+        print(f"\n--profile: {heads[path]}, plain bf16, 5000 calls")
+        prof = cProfile.Profile()
+        prof.runcall(batch)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(12)
 
 
 if __name__ == "__main__":

@@ -224,9 +224,20 @@ def _torch_fast() -> Optional[Tuple[Any, ...]]:
         _ext.fast_path_types("torch", torch.Tensor, [
             (torch.float32, _DL_FLOAT, 32), (torch.float16, _DL_FLOAT, 16),
             (torch.bfloat16, _DL_BFLOAT, 16), (torch.int32, _DL_INT, 32),
-            (torch.int64, _DL_INT, 64)], torch.empty_like, torch.contiguous_format)
+            (torch.int64, _DL_INT, 64)], torch.empty_like, torch.contiguous_format,
+            _torch_current_stream(torch))
         _FAST_TENSOR = torch.Tensor
     return _TORCH_FAST
+
+
+def _torch_current_stream(torch: Any) -> Optional[Any]:
+    """torch's C function from a device index to its current raw CUDA stream
+    (the one Triton launches on), where torch has CUDA and ropekv too; else
+    None, and CUDA tensors take the general path (torch.cuda.current_stream,
+    a Python-level object, there)."""
+    if not _ext.has_cuda() or getattr(torch.version, "hip", None) or not torch.version.cuda:
+        return None
+    return getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _fp8_name(x: Any) -> Optional[str]:
@@ -504,10 +515,11 @@ def rope_pool_fused(
         if q_out is not None or k_out is not None:
             raise ValueError("inplace=True writes q and k themselves: pass no q_out/k_out")
         q_out, k_out = q, k
-    if not pool_options and stream is None and (type(q) is _np.ndarray or (
-            type(q) is _FAST_TENSOR and q.is_cpu)):  # (a CUDA tensor would be declined)
-        # numpy arrays and PyTorch CPU tensors of the plain dtypes, read in
-        # place by the binding; it declines anything else (None), having
+    if not pool_options and stream is None and (type(q) is _np.ndarray
+                                                or type(q) is _FAST_TENSOR):
+        # numpy arrays and PyTorch CPU or CUDA tensors (on the current
+        # stream) of the plain dtypes, read in place by the binding; it
+        # declines anything else (None), having
         # written nothing, and the general path below takes the call. A
         # rope_scaling it cannot read is left to the general path too, which
         # raises in its own order.

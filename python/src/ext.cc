@@ -1,8 +1,8 @@
 // nanobind binding of ropekv::rope_pool_fused. Thin: arrays arrive through
 // DLPack (or the buffer protocol) as they are, never converted, become
 // DLTensor views, and go to the C++ front end, which validates everything.
-// run_fast reads numpy arrays and PyTorch CPU tensors in place instead, for
-// calls without pool-format options (see "fast path" below).
+// run_fast reads numpy arrays and PyTorch CPU and CUDA tensors in place
+// instead, for calls without pool-format options (see "fast path" below).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/array.h>
@@ -153,12 +153,13 @@ void run_options(const Array& q, const Array& k, const Array& v, const Array& po
 }
 
 // ---------------------------------------------------------------- fast path
-// The common CPU call (numpy arrays or PyTorch CPU tensors, no pool-format options) reads
-// each array's pointer, shape and strides straight from the object: no
-// DLPack capsule or numpy view per array, which cost more than the op at
-// T = 1. Anything it does not know exactly (another type or dtype, a tensor
-// on a GPU or with the negative bit, a big-endian or unaligned numpy array,
-// an argument of another type) makes it decline before anything is written,
+// The common call (numpy arrays or PyTorch CPU or CUDA tensors, no
+// pool-format options) reads each array's pointer, shape and strides
+// straight from the object: no DLPack capsule or numpy view per array, which
+// cost more than the op at T = 1. Anything it does not know exactly
+// (another type, dtype or device, a tensor with the negative bit, a
+// big-endian or unaligned numpy array, an argument of another type) makes
+// it decline before anything is written,
 // and the Python layer takes the general path, so errors and conversions
 // stay those of the general path.
 
@@ -184,8 +185,8 @@ struct Member {
 };
 
 enum MemberId {
-  kDtype, kArrayStruct, kIsCpu, kIsNeg, kIsZero, kShape, kStride, kDataPtr, kStorageOffset,
-  kMembers
+  kDtype, kArrayStruct, kIsCpu, kIsCuda, kGetDevice, kIsNeg, kIsZero, kShape, kStride, kDataPtr,
+  kStorageOffset, kMembers
 };
 
 struct FastFramework {
@@ -201,6 +202,9 @@ struct FastTypes {
   FastFramework numpy, torch;
   PyObject* contiguous_format = nullptr;  // torch.contiguous_format
   PyObject* kw_memory_format = nullptr;
+  // torch's current raw CUDA stream of a device index (a cudaStream_t as an
+  // int), or null: CUDA tensors then take the general path.
+  PyObject* current_stream = nullptr;
 };
 
 FastTypes& fast_types() {
@@ -319,6 +323,7 @@ bool numpy_view(PyObject* o, const FastTypes& f, FastView& v) {
     }
     v.t.ndim = a->nd;
     v.t.data = a->data;
+    v.t.device = DLDevice{kDLCPU, 0};
     v.read_only = !(a->flags & kNpyWriteable);
   }
   Py_DECREF(cap);  // the array itself stays alive: the caller holds it
@@ -328,13 +333,30 @@ bool numpy_view(PyObject* o, const FastTypes& f, FastView& v) {
 bool torch_view(PyObject* o, const FastTypes& f, FastView& v) {
   const FastFramework& fw = f.torch;
   if (!dtype_of(o, fw, v)) return false;
-  // A CUDA tensor's pointer is not host memory, and a tensor with the
-  // negative bit (e.g. z.conj().imag) holds its values negated: the general
-  // path raises for it. (A tensor that requires grad is read and written in
-  // place, as the general path does through torch.utils.dlpack.to_dlpack.)
+  // CPU or (with a current-stream function registered) CUDA memory; any
+  // other device takes the general path. A tensor with the negative bit
+  // (e.g. z.conj().imag) holds its values negated: the general path raises
+  // for it. (A tensor that requires grad is read and written in place, as
+  // the general path does through DLPack.)
   PyObject* is_cpu = attr(o, fw.members[kIsCpu]);
   Py_XDECREF(is_cpu);
-  if (is_cpu != Py_True) return false;
+  if (is_cpu == Py_True) {
+    v.t.device = DLDevice{kDLCPU, 0};
+  } else {
+    if (!f.current_stream || is_cpu != Py_False) return false;
+    PyObject* is_cuda = attr(o, fw.members[kIsCuda]);
+    Py_XDECREF(is_cuda);
+    if (is_cuda != Py_True) return false;
+    PyObject* index = attr(o, fw.members[kGetDevice]);
+    if (!index) return false;
+    const long device = PyLong_AsLong(index);
+    Py_DECREF(index);
+    if (device < 0 || device > std::numeric_limits<int32_t>::max()) {
+      PyErr_Clear();
+      return false;
+    }
+    v.t.device = DLDevice{kDLCUDA, static_cast<int32_t>(device)};
+  }
   PyObject* is_neg = attr(o, fw.members[kIsNeg]);
   Py_XDECREF(is_neg);
   if (is_neg != Py_False) return false;
@@ -399,7 +421,6 @@ bool fast_view(PyObject* o, FastView& v) {
   else if (tp == f.torch.type && tp)
     ok = torch_view(o, f, v);
   if (!ok) return false;
-  v.t.device = DLDevice{kDLCPU, 0};
   v.t.shape = v.shape;
   v.t.strides = v.strides;
   return true;
@@ -455,10 +476,12 @@ bool fast_int(PyObject* o, Int& out) {
 }
 
 // Registers numpy.ndarray (with numpy.empty) or torch.Tensor (with
-// torch.empty_like and torch.contiguous_format) and the dtypes run_fast
-// reads for it: (dtype, DLPack type code, bits) each.
+// torch.empty_like, torch.contiguous_format and, where torch has CUDA, its
+// current raw stream of a device index) and the dtypes run_fast reads for
+// it: (dtype, DLPack type code, bits) each.
 void fast_path_types(const std::string& framework, nb::handle type, nb::list dtypes,
-                     nb::handle empty, nb::handle contiguous_format) {
+                     nb::handle empty, nb::handle contiguous_format,
+                     nb::handle current_stream) {
   FastTypes& f = fast_types();
   if (!f.kw_memory_format) f.kw_memory_format = nb::make_tuple("memory_format").release().ptr();
   if (!PyType_Check(type.ptr()) || !PyCallable_Check(empty.ptr()))
@@ -471,9 +494,10 @@ void fast_path_types(const std::string& framework, nb::handle type, nb::list dty
   }
   fw.type = reinterpret_cast<PyTypeObject*>(type.inc_ref().ptr());
   const std::pair<const char*, bool> names[kMembers] = {
-      {"dtype", false}, {"__array_struct__", false}, {"is_cpu", false},
-      {"is_neg", true}, {"_is_zerotensor", true},    {"shape", false},
-      {"stride", true}, {"data_ptr", true}, {"storage_offset", true}};
+      {"dtype", false},  {"__array_struct__", false}, {"is_cpu", false},
+      {"is_cuda", false}, {"get_device", true},      {"is_neg", true},
+      {"_is_zerotensor", true}, {"shape", false},    {"stride", true},
+      {"data_ptr", true}, {"storage_offset", true}};
   for (int i = 0; i < kMembers; ++i)
     fw.members[i] = member(fw.type, names[i].first, names[i].second);
   fw.empty = empty.inc_ref().ptr();
@@ -482,13 +506,19 @@ void fast_path_types(const std::string& framework, nb::handle type, nb::list dty
   } else if (framework == "torch") {
     if (contiguous_format.is_none()) throw nb::type_error("fast_path_types: contiguous_format");
     f.contiguous_format = contiguous_format.inc_ref().ptr();
+    if (!current_stream.is_none()) {
+      if (!PyCallable_Check(current_stream.ptr()))
+        throw nb::type_error("fast_path_types: current_stream must be callable");
+      f.current_stream = current_stream.inc_ref().ptr();
+    }
     f.torch = std::move(fw);
   } else {
     throw nb::value_error("fast_path_types: framework must be 'numpy' or 'torch'");
   }
 }
 
-// ropekv.rope_pool_fused on numpy arrays and PyTorch CPU tensors, with no
+// ropekv.rope_pool_fused on numpy arrays and PyTorch CPU or CUDA tensors
+// (CUDA: on torch's current stream), with no
 // options but is_neox and rope_scaling (those of most model configs; the
 // Python layer has turned rope_scaling into its numbers). Returns (q_rot,
 // k_rot, k_pool, v_pool), making q_rot / k_rot when None is given, or None,
@@ -553,12 +583,25 @@ nb::object run_fast(nb::handle q, nb::handle k, nb::handle v, nb::handle positio
   DLTensor optional[3] = {};
   for (int i = 0; i < 3; ++i)
     if (!opt[i].is_none()) optional[i] = views[9 + i].t;
+  // CUDA: the caller's current stream on q's device, as the general path
+  // launches (arrays on other devices fail the contract's device check).
+  uintptr_t stream = 0;
+  if (views[0].t.device.device_type == kDLCUDA) {
+    PyObject* index = PyLong_FromLong(views[0].t.device.device_id);
+    if (!index) throw nb::python_error();
+    PyObject* s = PyObject_Vectorcall(fast_types().current_stream, &index, 1, nullptr);
+    Py_DECREF(index);
+    if (!s) throw nb::python_error();
+    stream = reinterpret_cast<uintptr_t>(PyLong_AsVoidPtr(s));
+    Py_DECREF(s);
+    if (PyErr_Occurred()) throw nb::python_error();
+  }
   const ropekv::RopePoolTensors t{views[0].t, views[1].t,  views[2].t,  views[3].t,
                                   views[4].t, views[5].t,  views[6].t,  views[7].t,
                                   views[8].t, optional[0], optional[1], optional[2]};
   {
     nb::gil_scoped_release release;
-    execute(t, cfg, 0, 0, threads, checked);
+    execute(t, cfg, 0, stream, threads, checked);
   }
   return nb::make_tuple(outs[0], outs[1], k_pool, v_pool);
 }
@@ -617,12 +660,13 @@ NB_MODULE(_ext, m) {
         nb::arg("k_norm_weight").none() = nb::none(), nb::arg("norm_eps").none() = nb::float_(1e-6),
         "ropekv.rope_pool_fused with the options other than the pool formats (is_neox, "
         "rope_scaling, cos_sin_cache, the QK-norm weights and norm_eps), on numpy arrays or "
-        "PyTorch CPU tensors read in place (see fast_path_types): (q_rot, k_rot, k_pool, "
+        "PyTorch CPU or CUDA tensors read in place (see fast_path_types): (q_rot, k_rot, k_pool, "
         "v_pool), or None, having written nothing, for anything else.");
   m.def("fast_path_types", &fast_path_types, nb::arg("framework"), nb::arg("type"),
         nb::arg("dtypes"), nb::arg("empty"), nb::arg("contiguous_format").none(),
-        "Registers numpy.ndarray or torch.Tensor for run_fast: its (dtype, DLPack code, bits) "
-        "and the function that makes outputs.");
+        nb::arg("current_stream").none() = nb::none(),
+        "Registers numpy.ndarray or torch.Tensor for run_fast: its (dtype, DLPack code, bits), "
+        "the function that makes outputs and (torch) the current CUDA stream's.");
   m.def("inv_freq", &inv_freq, nb::arg("head_dim"), nb::arg("rope_base"), nb::arg("rotary_dim"),
         nb::arg("rope_scaling").none(), "See ropekv.rope_inv_freq.");
   m.def(

@@ -511,6 +511,147 @@ def test_mixed_devices_raise_value_error():
             call(q, k, v, pos, slots, kp.to("cuda:1"), vp, 1e4)
 
 
+# ---------------------------------------------------------------- the fast path
+
+def fused_views(T, Hq, Hk, D, P, dtype, seed):
+    """q/k/v as views of one fused QKV output, int64 positions every other
+    element, slots at an offset, pools with a two-row stride: the layouts
+    an engine passes, all on the GPU."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(T, Hq + 2 * Hk, D, generator=g).to(dtype).to(DEV)
+    q, k, v = qkv[:, :Hq], qkv[:, Hq:Hq + Hk], qkv[:, Hq + Hk:]
+    pos = torch.randint(0, 1 << 24, (2 * T,), generator=g).to(DEV)[::2]
+    slots = torch.cat([torch.zeros(3, dtype=torch.int32),
+                       torch.randperm(P, generator=g)[:T].int()]).to(DEV)[3:]
+    pools = [torch.randn(2 * P, Hk, D, generator=g).to(dtype).to(DEV)[::2] for _ in range(2)]
+    return q, k, v, pos, slots, pools[0], pools[1]
+
+
+FAST_OPTIONS = {
+    "plain": {},
+    "is_neox=False": {"is_neox": False},
+    "llama3": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192}},
+    "cos_sin_cache": {"cos_sin_cache": "table"},
+    "qk-norm": {"q_norm_weight": "w", "k_norm_weight": "w", "norm_eps": 1e-5},
+}
+
+
+def sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def general_path():
+    """The keyword that sends a call down the general path: an explicit
+    stream (the current one; CPU arrays ignore it)."""
+    return {"stream": torch.cuda.current_stream() if DEV == "cuda" else 0}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("opts", list(FAST_OPTIONS))
+@pytest.mark.parametrize("T", [1, 37])
+def test_fast_path_equals_general_path(dtype, opts, T):
+    """A call on the current stream takes the binding's fast path (it reads
+    the tensors in place); one with an explicit stream= takes the general
+    path (DLPack). Both must write the same bits, on the reference."""
+    call(*make(2, 2, 1, 8, 4, torch.float32), 1e4)  # the first torch call registers the path
+    dt = DTYPES[dtype]
+    Hq, Hk, D, P = 8, 2, 128, 64
+    seed = int(np.random.default_rng().integers(1 << 62))
+    kw = dict(FAST_OPTIONS[opts])
+    g = torch.Generator().manual_seed(seed + 1)
+    if "cos_sin_cache" in kw:
+        kw["cos_sin_cache"] = torch.randn(1 << 12, D, generator=g).to(DEV)
+    if "q_norm_weight" in kw:
+        w = (torch.rand(D, generator=g) + 0.5).to(dt).to(DEV)
+        kw["q_norm_weight"] = kw["k_norm_weight"] = w
+    results = []
+    for general in (False, True):
+        q, k, v, pos, slots, kp, vp = fused_views(T, Hq, Hk, D, P, dt, seed)
+        if "cos_sin_cache" in kw:
+            pos = pos % (1 << 12)
+        k0, v0 = kp.clone(), vp.clone()
+        q_out, k_out = poisoned(q), poisoned(k)
+        stream = general_path() if general else {}
+        out = call(q, k, v, pos, slots, kp, vp, 5e5, q_out=q_out, k_out=k_out, **kw, **stream)
+        sync()
+        assert out[0] is q_out and out[1] is k_out and out[2] is kp and out[3] is vp
+        check_pools(slots, k_out, v, kp, vp, k0, v0)
+        results.append(out)
+        if not general:
+            # the fast path did take it: run_fast returns None where it declines
+            scaling = (ropekv._scaling_params(kw["rope_scaling"]) if "rope_scaling" in kw
+                       else None)
+            assert ropekv._ext.run_fast(
+                q, k, v, pos, slots, kp, vp, None, None, D, Hq, Hk, 5e5, None,
+                kw.get("is_neox", True), scaling, 0, False, kw.get("cos_sin_cache"),
+                kw.get("q_norm_weight"), kw.get("k_norm_weight"),
+                kw.get("norm_eps", 1e-6)) is not None
+    for got, want in zip(results[0], results[1]):
+        assert same_bits(got, want), opts
+    if opts == "plain":
+        q, k, *_ = fused_views(T, Hq, Hk, D, P, dt, seed)
+        p = fused_views(T, Hq, Hk, D, P, dt, seed)[3].cpu().numpy()
+        for got, x in ((results[0][0], q), (results[0][1], k)):
+            ref, mag = ref_rope(f64(x), p, 5e5)
+            assert_close(got, ref, mag, f"fast path {dtype} T={T}")
+
+
+@cuda_only
+def test_fast_path_made_outputs_and_side_stream():
+    """Outputs made by the fast path are new contiguous CUDA tensors, and the
+    call runs on the current (side) stream: the result is there after that
+    stream, and only that stream, is synchronised."""
+    q, k, v, pos, slots, kp, vp = make(33, 8, 2, 128, 64, torch.bfloat16, skip_every=0)
+    call(q, k, v, pos, slots, kp.clone(), vp.clone(), 1e4)  # registers the fast path
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        # a long kernel ahead on the side stream: a launch on another stream would
+        # read q before this one writes it
+        q.mul_(1.0).add_(0.0)
+        q_rot, k_rot, _, _ = call(q, k, v, pos, slots, kp, vp, 1e4)
+    s.synchronize()
+    assert q_rot.is_cuda and q_rot.is_contiguous() and q_rot.shape == q.shape
+    ref, mag = ref_rope(f64(q), pos.cpu().numpy(), 1e4)
+    assert_close(q_rot, ref, mag, "q_rot made by the fast path on a side stream")
+
+
+@pytest.mark.parametrize("bad", ["positions on the other device", "dtype",
+                                 "slot >= P checked", "rank", "odd head_dim"])
+def test_fast_path_errors_are_the_general_paths(bad):
+    msgs = []
+    for general in (False, True):
+        q, k, v, pos, slots, kp, vp = make(6, 4, 2, 64, 10, torch.float16, skip_every=0)
+        kw = general_path() if general else {}
+        if bad == "positions on the other device":
+            if DEV != "cuda":
+                pytest.skip("one device")
+            pos = pos.cpu()
+        elif bad == "dtype":
+            v = v.float()
+        elif bad == "slot >= P checked":
+            slots[2] = 10
+        elif bad == "rank":
+            q = q[0]
+        k0, v0 = kp.clone(), vp.clone()
+        ropekv.set_checked(bad == "slot >= P checked")
+        try:
+            with pytest.raises(ValueError) as e:
+                ropekv.rope_pool_fused(q, k, v, pos, slots, kp, vp, head_dim=63 if
+                                       bad == "odd head_dim" else 64, num_qo_heads=4,
+                                       num_kv_heads=2, rope_base=1e4, **kw)
+        finally:
+            ropekv.set_checked(False)
+        sync()
+        msgs.append(str(e.value))
+        if bad != "slot >= P checked":  # (checked: the named rows in range are written)
+            assert same_bits(kp, k0) and same_bits(vp, v0)
+    assert msgs[0] == msgs[1], msgs
+
+
 @cuda_only
 def test_second_device_if_present():
     if torch.cuda.device_count() < 2:
