@@ -3,9 +3,10 @@
 Importing this module registers a ``torch.library`` custom op with a fake
 (meta) implementation, so the call traces under ``torch.compile`` with no
 graph break and can be captured in CUDA graphs. It declares that it mutates
-``k_pool`` and ``v_pool`` in place, and returns the new ``(q_rot, k_rot)``
-(a custom op may not return its mutated inputs; the pools are the ones passed
-in)::
+``k_pool`` and ``v_pool`` in place (their version counters move, as after
+any in-place PyTorch op), and returns the new ``(q_rot, k_rot)`` (a custom op
+may not return its mutated inputs; the pools are the ones passed in). It is
+not differentiable: q_rot and k_rot never require grad::
 
     import ropekv.ops  # registers the op
     q_rot, k_rot = torch.ops.ropekv.rope_pool_fused(
@@ -30,7 +31,15 @@ from . import rope_pool_fused as _rope_pool_fused
 __all__ = ["rope_pool_fused"]
 
 
-@torch.library.custom_op("ropekv::rope_pool_fused", mutates_args=("k_pool", "v_pool"))
+_SCHEMA = (
+    "rope_pool_fused(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor slots, "
+    "Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor? cos_sin_cache=None, "
+    "Tensor? q_norm_weight=None, Tensor? k_norm_weight=None, *, int head_dim, "
+    "int num_qo_heads, int num_kv_heads, float rope_base, int? rotary_dim=None, "
+    "bool is_neox=True, str? rope_scaling=None, str kv_cache_dtype=\"auto\", "
+    "float k_scale=1., float v_scale=1., float norm_eps=1e-06) -> (Tensor, Tensor)")
+
+
 def rope_pool_fused(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -66,6 +75,18 @@ def rope_pool_fused(
     v_pool are updated in place. Raises ValueError as
     :func:`ropekv.rope_pool_fused` does.
     """
+    return torch.ops.ropekv.rope_pool_fused(
+        q, k, v, positions, slots, k_pool, v_pool, cos_sin_cache, q_norm_weight,
+        k_norm_weight, head_dim=head_dim, num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads, rope_base=rope_base, rotary_dim=rotary_dim,
+        is_neox=is_neox, rope_scaling=rope_scaling, kv_cache_dtype=kv_cache_dtype,
+        k_scale=k_scale, v_scale=v_scale, norm_eps=norm_eps)
+
+
+def _kernel(q, k, v, positions, slots, k_pool, v_pool, cos_sin_cache=None, q_norm_weight=None,
+            k_norm_weight=None, *, head_dim, num_qo_heads, num_kv_heads, rope_base,
+            rotary_dim=None, is_neox=True, rope_scaling=None, kv_cache_dtype="auto",
+            k_scale=1.0, v_scale=1.0, norm_eps=1e-6):
     q_rot, k_rot, _, _ = _rope_pool_fused(
         q, k, v, positions, slots, k_pool, v_pool, head_dim=head_dim,
         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, rope_base=rope_base,
@@ -73,13 +94,29 @@ def rope_pool_fused(
         cos_sin_cache=cos_sin_cache, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
         v_scale=v_scale, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
         norm_eps=norm_eps)
+    # What PyTorch's own in-place ops do: autograd sees the pools changed
+    # (a no-op for inference-mode tensors).
+    torch._C._increment_version((k_pool, v_pool))
     return q_rot, k_rot
 
 
-@rope_pool_fused.register_fake
-def _(q, k, v, positions, slots, k_pool, v_pool, cos_sin_cache=None, q_norm_weight=None,
-      k_norm_weight=None, *, head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim=None,
-      is_neox=True, rope_scaling=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
-      norm_eps=1e-6):
+def _fake(q, k, v, positions, slots, k_pool, v_pool, cos_sin_cache=None, q_norm_weight=None,
+          k_norm_weight=None, *, head_dim, num_qo_heads, num_kv_heads, rope_base,
+          rotary_dim=None, is_neox=True, rope_scaling=None, kv_cache_dtype="auto", k_scale=1.0,
+          v_scale=1.0, norm_eps=1e-6):
     # Fresh contiguous outputs of q's and k's shape, dtype and device.
     return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+# Registered on the dispatcher directly (schema, a CPU and a CUDA kernel, a
+# fake): torch.library.custom_op wraps each call in Python layers of its own
+# (autograd and in-place bookkeeping) that cost more than the op. The schema
+# declares the pools mutated (a!, b!), which is what torch.compile's
+# functionalization and CUDA graphs go by. The op is not differentiable:
+# autograd falls through it, so q_rot and k_rot never require grad.
+_lib = torch.library.Library("ropekv", "DEF")
+_lib.define(_SCHEMA)
+for _key in ("CPU", "CUDA"):
+    _lib.impl("rope_pool_fused", _kernel, _key)
+_lib.impl("rope_pool_fused", torch.library.fallthrough_kernel, "Autograd")
+torch.library.register_fake("ropekv::rope_pool_fused", _fake, lib=_lib)

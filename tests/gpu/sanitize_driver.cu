@@ -9,6 +9,7 @@
 //   sanitize_driver --cold     per-call time of four model shapes, cold L2 (T = 1..8192)
 //   sanitize_driver --cold-options  the same for Llama with QK-norm and fp8 pools
 //   sanitize_driver --cold-inplace  the same in place (q_rot, k_rot = q, k)
+//   sanitize_driver --host     host time per T = 1 call (Llama bf16) and of its parts
 //
 // Built by scripts/gpu-check.sh against the library the Python build made.
 #include <cuda_bf16.h>
@@ -16,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -582,6 +584,37 @@ void cold(bool options, bool inplace) {
   ropekv::check_device_errors(0, s);
 }
 
+// Host time per call of a stream of asynchronous T = 1 calls (Llama bf16,
+// the kernels run behind; synchronised once at the end), next to the parts
+// of a call: the contract check alone (ropekv::validate, which also asks
+// CUDA about each of the nine arrays' memory), one cudaPointerGetAttributes,
+// and an empty kernel's launch. Best of 5 runs of 20000 calls.
+void host() {
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  LlamaCall c(1);
+  c.run(s);
+  CK(cudaStreamSynchronize(s));
+  auto per_call_us = [&](auto&& body) {
+    double best = 1e30;
+    for (int r = 0; r < 5; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < 20000; ++i) body();
+      CK(cudaStreamSynchronize(s));
+      const std::chrono::duration<double, std::micro> dt = std::chrono::steady_clock::now() - t0;
+      best = std::min(best, dt.count() / 20000);
+    }
+    return best;
+  };
+  cudaPointerAttributes attr;
+  std::printf("host us/call (T=1 Llama bf16): rope_pool_fused %.2f | validate %.2f | "
+              "cudaPointerGetAttributes %.3f | empty kernel launch %.2f\n",
+              per_call_us([&] { c.run(s); }), per_call_us([&] { ropekv::validate(c.t, c.cfg); }),
+              per_call_us([&] { CK(cudaPointerGetAttributes(&attr, c.q.ptr)); }),
+              per_call_us([&] { empty_kernel<<<1, 32, 0, s>>>(0); }));
+  ropekv::check_device_errors(0, s);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -596,6 +629,10 @@ int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "--cold" || mode == "--cold-options" || mode == "--cold-inplace") {
     cold(mode == "--cold-options", mode == "--cold-inplace");
+    return 0;
+  }
+  if (mode == "--host") {
+    host();
     return 0;
   }
   if (argc > 1 && std::string(argv[1]) == "--latency") {

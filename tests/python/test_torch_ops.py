@@ -107,3 +107,26 @@ def test_op_with_options_opcheck_and_compile():
     assert torch.equal(kp.view(torch.uint8), kp_e.view(torch.uint8))
     assert torch.equal(vp.view(torch.uint8), vp_e.view(torch.uint8))
     assert kp.view(torch.uint8)[slots].any()
+
+
+def test_not_differentiable_pools_version_bumped_and_inference_mode():
+    """Autograd falls through the op: q_rot / k_rot never require grad, even
+    from inputs that do. The pools' version counters move, as after any
+    PyTorch in-place op (autograd's check against stale saved tensors).
+    Inference-mode tensors (no version counter) work too."""
+    q, k, v, pos, slots, kp, vp = make()
+    q.requires_grad_()
+    w = torch.randn(kp.shape, requires_grad=True)
+    y = (w * kp).sum()  # saves kp for w's gradient
+    before = (kp._version, vp._version)
+    q_rot, k_rot = torch.ops.ropekv.rope_pool_fused(q, k, v, pos, slots, kp, vp, **CFG)
+    assert not q_rot.requires_grad and q_rot.grad_fn is None and not k_rot.requires_grad
+    assert kp._version > before[0] and vp._version > before[1]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+    with torch.inference_mode():
+        q, k, v, pos, slots, kp, vp = make()
+        q_rot, _ = torch.ops.ropekv.rope_pool_fused(q, k, v, pos, slots, kp, vp, **CFG)
+        assert q_rot.is_inference()
+    ref, mag = rope(q.numpy(), pos.numpy(), CFG["rope_base"])
+    assert_close(q_rot.numpy(), ref, mag, "q_rot in inference mode")
