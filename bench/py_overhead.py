@@ -2,10 +2,10 @@
 """Per-call time of ropekv.rope_pool_fused at T = 1 through Python, with
 PyTorch CPU tensors (Llama-3.1-8B shapes, warm caches): the plain call, the
 call with Llama 3.1's rope_scaling, with interleaved pairs, with a QK-norm
-(weights in the input dtype, as Qwen3 has them) and with a float32
-cos_sin_cache, each through the binding's fast path (the default) and through
-the general path (stream=0, which CPU arrays otherwise ignore). Best of 5
-timeit runs of 5000 calls each.
+(weights in the input dtype, as Qwen3 has them), with a float32
+cos_sin_cache and with fp8 pools, each through the binding's fast path (the
+default) and through the general path (stream=0, which CPU arrays otherwise
+ignore). Best of 5 timeit runs of 5000 calls each.
 
 With --cuda (on a GPU machine): the same calls with CUDA tensors, the host
 time per call of a stream of 5000 asynchronous calls (the kernels run
@@ -44,7 +44,8 @@ def calls(dt: torch.dtype) -> dict:
     return {"plain": {}, "llama3 rope_scaling": {"rope_scaling": LLAMA3},
             "is_neox=False": {"is_neox": False},
             "QK-norm": {"q_norm_weight": w, "k_norm_weight": w},
-            "cos_sin_cache f32": {"cos_sin_cache": table}}
+            "cos_sin_cache f32": {"cos_sin_cache": table},
+            "fp8_e4m3 pools": {"kv_cache_dtype": "fp8_e4m3", "k_scale": 0.5, "v_scale": 0.5}}
 
 
 def main() -> None:
@@ -64,10 +65,12 @@ def main() -> None:
     for dt in (torch.bfloat16, torch.float32):
         q, k, v = (torch.randn(T, h, D).to(dt).to(dev) for h in (HQ, HK, HK))
         pos, slots = torch.tensor([1234], device=dev), torch.tensor([17], device=dev)
-        k_pool = torch.zeros(P, HK, D, dtype=dt, device=dev)
-        v_pool = torch.zeros(P, HK, D, dtype=dt, device=dev)
+        pools = [torch.zeros(P, HK, D, dtype=dt, device=dev) for _ in range(2)]
         for name, kw in calls(dt).items():
             kw = {n: x.to(dev) if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
+            fp8 = kw.get("kv_cache_dtype") == "fp8_e4m3"
+            k_pool, v_pool = ((torch.zeros(P, HK, D, dtype=torch.float8_e4m3fn, device=dev)
+                               for _ in range(2)) if fp8 else pools)
             us = []
             for path in paths:
                 if path == "ops":

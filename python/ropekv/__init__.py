@@ -187,7 +187,7 @@ def _as_array(x: Any, name: str) -> Tuple[Any, bool, bool]:
 
 
 # DLPack type codes (dlpack.h): the dtypes _ext.run_fast reads in place.
-_DL_INT, _DL_FLOAT, _DL_BFLOAT = 0, 2, 4
+_DL_INT, _DL_UINT, _DL_FLOAT, _DL_BFLOAT = 0, 1, 2, 4
 # Types whose calls _ext.run_fast takes: numpy.ndarray now, torch.Tensor
 # once a call has seen that torch is imported.
 _FAST_TENSOR: Optional[type] = None
@@ -198,10 +198,12 @@ def _register_fast_numpy() -> None:
     a byte-swapped or otherwise unusual dtype is none of them and takes the
     general path. Equal dtypes can be distinct objects (int64 is 'l' and
     'q'), hence a list of every C name."""
-    table = [(dt, _DL_FLOAT if dt.kind == "f" else _DL_INT, dt.itemsize * 8)
-             for dt in map(_np.dtype, "efilq")]
+    codes = {"f": _DL_FLOAT, "i": _DL_INT, "u": _DL_UINT}
+    table = [(dt, codes[dt.kind], dt.itemsize * 8) for dt in map(_np.dtype, "efilqB")]
     if _BF16 is not None:
         table.append((_BF16, _DL_BFLOAT, 16))
+    # fp8 pools as their bytes, with the kv_cache_dtype their values are
+    table += [(dt, _DL_UINT, 8, _KV_CACHE_DTYPES[_FP8_NAMES[dt.name]]) for dt in _FP8_DTYPES]
     _ext.fast_path_types("numpy", _np.ndarray, table, _np.empty, None)
 
 
@@ -221,11 +223,13 @@ def _torch_fast() -> Optional[Tuple[Any, ...]]:
             return None
         _TORCH_FAST = (torch.Tensor, torch.bfloat16, torch.int16,
                        (torch.float32, torch.float16, torch.int32, torch.int64))
+        fp8 = [(getattr(torch, name), _DL_UINT, 8, _KV_CACHE_DTYPES[kind])
+               for name, kind in _FP8_NAMES.items() if hasattr(torch, name)]
         _ext.fast_path_types("torch", torch.Tensor, [
             (torch.float32, _DL_FLOAT, 32), (torch.float16, _DL_FLOAT, 16),
             (torch.bfloat16, _DL_BFLOAT, 16), (torch.int32, _DL_INT, 32),
-            (torch.int64, _DL_INT, 64)], torch.empty_like, torch.contiguous_format,
-            _torch_current_stream(torch))
+            (torch.int64, _DL_INT, 64), (torch.uint8, _DL_UINT, 8)] + fp8,
+            torch.empty_like, torch.contiguous_format, _torch_current_stream(torch))
         _FAST_TENSOR = torch.Tensor
     return _TORCH_FAST
 
@@ -504,19 +508,19 @@ def rope_pool_fused(
             position outside cos_sin_cache) is skipped and raised only in
             checked mode (:func:`set_checked`).
     """
-    # The pool formats (the fast path leaves them to the general path), and any
-    # option at all (the general path then runs the options' binding, which
+    # Any option at all: the general path then runs the options' binding (which
     # also checks a norm_eps other than the default, as the fast path does).
-    pool_options = kv_cache_dtype != "auto" or k_scale != 1.0 or v_scale != 1.0
-    options = (pool_options or cos_sin_cache is not None or q_norm_weight is not None
+    options = (kv_cache_dtype != "auto" or k_scale != 1.0 or v_scale != 1.0
+               or cos_sin_cache is not None or q_norm_weight is not None
                or k_norm_weight is not None or is_neox is not True or rope_scaling is not None
                or norm_eps != 1e-6)
     if inplace:
         if q_out is not None or k_out is not None:
             raise ValueError("inplace=True writes q and k themselves: pass no q_out/k_out")
         q_out, k_out = q, k
-    if not pool_options and stream is None and (type(q) is _np.ndarray
-                                                or type(q) is _FAST_TENSOR):
+    kv_code = _KV_CACHE_DTYPES.get(kv_cache_dtype) if type(kv_cache_dtype) is str else None
+    if kv_code is not None and stream is None and (type(q) is _np.ndarray
+                                                   or type(q) is _FAST_TENSOR):
         # numpy arrays and PyTorch CPU or CUDA tensors (on the current
         # stream) of the plain dtypes, read in place by the binding; it
         # declines anything else (None), having
@@ -533,7 +537,8 @@ def rope_pool_fused(
             done = _ext.run_fast(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out,
                                  head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim,
                                  is_neox, scaling, num_threads, _checked, cos_sin_cache,
-                                 q_norm_weight, k_norm_weight, norm_eps)
+                                 q_norm_weight, k_norm_weight, norm_eps, kv_code, k_scale,
+                                 v_scale)
             if done is not None:
                 return done
     if options:

@@ -2,7 +2,7 @@
 // DLPack (or the buffer protocol) as they are, never converted, become
 // DLTensor views, and go to the C++ front end, which validates everything.
 // run_fast reads numpy arrays and PyTorch CPU and CUDA tensors in place
-// instead, for calls without pool-format options (see "fast path" below).
+// instead (see "fast path" below).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/array.h>
@@ -153,21 +153,23 @@ void run_options(const Array& q, const Array& k, const Array& v, const Array& po
 }
 
 // ---------------------------------------------------------------- fast path
-// The common call (numpy arrays or PyTorch CPU or CUDA tensors, no
-// pool-format options) reads each array's pointer, shape and strides
-// straight from the object: no DLPack capsule or numpy view per array, which
-// cost more than the op at T = 1. Anything it does not know exactly
-// (another type, dtype or device, a tensor with the negative bit, a
-// big-endian or unaligned numpy array, an argument of another type) makes
-// it decline before anything is written,
-// and the Python layer takes the general path, so errors and conversions
-// stay those of the general path.
+// The common call (numpy arrays or PyTorch CPU or CUDA tensors, any
+// options) reads each array's pointer, shape and strides straight from the
+// object: no DLPack capsule or numpy view per array, which cost more than
+// the op at T = 1. Anything it does not know exactly (another type, dtype
+// or device, a tensor with the negative bit, a big-endian or unaligned
+// numpy array, an argument of another type) makes it decline before
+// anything is written, and the Python layer takes the general path, so
+// errors and conversions stay those of the general path.
 
 constexpr int kFastMaxDims = 3;  // the contract's largest rank; a larger one takes the general path
 
 struct FastDtype {
   PyObject* dtype;  // a numpy dtype or torch.dtype instance, compared by identity
   DLDataType code;
+  // An fp8 dtype: the KvCacheDtype its values are (read as uint8, as the
+  // core takes fp8 pools); 0 for every other dtype.
+  int fp8 = 0;
 };
 
 // An attribute (or a method called without arguments) of the registered
@@ -231,6 +233,7 @@ struct FastView {
   int64_t shape[kFastMaxDims] = {};
   int64_t strides[kFastMaxDims] = {};
   PyObject* dtype = nullptr;  // the registered dtype object (borrowed)
+  int fp8 = 0;                // FastDtype::fp8
   bool is_torch = false;
   bool read_only = false;
 };
@@ -275,6 +278,7 @@ bool dtype_of(PyObject* o, const FastFramework& fw, FastView& v) {
     if (d.dtype == dtype) {
       v.t.dtype = d.code;
       v.dtype = d.dtype;
+      v.fp8 = d.fp8;
       break;
     }
   Py_DECREF(dtype);
@@ -475,10 +479,27 @@ bool fast_int(PyObject* o, Int& out) {
   return true;
 }
 
+// An exact Python float, or an exact int as float() makes it (other types
+// take the general path, which converts or reports them).
+bool fast_float(PyObject* o, double& out) {
+  if (PyFloat_CheckExact(o)) {
+    out = PyFloat_AS_DOUBLE(o);
+    return true;
+  }
+  if (!PyLong_CheckExact(o)) return false;
+  out = PyLong_AsDouble(o);
+  if (out == -1.0 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+
 // Registers numpy.ndarray (with numpy.empty) or torch.Tensor (with
 // torch.empty_like, torch.contiguous_format and, where torch has CUDA, its
 // current raw stream of a device index) and the dtypes run_fast reads for
-// it: (dtype, DLPack type code, bits) each.
+// it: (dtype, DLPack type code, bits) each, and for fp8 dtypes the
+// KvCacheDtype of their values as a fourth entry.
 void fast_path_types(const std::string& framework, nb::handle type, nb::list dtypes,
                      nb::handle empty, nb::handle contiguous_format,
                      nb::handle current_stream) {
@@ -490,7 +511,8 @@ void fast_path_types(const std::string& framework, nb::handle type, nb::list dty
   for (nb::handle item : dtypes) {
     nb::tuple t = nb::cast<nb::tuple>(item);
     fw.dtypes.push_back(FastDtype{
-        t[0].inc_ref().ptr(), DLDataType{nb::cast<uint8_t>(t[1]), nb::cast<uint8_t>(t[2]), 1}});
+        t[0].inc_ref().ptr(), DLDataType{nb::cast<uint8_t>(t[1]), nb::cast<uint8_t>(t[2]), 1},
+        t.size() > 3 ? nb::cast<int>(t[3]) : 0});
   }
   fw.type = reinterpret_cast<PyTypeObject*>(type.inc_ref().ptr());
   const std::pair<const char*, bool> names[kMembers] = {
@@ -518,20 +540,21 @@ void fast_path_types(const std::string& framework, nb::handle type, nb::list dty
 }
 
 // ropekv.rope_pool_fused on numpy arrays and PyTorch CPU or CUDA tensors
-// (CUDA: on torch's current stream), with no
-// options but is_neox and rope_scaling (those of most model configs; the
-// Python layer has turned rope_scaling into its numbers). Returns (q_rot,
-// k_rot, k_pool, v_pool), making q_rot / k_rot when None is given, or None,
-// having written nothing, when an argument is not one it reads (fast_view,
-// fast_int, is_neox not a bool) or a pool or output is read-only; raises
-// the contract's ValueError.
+// (CUDA: on torch's current stream), with any of its options (the Python
+// layer has turned rope_scaling into its numbers and kv_cache_dtype into
+// its code). Returns (q_rot, k_rot, k_pool, v_pool), making q_rot / k_rot
+// when None is given, or None, having written nothing, when an argument is
+// not one it reads (fast_view, fast_int, fast_float, is_neox not a bool, an
+// fp8 array other than a pool of kv_cache_dtype) or a pool or output is
+// read-only; raises the contract's ValueError.
 nb::object run_fast(nb::handle q, nb::handle k, nb::handle v, nb::handle positions,
                     nb::handle slots, nb::handle k_pool, nb::handle v_pool, nb::handle q_rot,
                     nb::handle k_rot, nb::handle head_dim, nb::handle num_qo_heads,
                     nb::handle num_kv_heads, nb::handle rope_base, nb::handle rotary_dim,
                     nb::handle is_neox, const std::optional<Scaling>& rope_scaling,
                     nb::handle num_threads, bool checked, nb::handle cos_sin_cache,
-                    nb::handle q_norm_weight, nb::handle k_norm_weight, nb::handle norm_eps) {
+                    nb::handle q_norm_weight, nb::handle k_norm_weight, nb::handle norm_eps,
+                    int kv_cache_dtype, nb::handle k_scale, nb::handle v_scale) {
   ropekv::RopeConfig cfg;
   if (is_neox.ptr() != Py_True && is_neox.ptr() != Py_False) return nb::none();
   cfg.is_neox = is_neox.ptr() == Py_True;
@@ -541,19 +564,12 @@ nb::object run_fast(nb::handle q, nb::handle k, nb::handle v, nb::handle positio
       !fast_int(num_kv_heads.ptr(), cfg.num_kv_heads) || !fast_int(num_threads.ptr(), threads))
     return nb::none();
   if (!rotary_dim.is_none() && !fast_int(rotary_dim.ptr(), cfg.rotary_dim)) return nb::none();
-  if (PyFloat_CheckExact(rope_base.ptr())) {
-    cfg.rope_base = PyFloat_AS_DOUBLE(rope_base.ptr());
-  } else if (PyLong_CheckExact(rope_base.ptr())) {  // float(int), as the general path does
-    cfg.rope_base = PyLong_AsDouble(rope_base.ptr());
-    if (cfg.rope_base == -1.0 && PyErr_Occurred()) {
-      PyErr_Clear();
-      return nb::none();
-    }
-  } else {
+  if (!fast_float(rope_base.ptr(), cfg.rope_base) || !fast_float(k_scale.ptr(), cfg.k_scale) ||
+      !fast_float(v_scale.ptr(), cfg.v_scale))
     return nb::none();
-  }
   if (!PyFloat_CheckExact(norm_eps.ptr())) return nb::none();
   cfg.norm_eps = PyFloat_AS_DOUBLE(norm_eps.ptr());
+  cfg.kv_cache_dtype = static_cast<ropekv::KvCacheDtype>(kv_cache_dtype);
 
   const nb::handle in[7] = {q, k, v, positions, slots, k_pool, v_pool};
   FastView views[12];
@@ -579,6 +595,11 @@ nb::object run_fast(nb::handle q, nb::handle k, nb::handle v, nb::handle positio
   // decides (and reports) every such call.
   for (int i = 5; i < 9; ++i)
     if (views[i].read_only) return nb::none();
+  // An fp8-typed array is taken only as a pool of that kv_cache_dtype; the
+  // general path reports any other use (a mismatched kv_cache_dtype first).
+  for (int i = 0; i < 12; ++i)
+    if (views[i].fp8 && !((i == 5 || i == 6) && views[i].fp8 == kv_cache_dtype))
+      return nb::none();
 
   DLTensor optional[3] = {};
   for (int i = 0; i < 3; ++i)
@@ -658,10 +679,11 @@ NB_MODULE(_ext, m) {
         nb::arg("num_threads").none(), nb::arg("checked"),
         nb::arg("cos_sin_cache").none() = nb::none(), nb::arg("q_norm_weight").none() = nb::none(),
         nb::arg("k_norm_weight").none() = nb::none(), nb::arg("norm_eps").none() = nb::float_(1e-6),
-        "ropekv.rope_pool_fused with the options other than the pool formats (is_neox, "
-        "rope_scaling, cos_sin_cache, the QK-norm weights and norm_eps), on numpy arrays or "
-        "PyTorch CPU or CUDA tensors read in place (see fast_path_types): (q_rot, k_rot, k_pool, "
-        "v_pool), or None, having written nothing, for anything else.");
+        nb::arg("kv_cache_dtype") = 0, nb::arg("k_scale").none() = nb::float_(1.0),
+        nb::arg("v_scale").none() = nb::float_(1.0),
+        "ropekv.rope_pool_fused with its options (kv_cache_dtype as its KvCacheDtype code), on "
+        "numpy arrays or PyTorch CPU or CUDA tensors read in place (see fast_path_types): "
+        "(q_rot, k_rot, k_pool, v_pool), or None, having written nothing, for anything else.");
   m.def("fast_path_types", &fast_path_types, nb::arg("framework"), nb::arg("type"),
         nb::arg("dtypes"), nb::arg("empty"), nb::arg("contiguous_format").none(),
         nb::arg("current_stream").none() = nb::none(),

@@ -599,6 +599,47 @@ def test_fast_path_equals_general_path(dtype, opts, T):
             assert_close(got, ref, mag, f"fast path {dtype} T={T}")
 
 
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "fp8_e4m3 as uint8", "float32"])
+@pytest.mark.parametrize("T", [1, 37])
+def test_fast_path_pool_formats_equal_general_path(fmt, T):
+    """fp8 pools (typed, or raw uint8 bytes as vLLM keeps them) and float32
+    pools: the fast path writes the general path's bytes and took the call."""
+    call(*make(2, 2, 1, 8, 4, torch.float32), 1e4)  # the first torch call registers the path
+    kind = fmt.split()[0]
+    Hq, Hk, D, P = 8, 2, 128, 64
+    seed = int(np.random.default_rng().integers(1 << 62))
+    kw = {"kv_cache_dtype": kind}
+    if kind != "float32":
+        kw.update(k_scale=0.75, v_scale=2.0)
+    results = []
+    for general in (False, True):
+        q, k, v, pos, slots, _, _ = fused_views(T, Hq, Hk, D, P, torch.bfloat16, seed)
+        g = torch.Generator().manual_seed(seed + 2)
+        if kind == "float32":
+            pools = [torch.randn(P, Hk, D, generator=g).to(DEV) for _ in range(2)]
+        else:
+            pools = [torch.randint(0, 256, (P, Hk, D), generator=g, dtype=torch.uint8).to(DEV)
+                     for _ in range(2)]
+            if "uint8" not in fmt:
+                fp8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kind]
+                pools = [p.view(fp8) for p in pools]
+        kp, vp = pools
+        before = kp.clone()
+        out = call(q, k, v, pos, slots, kp, vp, 5e5, **kw, **(general_path() if general else {}))
+        sync()
+        assert out[2] is kp and out[3] is vp
+        results.append([x.view(torch.uint8) if x.element_size() == 1 else x for x in out])
+        if not general:
+            assert not same_bits(kp.view(torch.uint8) if kind != "float32" else kp,
+                                 before.view(torch.uint8) if kind != "float32" else before)
+            assert ropekv._ext.run_fast(
+                q, k, v, pos, slots, kp, vp, None, None, D, Hq, Hk, 5e5, None, True, None, 0,
+                False, kv_cache_dtype={"float32": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}[kind],
+                k_scale=kw.get("k_scale", 1.0), v_scale=kw.get("v_scale", 1.0)) is not None
+    for got, want in zip(*results):
+        assert torch.equal(got, want) if got.dtype == torch.uint8 else same_bits(got, want), fmt
+
+
 @cuda_only
 def test_fast_path_made_outputs_and_side_stream():
     """Outputs made by the fast path are new contiguous CUDA tensors, and the

@@ -41,6 +41,8 @@ def np_of(t):
         t = torch.zeros(t.shape, dtype=t.dtype)
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(BF16)
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return t.view(torch.uint8).numpy()  # (their bytes: numpy has no fp8)
     return t.numpy()
 
 
@@ -655,3 +657,101 @@ def test_numpy_layouts_dlpack_cannot_describe_raise_value_error(which, layout):
     expect_same_error(c, dict(KW, **opts))
     with pytest.raises(ValueError, match=rf"^{which} has (a byte-swapped dtype|strides)"):
         ropekv.rope_pool_fused(*args_of(c), q_out=c["q_out"], k_out=c["k_out"], **KW, **opts)
+
+
+# ---------------------------------------------------------------- pool formats
+
+POOL_FORMATS = ["fp8_e4m3", "fp8_e5m2", "fp8_e4m3 as uint8", "float32"]
+
+
+def raw(x):
+    """The bytes of an array (numpy or a CPU tensor, fp8 included)."""
+    return np.ascontiguousarray(np_of(x)).tobytes()
+
+
+def with_pool_format(c, framework, fmt, rng):
+    """c with pools of the format (row stride of two rows, random contents:
+    fp8 bytes of every pattern), typed as the framework's fp8 dtype, as raw
+    uint8 bytes, or float32."""
+    kind = fmt.split()[0]
+    for name in ("k_pool", "v_pool"):
+        if kind == "float32":
+            x = rng.standard_normal((P, 2, HK, D)).astype(np.float32)[:, 1]
+        else:
+            x = rng.integers(0, 256, (P, 2, HK, D), dtype=np.uint8)[:, 1]
+            if "uint8" not in fmt:
+                x = x.view(getattr(__import__("ml_dtypes"), {"fp8_e4m3": "float8_e4m3fn",
+                                                             "fp8_e5m2": "float8_e5m2"}[kind]))
+        if framework == "torch":
+            t = torch.from_numpy(x.view(np.uint8) if x.dtype.itemsize == 1 else x)
+            if kind != "float32" and "uint8" not in fmt:
+                t = t.view({"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kind])
+            x = t
+        c[name] = x
+    return dict(KW, kv_cache_dtype=kind, **({} if kind == "float32"
+                                             else dict(k_scale=0.75, v_scale=2)))
+
+
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+@pytest.mark.parametrize("framework", ["torch", "numpy"])
+@pytest.mark.parametrize("fmt", POOL_FORMATS)
+def test_pool_formats_match_general_path(framework, dtype, fmt):
+    """fp8 pools (typed, or as raw uint8 bytes as vLLM keeps them) and float32
+    pools are read in place too: the fast path writes the general path's
+    bytes, leaves every other row as it was, and took the call."""
+    seed = new_seed()
+    calls = []
+    for _ in range(3):  # fast path, general path, run_fast itself
+        rng = np.random.default_rng(seed)
+        c = MAKE[framework](dtype, seed)
+        calls.append((c, with_pool_format(c, framework, fmt, rng)))
+    (c, kw), (general, gkw), (again, akw) = calls
+    before = raw(c["k_pool"])
+    got = ropekv.rope_pool_fused(*args_of(c), q_out=c["q_out"], k_out=c["k_out"], **kw)
+    want = ropekv.rope_pool_fused(*args_of(general), q_out=general["q_out"],
+                                  k_out=general["k_out"], stream=0, **gkw)
+    assert got[2] is c["k_pool"] and got[3] is c["v_pool"]
+    for g, w in zip(got, want):
+        assert raw(g) == raw(w)
+    assert raw(c["k_pool"]) != before
+    slots = np_of(c["slots"]).astype(np.int64)
+    rest = np.setdiff1d(np.arange(P), slots)
+    kp0 = np.frombuffer(before, np.uint8).reshape(P, -1)
+    assert (np.frombuffer(raw(c["k_pool"]), np.uint8).reshape(P, -1)[rest] == kp0[rest]).all()
+    kv = {"fp8_e4m3": 2, "fp8_e5m2": 3, "float32": 1}[akw["kv_cache_dtype"]]
+    assert _ext.run_fast(*args_of(again), again["q_out"], again["k_out"], D, HQ, HK,
+                         KW["rope_base"], None, True, None, 0, True,
+                         kv_cache_dtype=kv, k_scale=akw.get("k_scale", 1.0),
+                         v_scale=akw.get("v_scale", 1.0)) is not None
+
+
+@pytest.mark.parametrize("framework", ["torch", "numpy"])
+@pytest.mark.parametrize("bad", ["typed-pool-other-kind", "typed-pool-auto", "uint8-pool-auto",
+                                 "zero-scale", "nan-scale", "scale-without-fp8",
+                                 "fp8-typed-q", "float32-pool-fp8-kind", "unknown-kind"])
+def test_pool_format_errors_are_the_general_paths(framework, bad):
+    seed = new_seed()
+    rng = np.random.default_rng(seed)
+    c = MAKE[framework]("bfloat16", seed)
+    kw = with_pool_format(c, framework, "fp8_e4m3", rng)
+    if bad == "typed-pool-other-kind":
+        kw["kv_cache_dtype"] = "fp8_e5m2"
+    elif bad == "typed-pool-auto":
+        kw = KW
+    elif bad == "uint8-pool-auto":
+        kw = with_pool_format(c, framework, "fp8_e4m3 as uint8", rng)
+        kw = KW
+    elif bad == "zero-scale":
+        kw["k_scale"] = 0.0
+    elif bad == "nan-scale":
+        kw["v_scale"] = float("nan")
+    elif bad == "scale-without-fp8":
+        kw = dict(with_pool_format(c, framework, "float32", rng), k_scale=0.5)
+    elif bad == "fp8-typed-q":
+        c["q"] = (c["q"].to(torch.float8_e4m3fn) if framework == "torch"
+                  else c["q"].astype(__import__("ml_dtypes").float8_e4m3fn))
+    elif bad == "float32-pool-fp8-kind":
+        kw = dict(with_pool_format(c, framework, "float32", rng), kv_cache_dtype="fp8_e4m3")
+    else:
+        kw["kv_cache_dtype"] = "fp16"
+    expect_same_error(c, kw)
