@@ -207,8 +207,15 @@ void check_options(const RopePoolTensors& t, const RopeConfig& cfg, int64_t R, F
   const bool fp8 = cfg.kv_cache_dtype == KvCacheDtype::kFp8E4M3 ||
                    cfg.kv_cache_dtype == KvCacheDtype::kFp8E5M2;
   if (fp8) {
-    check_positive(cfg.k_scale, "k_scale", "");
-    check_positive(cfg.v_scale, "v_scale", "");
+    // The kernels divide by the scale in fp32: one that rounds to 0 or Inf
+    // there would store NaN or zeros.
+    for (const auto& [scale, name] : {std::pair{cfg.k_scale, "k_scale"},
+                                      std::pair{cfg.v_scale, "v_scale"}}) {
+      check_positive(scale, name, "");
+      const float f = static_cast<float>(scale);
+      if (!std::isfinite(f) || f <= 0.0f)
+        fail(std::string(name) + " must be finite and > 0 as a float32, got " + num_str(scale));
+    }
   } else if (cfg.k_scale != 1.0 || cfg.v_scale != 1.0) {
     fail("k_scale/v_scale apply to fp8 pools only (kv_cache_dtype=\"fp8_e4m3\" or "
          "\"fp8_e5m2\"), got k_scale " + num_str(cfg.k_scale) + ", v_scale " +

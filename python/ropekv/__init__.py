@@ -306,6 +306,8 @@ def _stream_handle(stream: Any) -> int:
 def _float_arg(value: Any, name: str) -> float:
     try:
         return float(value)
+    except OverflowError:  # an int beyond a double's range
+        raise ValueError(f"{name} is too large for a float, got {value!r}") from None
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a number, got {value!r}") from None
 
@@ -518,15 +520,14 @@ def rope_pool_fused(
         if q_out is not None or k_out is not None:
             raise ValueError("inplace=True writes q and k themselves: pass no q_out/k_out")
         q_out, k_out = q, k
-    kv_code = _KV_CACHE_DTYPES.get(kv_cache_dtype) if type(kv_cache_dtype) is str else None
+    kv_code = _KV_CACHE_DTYPES.get(kv_cache_dtype) if isinstance(kv_cache_dtype, str) else None
     if kv_code is not None and stream is None and (type(q) is _np.ndarray
                                                    or type(q) is _FAST_TENSOR):
         # numpy arrays and PyTorch CPU or CUDA tensors (on the current
         # stream) of the plain dtypes, read in place by the binding; it
-        # declines anything else (None), having
-        # written nothing, and the general path below takes the call. A
-        # rope_scaling it cannot read is left to the general path too, which
-        # raises in its own order.
+        # declines anything else (None), having written nothing, and the
+        # general path below takes the call. A rope_scaling it cannot read is
+        # left to the general path too, which raises in its own order.
         scaling: Any = None
         if rope_scaling is not None:
             try:
@@ -542,7 +543,6 @@ def rope_pool_fused(
             if done is not None:
                 return done
     if options:
-        kv_code = _KV_CACHE_DTYPES.get(kv_cache_dtype)
         if kv_code is None:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, _KV_CACHE_DTYPES))}"
                              f", got {kv_cache_dtype!r}")

@@ -583,23 +583,27 @@ nb::object run_fast(nb::handle q, nb::handle k, nb::handle v, nb::handle positio
   // path has it).
   if (rotary_dim.is_none() && !cos_sin_cache.is_none() && views[9].t.ndim == 2)
     cfg.rotary_dim = views[9].shape[1];
+  // Every decline before the outputs are made: a call the general path
+  // reports must not fail here first on their allocation.
+  // A pool or output numpy exports as read-only may be a warn-on-write
+  // broadcast view that the general path judges by flags.writeable: it
+  // decides (and reports) every such call. An fp8-typed array is taken only
+  // as a pool of that kv_cache_dtype; the general path reports any other use
+  // (a mismatched kv_cache_dtype first).
+  auto declined = [&](int i) {
+    return (i >= 5 && i < 9 && views[i].read_only) ||
+           (views[i].fp8 && !((i == 5 || i == 6) && views[i].fp8 == kv_cache_dtype));
+  };
+  for (int i : {0, 1, 2, 3, 4, 5, 6, 9, 10, 11})
+    if (declined(i)) return nb::none();
   // Outputs: made like q and k when not given (and q / k is 3-D; otherwise
   // None, and the core reports the rank).
   nb::object outs[2] = {nb::borrow(q_rot), nb::borrow(k_rot)};
   for (int j = 0; j < 2; ++j) {
     if (outs[j].is_none() && views[j].t.ndim == 3) outs[j] = new_output(in[j].ptr(), views[j]);
-    if (!outs[j].is_none() && !fast_view(outs[j].ptr(), views[7 + j])) return nb::none();
-  }
-  // A pool or output numpy exports as read-only may be a warn-on-write
-  // broadcast view that the general path judges by flags.writeable: it
-  // decides (and reports) every such call.
-  for (int i = 5; i < 9; ++i)
-    if (views[i].read_only) return nb::none();
-  // An fp8-typed array is taken only as a pool of that kv_cache_dtype; the
-  // general path reports any other use (a mismatched kv_cache_dtype first).
-  for (int i = 0; i < 12; ++i)
-    if (views[i].fp8 && !((i == 5 || i == 6) && views[i].fp8 == kv_cache_dtype))
+    if (!outs[j].is_none() && (!fast_view(outs[j].ptr(), views[7 + j]) || declined(7 + j)))
       return nb::none();
+  }
 
   DLTensor optional[3] = {};
   for (int i = 0; i < 3; ++i)

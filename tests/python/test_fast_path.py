@@ -1,5 +1,5 @@
 """The binding's fast path (ropekv._ext.run_fast): numpy arrays and PyTorch
-CPU tensors read in place, for calls without pool-format options. It must give the
+CPU tensors read in place, with any option. It must give the
 general path's results (and the float64 reference's) for any strides,
 offsets and dtypes, raise the contract's messages, and decline every
 argument it does not take exactly (another dtype or type, a tensor that
@@ -626,6 +626,50 @@ def test_a_scalar_that_is_not_a_number_is_a_value_error_on_both_paths(name, valu
     expect_same_error(c, kw)
     with pytest.raises(ValueError, match="^" + re.escape(f"{name} must be a number, got {value!r}")):
         ropekv.rope_pool_fused(*args_of(c), q_out=c["q_out"], k_out=c["k_out"], **kw)
+
+
+@pytest.mark.parametrize("name", ["rope_base", "k_scale", "v_scale"])
+def test_an_int_beyond_a_double_is_a_value_error_on_both_paths(name):
+    kw = dict(KW, **{name: 10 ** 400})
+    c = torch_call("float32")
+    if name != "rope_base":
+        kw["kv_cache_dtype"] = "fp8_e4m3"
+        c["k_pool"] = torch.zeros(P, HK, D, dtype=torch.uint8)
+        c["v_pool"] = torch.zeros(P, HK, D, dtype=torch.uint8)
+    expect_same_error(c, kw)
+    with pytest.raises(ValueError, match=f"^{name} is too large for a float, got 1000"):
+        ropekv.rope_pool_fused(*args_of(c), q_out=c["q_out"], k_out=c["k_out"], **kw)
+
+
+@pytest.mark.parametrize("framework", ["torch", "numpy"])
+@pytest.mark.parametrize("kv", ["fp8_e5m2", "auto"])
+def test_a_call_the_general_path_reports_makes_no_outputs_first(framework, kv):
+    """A mistyped fp8 pool is declined before the fast path makes q_rot and
+    k_rot: with inputs of 2^40 tokens (zero-stride views, no memory) whose
+    outputs cannot be allocated, the error is still the general path's."""
+    n = 1 << 40
+    if framework == "torch":
+        c = dict(q=torch.zeros(1, HQ, D).expand(n, HQ, D), k=torch.zeros(1, HK, D).expand(n, HK, D),
+                 v=torch.zeros(1, HK, D).expand(n, HK, D),
+                 positions=torch.zeros(1, dtype=torch.int64).expand(n),
+                 slots=torch.zeros(1, dtype=torch.int64).expand(n),
+                 k_pool=torch.zeros(P, HK, D, dtype=torch.float8_e4m3fn),
+                 v_pool=torch.zeros(P, HK, D, dtype=torch.float8_e4m3fn))
+    else:
+        import ml_dtypes
+        z = lambda *s: np.broadcast_to(np.zeros((1,) + s[1:], np.float32), s)  # noqa: E731
+        c = dict(q=z(n, HQ, D), k=z(n, HK, D), v=z(n, HK, D),
+                 positions=np.broadcast_to(np.zeros(1, np.int64), (n,)),
+                 slots=np.broadcast_to(np.zeros(1, np.int64), (n,)),
+                 k_pool=np.zeros((P, HK, D), ml_dtypes.float8_e4m3fn),
+                 v_pool=np.zeros((P, HK, D), ml_dtypes.float8_e4m3fn))
+    kw = dict(KW, kv_cache_dtype=kv)
+    if kv != "auto":
+        kw.update(k_scale=0.5, v_scale=0.5)
+    msg = ("k_pool holds fp8_e4m3 values but kv_cache_dtype is 'fp8_e5m2'" if kv != "auto"
+           else "pool dtypes must match q/k/v dtype, got an fp8 pool (fp8_e4m3)")
+    with pytest.raises(ValueError, match="^" + re.escape(msg)):
+        ropekv.rope_pool_fused(*args_of(c), **kw)
 
 
 def byte_swapped(x):

@@ -379,6 +379,11 @@ def test_option_errors():
     assert_rejected("v_scale must be finite and > 0", kv_cache_dtype="fp8_e5m2",
                     v_scale=float("nan"))
     assert_rejected("k_scale/v_scale apply to fp8 pools only", k_scale=2.0)
+    # the kernels divide in fp32: a scale that rounds to 0 or Inf there
+    assert_rejected("k_scale must be finite and > 0 as a float32, got 1e-50",
+                    kv_cache_dtype="fp8_e4m3", k_scale=1e-50)
+    assert_rejected(r"v_scale must be finite and > 0 as a float32, got 1e\+39",
+                    kv_cache_dtype="fp8_e5m2", v_scale=1e39)
     assert_rejected("norm_eps must be finite and >= 0", q_norm_weight=np.ones(16, f32),
                     norm_eps=-1.0)
     assert_rejected(r"q_norm_weight shape must be \[head_dim\] = \(16,\)",
