@@ -3,9 +3,10 @@
 PyTorch CPU tensors (Llama-3.1-8B shapes, warm caches): the plain call, the
 call with Llama 3.1's rope_scaling, with interleaved pairs, with a QK-norm
 (weights in the input dtype, as Qwen3 has them), with a float32
-cos_sin_cache and with fp8 pools, each through the binding's fast path (the
-default) and through the general path (stream=0, which CPU arrays otherwise
-ignore). Best of 5 timeit runs of 5000 calls each.
+cos_sin_cache, with fp8 pools, with q_out / k_out given and in place, each
+through the binding's fast path (the default) and through the general path
+(stream=0, which CPU arrays otherwise ignore). Best of 5 timeit runs of 5000
+calls each.
 
 With --cuda (on a GPU machine): the same calls with CUDA tensors, the host
 time per call of a stream of 5000 asynchronous calls (the kernels run
@@ -45,7 +46,10 @@ def calls(dt: torch.dtype) -> dict:
             "is_neox=False": {"is_neox": False},
             "QK-norm": {"q_norm_weight": w, "k_norm_weight": w},
             "cos_sin_cache f32": {"cos_sin_cache": table},
-            "fp8_e4m3 pools": {"kv_cache_dtype": "fp8_e4m3", "k_scale": 0.5, "v_scale": 0.5}}
+            "fp8_e4m3 pools": {"kv_cache_dtype": "fp8_e4m3", "k_scale": 0.5, "v_scale": 0.5},
+            # outputs an engine preallocates (no allocation per call); not in torch.ops
+            "q_out/k_out given": {"q_out": "given", "k_out": "given"},
+            "inplace=True": {"inplace": True}}
 
 
 def main() -> None:
@@ -68,11 +72,16 @@ def main() -> None:
         pools = [torch.zeros(P, HK, D, dtype=dt, device=dev) for _ in range(2)]
         for name, kw in calls(dt).items():
             kw = {n: x.to(dev) if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
+            if kw.get("q_out") == "given":
+                kw.update(q_out=torch.empty_like(q), k_out=torch.empty_like(k))
             fp8 = kw.get("kv_cache_dtype") == "fp8_e4m3"
             k_pool, v_pool = ((torch.zeros(P, HK, D, dtype=torch.float8_e4m3fn, device=dev)
                                for _ in range(2)) if fp8 else pools)
             us = []
             for path in paths:
+                if path == "ops" and ("q_out" in kw or "inplace" in kw):
+                    us.append(float("nan"))
+                    continue
                 if path == "ops":
                     okw = {n: json.dumps(x) if isinstance(x, dict) else x for n, x in kw.items()}
 
