@@ -596,14 +596,17 @@ nb::object run_fast(nb::handle q, nb::handle k, nb::handle v, nb::handle positio
   };
   for (int i : {0, 1, 2, 3, 4, 5, 6, 9, 10, 11})
     if (declined(i)) return nb::none();
-  // Outputs: made like q and k when not given (and q / k is 3-D; otherwise
-  // None, and the core reports the rank).
+  // Outputs: the given ones first, then the others made like q and k (when
+  // q / k is 3-D; otherwise None, and the core reports the rank).
   nb::object outs[2] = {nb::borrow(q_rot), nb::borrow(k_rot)};
-  for (int j = 0; j < 2; ++j) {
-    if (outs[j].is_none() && views[j].t.ndim == 3) outs[j] = new_output(in[j].ptr(), views[j]);
+  for (int j = 0; j < 2; ++j)
     if (!outs[j].is_none() && (!fast_view(outs[j].ptr(), views[7 + j]) || declined(7 + j)))
       return nb::none();
-  }
+  for (int j = 0; j < 2; ++j)
+    if (outs[j].is_none() && views[j].t.ndim == 3) {
+      outs[j] = new_output(in[j].ptr(), views[j]);
+      if (!fast_view(outs[j].ptr(), views[7 + j])) return nb::none();
+    }
 
   DLTensor optional[3] = {};
   for (int i = 0; i < 3; ++i)
