@@ -42,6 +42,7 @@ __all__ = [
 __version__: str = _ext.__version__
 
 _NAMES = ("q", "k", "v", "positions", "slots", "k_pool", "v_pool", "q_rot", "k_rot")
+_ALL_NAMES = _NAMES + ("cos_sin_cache", "q_norm_weight", "k_norm_weight")
 _checked = os.environ.get("ROPEKV_CHECKED", "0") not in ("", "0", "false", "False")
 
 
@@ -212,7 +213,8 @@ _DECLINE = object()  # a rope_scaling the fast path leaves to the general path
 
 
 def _torch_fast() -> Optional[Tuple[Any, ...]]:
-    """(torch.Tensor, torch.bfloat16, torch.int16, the dtypes numpy shares)
+    """(torch.Tensor, torch.bfloat16, torch.int16, the dtypes numpy shares,
+    torch.strided)
     once torch is imported (by the caller: ropekv never imports it here),
     else None: the inline path of CPU tensors in rope_pool_fused. The first
     time, also tells _ext.run_fast the tensor type and dtypes it reads."""
@@ -222,7 +224,7 @@ def _torch_fast() -> Optional[Tuple[Any, ...]]:
         if torch is None or not hasattr(torch, "Tensor"):
             return None
         _TORCH_FAST = (torch.Tensor, torch.bfloat16, torch.int16,
-                       (torch.float32, torch.float16, torch.int32, torch.int64))
+                       (torch.float32, torch.float16, torch.int32, torch.int64), torch.strided)
         fp8 = [(getattr(torch, name), _DL_UINT, 8, _KV_CACHE_DTYPES[kind])
                for name, kind in _FP8_NAMES.items() if hasattr(torch, name)]
         _ext.fast_path_types("torch", torch.Tensor, [
@@ -542,6 +544,14 @@ def rope_pool_fused(
                                  v_scale)
             if done is not None:
                 return done
+    tf = _torch_fast()
+    if tf is not None:
+        # Sparse (or MKL-DNN) tensors have no strided memory to read in place.
+        for x, name in zip((q, k, v, positions, slots, k_pool, v_pool, q_out, k_out,
+                            cos_sin_cache, q_norm_weight, k_norm_weight), _ALL_NAMES):
+            if isinstance(x, tf[0]) and x.layout is not tf[4]:
+                raise ValueError(f"{name} is a PyTorch tensor of layout {x.layout}: ropekv reads "
+                                 f"strided (dense) memory; pass {name}.to_dense()")
     if options:
         if kv_code is None:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, _KV_CACHE_DTYPES))}"
@@ -567,7 +577,6 @@ def rope_pool_fused(
             for given, src in ((q_out, q), (k_out, k))]
     arrays = (q, k, v, positions, slots, k_pool, v_pool, outs[0], outs[1])
     converted, bf16_mask, readonly_mask = [], 0, 0
-    tf = _torch_fast()
     for i, x in enumerate(arrays):
         # The common cases inline (a function call per array costs).
         if type(x) is _np.ndarray:
