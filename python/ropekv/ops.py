@@ -84,26 +84,18 @@ def rope_pool_fused(
 
 
 def _kernel(q, k, v, positions, slots, k_pool, v_pool, cos_sin_cache=None, q_norm_weight=None,
-            k_norm_weight=None, *, head_dim, num_qo_heads, num_kv_heads, rope_base,
-            rotary_dim=None, is_neox=True, rope_scaling=None, kv_cache_dtype="auto",
-            k_scale=1.0, v_scale=1.0, norm_eps=1e-6):
+            k_norm_weight=None, **options):
+    # The schema's keywords (head_dim ... norm_eps) are ropekv.rope_pool_fused's.
     q_rot, k_rot, _, _ = _rope_pool_fused(
-        q, k, v, positions, slots, k_pool, v_pool, head_dim=head_dim,
-        num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, rope_base=rope_base,
-        rotary_dim=rotary_dim, is_neox=is_neox, rope_scaling=rope_scaling,
-        cos_sin_cache=cos_sin_cache, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
-        v_scale=v_scale, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
-        norm_eps=norm_eps)
+        q, k, v, positions, slots, k_pool, v_pool, cos_sin_cache=cos_sin_cache,
+        q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, **options)
     # What PyTorch's own in-place ops do: autograd sees the pools changed
     # (a no-op for inference-mode tensors).
     torch._C._increment_version((k_pool, v_pool))
     return q_rot, k_rot
 
 
-def _fake(q, k, v, positions, slots, k_pool, v_pool, cos_sin_cache=None, q_norm_weight=None,
-          k_norm_weight=None, *, head_dim, num_qo_heads, num_kv_heads, rope_base,
-          rotary_dim=None, is_neox=True, rope_scaling=None, kv_cache_dtype="auto", k_scale=1.0,
-          v_scale=1.0, norm_eps=1e-6):
+def _fake(q, k, *args, **options):
     # Fresh contiguous outputs of q's and k's shape, dtype and device.
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
