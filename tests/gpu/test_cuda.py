@@ -649,13 +649,16 @@ def test_fast_path_made_outputs_and_side_stream():
     call(q, k, v, pos, slots, kp.clone(), vp.clone(), 1e4)  # registers the fast path
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
+    q_before = q.clone()
     with torch.cuda.stream(s):
-        # a long kernel ahead on the side stream: a launch on another stream would
-        # read q before this one writes it
-        q.mul_(1.0).add_(0.0)
+        # A long wait, then q doubled, on the side stream: a call launched on
+        # any other stream would read q before it is doubled.
+        torch.cuda._sleep(100_000_000)
+        q.mul_(2.0)
         q_rot, k_rot, _, _ = call(q, k, v, pos, slots, kp, vp, 1e4)
     s.synchronize()
     assert q_rot.is_cuda and q_rot.is_contiguous() and q_rot.shape == q.shape
+    assert torch.equal(q, q_before * 2)
     ref, mag = ref_rope(f64(q), pos.cpu().numpy(), 1e4)
     assert_close(q_rot, ref, mag, "q_rot made by the fast path on a side stream")
 
