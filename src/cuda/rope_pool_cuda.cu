@@ -241,10 +241,10 @@ struct LaunchConfig {
   LaunchConfig(const LaunchConfig&) = delete;  // cfg.attrs points into this object
 };
 
-template <class T, int N, bool kContig, int U>
+template <class T, int N, bool kContig, int U, bool kTable = false>
 void launch_as(const Params& prm, const Launch& l, cudaStream_t stream) {
   LaunchConfig lc(l, stream);
-  check(cudaLaunchKernelEx(&lc.cfg, detail::rope_pool_kernel<T, N, kContig, U>, prm),
+  check(cudaLaunchKernelEx(&lc.cfg, detail::rope_pool_kernel<T, N, kContig, U, kTable>, prm),
         "launching the rope_pool kernel");
 }
 
@@ -301,6 +301,11 @@ void launch_unrolled(const Params& prm, int unroll, const Launch& l, cudaStream_
 template <class T>
 void launch_typed(const Params& prm, int vec, bool contig, int unroll, const Launch& l,
                   cudaStream_t stream) {
+  constexpr int kVec = static_cast<int>(16 / sizeof(T));
+  if (prm.cos_sin != nullptr) {  // the table kernel: 16-byte vectors, U = 2 or 4
+    if (unroll == 2) return launch_as<T, kVec, true, 2, true>(prm, l, stream);
+    return launch_as<T, kVec, true, 4, true>(prm, l, stream);
+  }
   if (!contig) return launch_as<T, 1, false, 4>(prm, l, stream);
   if constexpr (sizeof(T) == 4) {
     if (vec == 4) return launch_unrolled<T, 4>(prm, unroll, l, stream);
@@ -346,6 +351,21 @@ int choose_unroll(int64_t tokens, int64_t steps, int64_t vec_bytes, bool options
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Whether a call runs the plain kernel with its cos/sin read from the
+// cos_sin_cache (the table kernel): the table is the call's only option, every
+// array takes 16-byte vectors, and the table's rows are 16-byte aligned
+// with a contiguous last dimension (it is float32 or of q's dtype, so the
+// chunk's N values at cN and half + cN are then aligned too).
+bool table_kernel(const Problem& p, int64_t esize) {
+  const CosSinCache& cs = p.cos_sin_cache;
+  if (cs.data == nullptr || !p.is_neox || p.pool_type != pool_type_of(p.dtype) ||
+      p.q_norm.data != nullptr || p.k_norm.data != nullptr)
+    return false;
+  const int64_t tes = cs.dtype == FloatType::kF32 ? 4 : 2;
+  return cs.stride[1] == 1 && reinterpret_cast<uintptr_t>(cs.data) % 16 == 0 &&
+         (cs.stride[0] * tes) % 16 == 0 && vector_ok(p, 16 / esize, esize, esize);
+}
 
 
 // Whether 1 / scale is an exact normal fp32 number (scale a power of two).
@@ -429,14 +449,24 @@ void run(const Problem& p, const ExecOptions& options) {
   prm.rotary_dim = static_cast<int>(p.rotary_dim);
   prm.pos64 = p.pos_type == IndexType::kI64;
   prm.slot64 = p.slot_type == IndexType::kI64;
+  prm.cos_sin = p.cos_sin_cache.data;
+  prm.cs_rows = p.cos_sin_cache.rows;
+  prm.cs_s0 = p.cos_sin_cache.stride[0];
+  prm.cs_s1 = p.cos_sin_cache.stride[1];
+  prm.cs_dtype = static_cast<int>(p.cos_sin_cache.dtype);
+  prm.num_tokens = p.num_tokens;
+  prm.prefetch = 0;
 
   const int64_t esize = element_size(p.dtype);
-  const bool plain = is_plain(p);
+  const bool table = table_kernel(p, esize);
+  const bool plain = is_plain(p) || table;  // the plain kernel
   prm.attention_factor = p.attention_factor;
   const bool norm = p.q_norm.data != nullptr || p.k_norm.data != nullptr;  // (not plain)
   bool contig = true;
   int vec = 1;
-  if (plain) {
+  if (table) {
+    vec = static_cast<int>(16 / esize);
+  } else if (plain) {
     for (int64_t bytes = 16; bytes >= 2; bytes /= 2) {
       const int64_t v = bytes / esize;
       if (v < 2) break;  // one element: the strided kernel does the same work
@@ -471,6 +501,7 @@ void run(const Problem& p, const ExecOptions& options) {
     throw Error("num_qo_heads + 2*num_kv_heads and head_dim must fit in 29 bits");
   const int64_t steps = ceil_div(heads, heads_par);
   int unroll = contig ? choose_unroll(p.num_tokens, steps, vec * esize, !plain, norm) : 4;
+  if (table) unroll = unroll <= 2 ? 2 : 4;  // the table kernel's two builds
   // The options kernels: U = 1 compiled, or U = kOptSteps compiled and
   // `unroll` of them taken (2 or 4), or the strided kernel's one.
   const int kernel_u = plain ? unroll : (contig && unroll > 1 ? detail::kOptSteps : 1);
@@ -508,16 +539,20 @@ void run(const Problem& p, const ExecOptions& options) {
   l.smem = smem;
   l.pdl = st.pdl;
   if (l.blocks > INT_MAX) throw Error("too many tokens for one launch");
+  prm.early_params = l.blocks <= st.sms;  // see param_lines
+  // cos_sin_cache rows are fetched into L2 this many tokens ahead: about two
+  // waves of resident blocks (at most 2048 threads per SM), so that a token's
+  // block finds its row there when it starts.
+  if (p.cos_sin_cache.data != nullptr && p.cos_sin_cache.stride[1] == 1) {
+    const int64_t resident = int64_t{st.sms} * std::max<int64_t>(1, 2048 / l.threads);
+    prm.prefetch = ceil_div(2 * resident, blocks_per_token);
+    if (prm.prefetch >= p.num_tokens) prm.prefetch = 0;
+  }
 
   if (!plain) {
     OptParams op{};
     static_cast<Params&>(op) = prm;
     detail::Options& o = op.o;
-    o.cos_sin = p.cos_sin_cache.data;
-    o.cs_rows = p.cos_sin_cache.rows;
-    o.cs_s0 = p.cos_sin_cache.stride[0];
-    o.cs_s1 = p.cos_sin_cache.stride[1];
-    o.cs_dtype = static_cast<int>(p.cos_sin_cache.dtype);
     o.q_norm = p.q_norm.data;
     o.qn_stride = p.q_norm.stride;
     o.qn_dtype = static_cast<int>(p.q_norm.dtype);
@@ -529,16 +564,6 @@ void run(const Problem& p, const ExecOptions& options) {
                                                         : detail::kPoolF32;
     o.fp8_kind = static_cast<int>(is_fp8(p.pool_type) ? fp8_kind(p.pool_type) : Fp8Kind::kE4M3);
     o.interleaved = !p.is_neox;
-    // cos_sin_cache rows are fetched into L2 this many tokens ahead: about
-    // two waves of resident blocks (at most 2048 threads per SM), so that a
-    // token's block finds its row there when it starts.
-    o.prefetch = 0;
-    o.num_tokens = p.num_tokens;
-    if (p.cos_sin_cache.data != nullptr && p.cos_sin_cache.stride[1] == 1) {
-      const int64_t resident = int64_t{st.sms} * std::max<int64_t>(1, 2048 / l.threads);
-      o.prefetch = ceil_div(2 * resident, blocks_per_token);
-      if (o.prefetch >= p.num_tokens) o.prefetch = 0;
-    }
     o.head_dim = static_cast<int>(p.head_dim);
     o.steps = unroll;
     o.norm_eps = p.norm_eps;

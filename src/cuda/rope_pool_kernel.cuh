@@ -105,6 +105,15 @@ struct Params {
   int blocks_per_token;
   int num_batches;       // batches per token
   float attention_factor;  // yarn: multiplies cos and sin (1 = off)
+  // cos_sin_cache: [cs_rows, R] table (cos then sin of each row), or nullptr
+  // (cos/sin computed from inv_freq). Rows of later tokens are fetched into
+  // L2 `prefetch` tokens ahead (0: none).
+  const void* cos_sin;
+  long long cs_rows, cs_s0, cs_s1;
+  long long prefetch;
+  long long num_tokens;  // (for the prefetch)
+  int cs_dtype;          // FloatType code: 0 f32, 1 f16, 2 bf16
+  int early_params;      // 1: every parameter is read before the wait (param_lines)
 };
 
 /// How the options kernel writes a pool element (o.pool_mode).
@@ -128,14 +137,10 @@ constexpr int kOptSteps = 4;
 
 /// The options of a call that is not plain (see is_plain in problem.h).
 struct Options {
-  const void* cos_sin;  // [rows, R] table, or nullptr: sincos of the angle
   const void* q_norm;   // [D] QK-norm weights, or nullptr: no norm of q
   const void* k_norm;   // likewise for k
-  long long cs_rows, cs_s0, cs_s1;
-  long long prefetch;    // > 0: the row of token t + prefetch is fetched into L2
-  long long num_tokens;  // (for the prefetch)
   long long qn_stride, kn_stride;
-  int cs_dtype, qn_dtype, kn_dtype;  // FloatType codes: 0 f32, 1 f16, 2 bf16
+  int qn_dtype, kn_dtype;  // FloatType codes: 0 f32, 1 f16, 2 bf16
   int pool_mode;                     // PoolMode
   int fp8_kind;                      // Fp8Kind of a kPoolFp8 pool
   int interleaved;                   // pairs (2i, 2i+1) instead of (i, i + half)
@@ -246,6 +251,12 @@ __device__ __forceinline__ __nv_bfloat16 from_f32(float x, __nv_bfloat16) {
   return __float2bfloat16_rn(x);
 }
 
+// The 16-bit value u16 of dtype code 1 f16 or 2 bf16 as a float (exact).
+__device__ __forceinline__ float widen(unsigned int u16, int dtype) {
+  if (dtype == 2) return __uint_as_float(u16 << 16);
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(u16)));
+}
+
 // out1 = x1*c - x2*s and out2 = x2*c + x1*s in fp32 (explicit FMA, no
 // contraction freedom), rounded once to T (round to nearest even).
 __device__ __forceinline__ float rot1(float x1, float x2, float c, float s) {
@@ -282,10 +293,19 @@ __device__ __forceinline__ void rotate(Vec<T, N>& a, Vec<T, N>& b, const float (
 
 // ------------------------------------------------------------------ kernel
 
+// Element i of an index array (positions, slots): its address, and the
+// value there (int64 or int32).
+__device__ __forceinline__ const void* index_at(const void* base, long long stride, int is64,
+                                                long long i) {
+  return static_cast<const char*>(base) + i * stride * (is64 ? 8 : 4);
+}
+__device__ __forceinline__ long long load_index_at(const void* at, int is64) {
+  return is64 ? __ldg(static_cast<const long long*>(at))
+              : static_cast<long long>(__ldg(static_cast<const int*>(at)));
+}
 __device__ __forceinline__ long long load_index(const void* base, long long stride, int is64,
                                                 long long i) {
-  return is64 ? __ldg(static_cast<const long long*>(base) + i * stride)
-              : static_cast<long long>(__ldg(static_cast<const int*>(base) + i * stride));
+  return load_index_at(index_at(base, stride, is64, i), is64);
 }
 
 // Counts token t's bad index (a slot >= the pool size, or with `position` a
@@ -343,13 +363,41 @@ __device__ __forceinline__ void options_offsets(const Params& p, int c, bool int
   *off2 = one_pair ? 2 * c + 1 : p.half + c * N;
 }
 
+// Where a team's batch reads: for each step u, token t's head (q, k or v by
+// the virtual head) and its element stride, or nullptr past the batch's last
+// virtual head (vh_end). Reads kernel parameters only, so the kernels make
+// it before griddepcontrol.wait.
+template <class T, int U>
+struct BatchSrc {
+  const T* x[U];
+  long long s2[U];
+};
+template <class T, bool kContig, int U>
+__device__ __forceinline__ BatchSrc<T, U> batch_src(const Params& p, long long t, int first_vh,
+                                                    int hp, int vh_end) {
+  BatchSrc<T, U> src;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int vh = first_vh + u * p.heads_par + hp;
+    src.x[u] = nullptr;
+    src.s2[u] = 1;
+    if (vh < vh_end) {
+      int h;
+      const int kind = kind_of(vh, p.num_qo_heads, p.num_kv_heads, &h);
+      const Tensor3& x = kind == 0 ? p.q : (kind == 1 ? p.k : p.v);
+      src.x[u] = at<T>(x, t, h);
+      if (!kContig) src.s2[u] = x.s2;
+    }
+  }
+  return src;
+}
+
 // One chunk of one team: the loads of its U steps. kOpt: the options
 // kernel's (run-time) layout of pairs.
 template <class T, int N, bool kContig, int U, bool kOpt = false>
-__device__ __forceinline__ void load_batch(const Params& p, long long t, int first_vh, int hp,
-                                           int c, Vec<T, N> (&a)[U], Vec<T, N> (&b)[U],
-                                           bool interleaved = false, int vh_end = 0) {
-  const int Hq = p.num_qo_heads, Hk = p.num_kv_heads, HP = p.heads_par;
+__device__ __forceinline__ void load_batch(const Params& p, const BatchSrc<T, U>& src, int c,
+                                           Vec<T, N> (&a)[U], Vec<T, N> (&b)[U],
+                                           bool interleaved = false) {
   const bool pair = c < p.pair_items;
   int off1, off2;
   if constexpr (kOpt) {
@@ -360,36 +408,25 @@ __device__ __forceinline__ void load_batch(const Params& p, long long t, int fir
   }
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const int vh = first_vh + u * HP + hp;
-    if (vh < (kOpt ? vh_end : Hq + 2 * Hk)) {
-      int h;
-      const int kind = kind_of(vh, Hq, Hk, &h);
-      const Tensor3& x = kind == 0 ? p.q : (kind == 1 ? p.k : p.v);
-      const T* src = at<T>(x, t, h);
-      const long long s2 = kContig ? 1 : x.s2;
-      a[u] = load_vec<T, N, kContig>(src + off1 * s2);
-      if (pair) b[u] = load_vec<T, N, kContig>(src + off2 * s2);
+    if (src.x[u] != nullptr) {
+      const long long s2 = kContig ? 1 : src.s2[u];
+      a[u] = load_vec<T, N, kContig>(src.x[u] + off1 * s2);
+      if (pair) b[u] = load_vec<T, N, kContig>(src.x[u] + off2 * s2);
     }
   }
 }
 
-// Rotates (q, k) or copies (v) the loaded batch and stores it.
+// Rotates (q, k) or copies (v) the loaded batch and stores it; cs_c / cs_s:
+// the cos / sin of chunk c (read only when it is a rotated pair).
 template <class T, int N, bool kContig, int U>
 __device__ __forceinline__ void store_batch(const Params& p, long long t, long long row,
-                                            int first_vh, int hp, int c, const float* cs_smem,
-                                            Vec<T, N> (&a)[U], Vec<T, N> (&b)[U]) {
+                                            int first_vh, int hp, int c, const float (&cs_c)[N],
+                                            const float (&cs_s)[N], Vec<T, N> (&a)[U],
+                                            Vec<T, N> (&b)[U]) {
   const int Hq = p.num_qo_heads, Hk = p.num_kv_heads, HP = p.heads_par;
   const bool pair = c < p.pair_items;
   const int off1 = pair ? c * N : p.rotary_dim + (c - p.pair_items) * N;
   const int off2 = p.half + c * N;
-  float cs_c[N], cs_s[N];
-  if (pair) {
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      cs_c[j] = cs_smem[c * N + j];
-      cs_s[j] = cs_smem[p.half + c * N + j];
-    }
-  }
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int vh = first_vh + u * HP + hp;
@@ -421,11 +458,59 @@ __device__ __forceinline__ void store_batch(const Params& p, long long t, long l
 // are visible (q, k, v, positions, slots may be its outputs), then let the
 // next kernel of the stream start its launch. A no-op without the attribute
 // and on older GPUs.
-__device__ __forceinline__ void grid_dependency_sync() {
+//
+// `ready`: a value the wait must come after (see param_lines). Both
+// predicated forms of the wait are there, so exactly one runs whatever the
+// value is, but the assembler must compute the value first.
+__device__ __forceinline__ void grid_dependency_sync(unsigned long long ready = 0) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile(
+      "{\n\t.reg .pred r;\n\tsetp.ne.b64 r, %0, 0;\n\t@r griddepcontrol.wait;\n\t"
+      "@!r griddepcontrol.wait;\n\t}" ::"l"(ready)
+      : "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+// With p.early_params, one word of every 32 bytes of the kernel parameters,
+// combined: grid_dependency_sync(param_lines(p)) then waits until all of
+// them are in the constant cache, which overlaps the previous kernel. Else
+// each parameter line is first read when the code after the wait needs it
+// (the data pointers, the output tensors), and a decode call waits for
+// those misses on its critical path: 0.2-0.45 us per call in 50-call
+// graphs, e.g. 1.70 / 2.03 -> 1.41 / 1.84 us (warm / cold L2) for a kernel
+// that reads its cos/sin from a table (bench/cuda_decode_probe.cu, rows
+// table and table/pin). The launcher sets it for grids of at most one block
+// per SM: larger grids run most blocks after the previous kernel has ended,
+// where reading every line first only delays them (Llama T = 512: 3.99 ->
+// 4.36 us).
+template <class P>
+__device__ __forceinline__ unsigned long long param_lines(const P& p) {
+  if (!p.early_params) return 0;
+  const unsigned long long* w = reinterpret_cast<const unsigned long long*>(&p);
+  constexpr int kWords = sizeof(P) / 8;
+  unsigned long long x = w[kWords - 1];
+#pragma unroll
+  for (int i = 0; i < kWords - 1; i += 4) x ^= w[i];
+  return x;
+}
+
+// What the first loads of a kernel need, combined for grid_dependency_sync:
+// their addresses (the batch's heads, the token's position and slot) made
+// before the wait, so that after it the loads go out at once; and with
+// p.early_params every parameter line. Made after the wait, the addresses
+// (about 50 instructions of parameter reads and index arithmetic) delayed
+// the position, whose arrival starts the cos/sin.
+template <class P, class T, int U>
+__device__ __forceinline__ unsigned long long first_addresses(const P& p,
+                                                              const BatchSrc<T, U>& src,
+                                                              const void* pos_at,
+                                                              const void* slot_at) {
+  unsigned long long x = param_lines(p) ^ reinterpret_cast<unsigned long long>(pos_at) ^
+                         reinterpret_cast<unsigned long long>(slot_at);
+#pragma unroll
+  for (int u = 0; u < U; ++u) x ^= reinterpret_cast<unsigned long long>(src.x[u]);
+  return x;
 }
 
 // Where a thread works: its token t, lane in the team, batch, and head
@@ -486,7 +571,71 @@ __device__ __forceinline__ void make_cos_sin(const Params& p, long long position
   }
 }
 
-template <class T, int N, bool kContig, int U>
+// The chunk's cos and sin (N each) from shared memory (cos[half], sin[half]).
+template <int N>
+__device__ __forceinline__ void smem_cos_sin(const float* cs_smem, int half, int c,
+                                             float (&cc)[N], float (&ss)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    cc[j] = cs_smem[c * N + j];
+    ss[j] = cs_smem[half + c * N + j];
+  }
+}
+
+// The N values at x of a table of dtype code 0 f32 or (16-bit) 1 f16 /
+// 2 bf16 as floats (exact), in 16-byte loads where they hold more: the
+// table kernel's launcher checks the row stride, the base and half for it.
+template <int N>
+__device__ __forceinline__ void table_floats(const void* base, long long i, int dtype,
+                                             float (&x)[N]) {
+  if (dtype == 0) {
+    const float* f = static_cast<const float*>(base) + i;
+#pragma unroll
+    for (int j = 0; j < N; j += 4) {
+      const float4 v = __ldg(reinterpret_cast<const float4*>(f + j));
+      x[j] = v.x;
+      x[j + 1] = v.y;
+      x[j + 2] = v.z;
+      x[j + 3] = v.w;
+    }
+  } else {
+    using Raw = typename RawOf<2 * N>::type;
+    unsigned int w[N / 2];
+    to_words(__ldg(reinterpret_cast<const Raw*>(static_cast<const unsigned short*>(base) + i)), w);
+#pragma unroll
+    for (int j = 0; j < N / 2; ++j) {
+      x[2 * j] = widen(w[j] & 0xFFFFu, dtype);
+      x[2 * j + 1] = widen(w[j] >> 16, dtype);
+    }
+  }
+}
+
+// cos_sin_cache: the position of token t + p.prefetch (-1 when there is
+// none or this thread does not prefetch): one thread of the token's first
+// block asks for it with the index loads.
+__device__ __forceinline__ long long position_ahead(const Params& p, const Place& pl, int tid) {
+  const bool prefetcher =
+      p.prefetch > 0 && pl.part == 0 && tid == 0 && pl.t + p.prefetch < p.num_tokens;
+  return prefetcher ? load_index(p.positions, p.pos_stride, p.pos64, pl.t + p.prefetch) : -1;
+}
+
+// The table row of `ahead` into L2: that token's block starts about a wave
+// later, and its table load (which waits for its position) then hits L2
+// instead of memory.
+__device__ __forceinline__ void prefetch_row(const Params& p, long long ahead) {
+  if (ahead < 0 || ahead >= p.cs_rows) return;
+  const int es = p.cs_dtype == 0 ? 4 : 2;
+  const char* row = static_cast<const char*>(p.cos_sin) + ahead * p.cs_s0 * es;
+  for (int off = 0; off < p.rotary_dim * es; off += 128)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
+}
+
+// kTable = false: the plain call. kTable = true: the call whose one option
+// is a cos_sin_cache with 16-byte aligned rows (16-byte vectors only): each
+// lane reads its chunk's cos/sin from the token's table row itself (no
+// shared memory, no barrier), and a position outside the table skips the
+// token (nothing of it written) and is recorded in the error flag.
+template <class T, int N, bool kContig, int U, bool kTable = false>
 __global__ void __launch_bounds__(max_block(U)) rope_pool_kernel(const __grid_constant__ Params p) {
   extern __shared__ float cs_smem[];  // cos[half], then sin[half]
   // Before the wait, overlapping the previous kernel: only what reads no
@@ -496,33 +645,81 @@ __global__ void __launch_bounds__(max_block(U)) rope_pool_kernel(const __grid_co
   const long long t = pl.t;
   const int TL = p.team_lanes, items = p.items, HP = p.heads_par;
   const int batch = pl.batch, hp = pl.hp, c0 = pl.c0;
-  // No early return: every thread reaches the barrier.
+  // No early return before the barrier: every thread reaches it.
   const bool active = hp < HP && batch < p.num_batches && c0 < items;
   const int first_vh = batch * U * HP;
-  const float freq0 = first_inv_freq(p, tid);
-  grid_dependency_sync();
+  const float freq0 = kTable ? 0.0f : first_inv_freq(p, tid);
+  const BatchSrc<T, U> src =
+      batch_src<T, kContig, U>(p, t, first_vh, hp, p.num_qo_heads + 2 * p.num_kv_heads);
+  const void* pos_at = index_at(p.positions, p.pos_stride, p.pos64, t);
+  const void* slot_at = index_at(p.slots, p.slot_stride, p.slot64, t);
+  grid_dependency_sync(first_addresses(p, src, pos_at, slot_at));
 
   // The first chunk's loads go out first, then the position (needed first),
   // then the slot. Issued before the data loads, a 32-bit index (widened to
   // 64 bits as soon as it arrives, before the next branch) held them back by
   // one memory round trip; so did a 32-bit slot issued before the position
-  // (bench/cuda_decode_probe.cu). The cos/sin are computed meanwhile.
+  // (bench/cuda_decode_probe.cu). The cos/sin are computed meanwhile. The
+  // table kernel asks for the position first: its table row waits for it.
+  // (A 32-bit position is widened after the data loads are issued.)
   Vec<T, N> a[U], b[U];
-  if (active) load_batch<T, N, kContig, U>(p, t, first_vh, hp, c0, a, b);
-  const long long position = load_index(p.positions, p.pos_stride, p.pos64, t);
-  const long long slot = load_index(p.slots, p.slot_stride, p.slot64, t);
-  make_cos_sin(p, position, tid, freq0, cs_smem);
+  long long position = 0;
+  int position32 = 0;
+  if (kTable) {
+    if (p.pos64)
+      position = __ldg(static_cast<const long long*>(pos_at));
+    else
+      position32 = __ldg(static_cast<const int*>(pos_at));
+  }
+  if (active) load_batch<T, N, kContig, U>(p, src, c0, a, b);
+  if (kTable && !p.pos64) {
+    asm volatile("" : "+r"(position32));  // keeps the widening here
+    position = position32;
+  }
+  if (!kTable) position = load_index_at(pos_at, p.pos64);
+  const long long slot = load_index_at(slot_at, p.slot64);
+  // The cos/sin of the lane's chunk c, read from the table (kTable) or from
+  // shared memory after the barrier.
+  float cc[N], ss[N];
+  const long long cs_row = kTable ? position * p.cs_s0 : 0;
+  auto cos_sin_of = [&](int c) {
+    if (c >= p.pair_items) return;
+    if constexpr (kTable) {
+      table_floats<N>(p.cos_sin, cs_row + c * N, p.cs_dtype, cc);
+      table_floats<N>(p.cos_sin, cs_row + p.half + c * N, p.cs_dtype, ss);
+    } else {
+      smem_cos_sin<N>(cs_smem, p.half, c, cc, ss);
+    }
+  };
+  if constexpr (kTable) {
+    // The row goes out as soon as the position is in: nothing else first.
+    const bool in_table = position >= 0 && position < p.cs_rows;
+    if (in_table && active) cos_sin_of(c0);
+    prefetch_row(p, position_ahead(p, pl, tid));
+    if (!in_table) {
+      if (pl.part == 0 && tid == 0) report_bad_index(p.err, true, t, position, p.cs_rows);
+      return;
+    }
+  } else {
+    make_cos_sin(p, position, tid, freq0, cs_smem);
+  }
   if (slot >= p.pool_size && pl.part == 0 && tid == 0)
     report_bad_index(p.err, false, t, slot, p.pool_size);
-  __syncthreads();
+  if constexpr (!kTable) __syncthreads();
   if (!active) return;
+  if constexpr (!kTable) cos_sin_of(c0);
 
   const long long row = slot >= 0 && slot < p.pool_size ? slot : -1;
   for (int c = c0;;) {
-    store_batch<T, N, kContig, U>(p, t, row, first_vh, hp, c, cs_smem, a, b);
+    store_batch<T, N, kContig, U>(p, t, row, first_vh, hp, c, cc, ss, a, b);
     c += TL;
     if (c >= items) break;
-    load_batch<T, N, kContig, U>(p, t, first_vh, hp, c, a, b);
+    // (src made again: held through the loop, it cost the U = 4 kernel 9
+    // registers and a block per SM.)
+    load_batch<T, N, kContig, U>(
+        p, batch_src<T, kContig, U>(p, t, first_vh, hp, p.num_qo_heads + 2 * p.num_kv_heads), c,
+        a, b);
+    cos_sin_of(c);
   }
 }
 
@@ -561,11 +758,6 @@ __device__ __forceinline__ Vec<T, N> from_floats(const float (&x)[N]) {
   return v;
 }
 
-// The 16-bit value u16 of dtype code 1 f16 or 2 bf16 as a float (exact).
-__device__ __forceinline__ float widen(unsigned int u16, int dtype) {
-  if (dtype == 2) return __uint_as_float(u16 << 16);
-  return __half2float(__ushort_as_half(static_cast<unsigned short>(u16)));
-}
 // Element i of a float vector of dtype code 0 f32, 1 f16, 2 bf16: its bits,
 // and the bits as a float (exact). Apart, the conversion can wait where the
 // value is used instead of stalling right after the load.
@@ -913,21 +1105,19 @@ __global__ void __launch_bounds__(max_block(U))
   // The batch's virtual heads end here: steps u >= `steps` are not its own.
   const int vh_end = min(first_vh + steps * HP, p.num_qo_heads + 2 * p.num_kv_heads);
   const bool interleaved = o.interleaved != 0;
-  const float freq0 = o.cos_sin == nullptr ? first_inv_freq(p, tid) : 0.0f;
-  grid_dependency_sync();
+  const float freq0 = p.cos_sin == nullptr ? first_inv_freq(p, tid) : 0.0f;
+  const BatchSrc<T, U> src = batch_src<T, kContig, U>(p, t, first_vh, hp, vh_end);
+  const void* pos_at = index_at(p.positions, p.pos_stride, p.pos64, t);
+  const void* slot_at = index_at(p.slots, p.slot_stride, p.slot64, t);
+  grid_dependency_sync(first_addresses(p, src, pos_at, slot_at));
 
   // Data loads first, then the position and the slot (see rope_pool_kernel).
   Vec<T, N> a[U], b[U];
-  if (active)
-    load_batch<T, N, kContig, U, true>(p, t, first_vh, hp, c0, a, b, interleaved, vh_end);
-  const long long position = load_index(p.positions, p.pos_stride, p.pos64, t);
-  const long long slot = load_index(p.slots, p.slot_stride, p.slot64, t);
+  if (active) load_batch<T, N, kContig, U, true>(p, src, c0, a, b, interleaved);
+  const long long position = load_index_at(pos_at, p.pos64);
+  const long long slot = load_index_at(slot_at, p.slot64);
 
-  // cos_sin_cache: a later token's position, for the prefetch of its row.
-  const bool prefetcher =
-      o.prefetch > 0 && pl.part == 0 && tid == 0 && t + o.prefetch < o.num_tokens;
-  long long ahead = -1;
-  if (prefetcher) ahead = load_index(p.positions, p.pos_stride, p.pos64, t + o.prefetch);
+  const long long ahead = position_ahead(p, pl, tid);  // cos_sin_cache
 
   float* cs_smem = smem;
   const int D = o.head_dim;
@@ -947,29 +1137,21 @@ __global__ void __launch_bounds__(max_block(U))
   }
   // A position outside the table skips the token: the same for the block.
   bool skip = false;
-  if (o.cos_sin != nullptr) {
-    skip = position < 0 || position >= o.cs_rows;
+  if (p.cos_sin != nullptr) {
+    skip = position < 0 || position >= p.cs_rows;
     if (!skip) {
-      const long long base = position * o.cs_s0;
+      const long long base = position * p.cs_s0;
       for (int i = tid; i < p.half; i += blockDim.x) {
         float c, s;
-        load_float2(o.cos_sin, base + i * o.cs_s1, base + (p.half + i) * o.cs_s1, o.cs_dtype,
+        load_float2(p.cos_sin, base + i * p.cs_s1, base + (p.half + i) * p.cs_s1, p.cs_dtype,
                     &c, &s);
         cs_smem[i] = c;
         cs_smem[p.half + i] = s;
       }
     } else if (pl.part == 0 && tid == 0) {
-      report_bad_index(p.err, true, t, position, o.cs_rows);
+      report_bad_index(p.err, true, t, position, p.cs_rows);
     }
-    // The row of the token o.prefetch ahead into L2: that token's block
-    // starts about a wave later, and its table load (which waits for its
-    // position) then hits L2 instead of memory.
-    if (prefetcher && ahead >= 0 && ahead < o.cs_rows) {
-      const int es = o.cs_dtype == 0 ? 4 : 2;
-      const char* row = static_cast<const char*>(o.cos_sin) + ahead * o.cs_s0 * es;
-      for (int off = 0; off < p.rotary_dim * es; off += 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
-    }
+    prefetch_row(p, ahead);
   } else {
     make_cos_sin(p, position, tid, freq0, cs_smem);
   }
@@ -1006,8 +1188,9 @@ __global__ void __launch_bounds__(max_block(U))
           for (int u = 0; u < steps; ++u) {  // rare: one step at a time, short code
             Vec<T, N> a2[1], b2[1];
             float s[1] = {0.0f};
-            load_batch<T, N, kContig, 1, true>(p, t, first_vh + u * HP, hp, c, a2, b2,
-                                               interleaved, vh_end);
+            load_batch<T, N, kContig, 1, true>(
+                p, batch_src<T, kContig, 1>(p, t, first_vh + u * HP, hp, vh_end), c, a2, b2,
+                interleaved);
             add_squares<T, N, 1>(p, first_vh + u * HP, vh_end, hp, c, a2, b2, s);
 #pragma unroll
             for (int k = 0; k < U; ++k)
@@ -1080,7 +1263,8 @@ __global__ void __launch_bounds__(max_block(U))
                                                         cs_smem, norm, wq, wk, r, a, b);
     c += TL;
     if (c >= items) break;
-    load_batch<T, N, kContig, U, true>(p, t, first_vh, hp, c, a, b, interleaved, vh_end);
+    load_batch<T, N, kContig, U, true>(p, batch_src<T, kContig, U>(p, t, first_vh, hp, vh_end),
+                                       c, a, b, interleaved);  // (see rope_pool_kernel)
   }
 }
 

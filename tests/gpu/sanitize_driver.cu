@@ -9,6 +9,7 @@
 //   sanitize_driver --cold     per-call time of four model shapes, cold L2 (T = 1..8192)
 //   sanitize_driver --cold-options  the same for Llama with QK-norm and fp8 pools
 //   sanitize_driver --cold-inplace  the same in place (q_rot, k_rot = q, k)
+//   sanitize_driver --cold-table    the same with a float32 cos_sin_cache (2^17 rows)
 //   sanitize_driver --host     host time per T = 1 call (Llama bf16) and of its parts
 //
 // Built by scripts/gpu-check.sh against the library the Python build made.
@@ -216,7 +217,8 @@ void run_case(const char* name, int T, int Hq, int Hk, int D, DLDataType dt, boo
 // A call with options (the options kernel) for the sanitizers: interleaved
 // pairs or not, a cos_sin_cache (f32) with token 1 outside it, QK-norm
 // weights (f32), fp8_e4m3 or float32 pools; with kAuto pools (q's dtype) the
-// table alone, without weights. Checks that the call raises the
+// table alone, without weights (the plain kernel's table build when the
+// arrays take 16-byte vectors). Checks that the call raises the
 // position error, leaves token 1's outputs and pool row untouched, writes
 // every element of the other tokens' outputs (no NaN from the poison) and no
 // pool row that no token names. The math is the pytest suite's job.
@@ -513,7 +515,7 @@ void latency() {
 // Llama shape with QK-norm and fp8 pools; with `inplace`: q_rot and k_rot are
 // q and k, as with inplace=True); run it with ROPEKV_CUDA_UNROLL=1|2|4|8 to
 // compare the kernel's steps per team.
-void cold(bool options, bool inplace) {
+void cold(bool options, bool inplace, bool table) {
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cudaEvent_t e0, e1;
@@ -522,10 +524,15 @@ void cold(bool options, bool inplace) {
   Buf flush(size_t(256) << 20);
   const char* u = std::getenv("ROPEKV_CUDA_UNROLL");
   std::mt19937 rng(11);
+  constexpr int64_t kRows = 1 << 17;  // cos_sin_cache rows (positions are below)
   for (const Shape& m : kShapes) {
     if (options && m.name != kLlama.name) continue;
-    std::printf("U=%s cold %-12s%s%s", u ? u : "auto", m.name, options ? " QK-norm fp8" : "",
-                inplace ? " in place" : "");
+    std::printf("U=%s cold %-12s%s%s%s", u ? u : "auto", m.name, options ? " QK-norm fp8" : "",
+                inplace ? " in place" : "", table ? " cos_sin_cache f32" : "");
+    // A float32 [kRows, D] table (values do not matter for the time).
+    Buf tab(table ? size_t(kRows) * m.D * 4 : 4);
+    int64_t tab_shape[2] = {kRows, m.D};
+    CK(cudaMemset(tab.ptr, 0x3c, tab.bytes));
     for (int T : {1, 32, 128, 256, 512, 2048, 8192}) {
       ModelCall c(T, m, options);
       const size_t set_bytes = c.q.bytes * 2 + c.k.bytes * 3 + size_t(T) * 8;
@@ -552,6 +559,7 @@ void cold(bool options, bool inplace) {
         t.k_rot.data = inplace ? x.k.ptr : x.kr.ptr;
         t.positions.data = x.dpos.ptr;
         t.slots.data = x.dslot.ptr;
+        if (table) t.cos_sin_cache = view(tab.ptr, DLDataType{kDLFloat, 32, 1}, 2, tab_shape, nullptr);
         ropekv::ExecOptions o;
         o.stream = s;
         ropekv::rope_pool_fused(t, c.cfg, o);
@@ -627,8 +635,9 @@ int main(int argc, char** argv) {
     return 0;
   }
   const std::string mode = argc > 1 ? argv[1] : "";
-  if (mode == "--cold" || mode == "--cold-options" || mode == "--cold-inplace") {
-    cold(mode == "--cold-options", mode == "--cold-inplace");
+  if (mode == "--cold" || mode == "--cold-options" || mode == "--cold-inplace" ||
+      mode == "--cold-table") {
+    cold(mode == "--cold-options", mode == "--cold-inplace", mode == "--cold-table");
     return 0;
   }
   if (mode == "--host") {
@@ -654,11 +663,16 @@ int main(int argc, char** argv) {
   run_case("f16 out-of-range slot, int64", 3, 8, 2, 64, f16, true, 1, true);
   using KV = ropekv::KvCacheDtype;
   run_options_case("opt bf16 norm fp8 cache", 9, 32, 8, 128, bf16, 1, false, KV::kFp8E4M3);
-  run_options_case("opt bf16 table alone", 9, 32, 8, 128, bf16, 1, false, KV::kAuto);
-  // Past 2048 team steps the kOptSteps kernel: 2 steps with QK-norm, 4 without.
+  // The table alone (16-byte vectors): the plain kernel reading the table,
+  // U = 2 and (past 6144 team steps) U = 4.
+  run_options_case("table kernel bf16", 9, 32, 8, 128, bf16, 1, false, KV::kAuto);
+  run_options_case("table kernel bf16, 4 steps", 520, 32, 8, 128, bf16, 1, false, KV::kAuto);
+  run_options_case("table kernel f32", 6, 8, 2, 64, f32, 1, false, KV::kAuto);
+  run_options_case("table kernel bf16 D=1024 (two-warp teams)", 3, 32, 4, 1024, bf16, 1, false,
+                   KV::kAuto);
+  // Past 2048 team steps the kOptSteps options kernel: 2 steps with QK-norm.
   run_options_case("opt bf16 norm fp8, 2 of 4 steps", 200, 32, 8, 128, bf16, 1, false,
                    KV::kFp8E4M3);
-  run_options_case("opt bf16 table alone, 4 steps", 520, 32, 8, 128, bf16, 1, false, KV::kAuto);
   run_options_case("opt f16 strided table alone", 5, 4, 2, 64, f16, 2, false, KV::kAuto);
   run_options_case("opt f16 interleaved f32 pools", 5, 8, 2, 96, f16, 1, true, KV::kFloat32);
   run_options_case("opt f32 interleaved fp8", 4, 4, 2, 64, f32, 1, true, KV::kFp8E4M3);
