@@ -8,7 +8,8 @@
 // when any array's last dimension is not contiguous, and shapes the grid as
 // one block per token (its teams share the token's cos/sin). Calls with
 // options (not is_plain) run the options kernel, in its 16-byte form or else
-// its strided form.
+// its strided form, except a cos_sin_cache alone with 16-byte vectors and
+// rows, which runs the plain kernel built for a table (table_kernel).
 //
 // Device memory it owns, made once and kept for the process: a per-device
 // error flag (out-of-range slots) and one inv_freq table per (device,

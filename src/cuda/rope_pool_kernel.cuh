@@ -23,8 +23,11 @@
 // writes are skipped and one thread per token records it in the per-device
 // ErrorRecord that check_errors reads.
 //
-// yarn's attention factor scales the cos/sin in either kernel. Calls with
-// other options (interleaved pairs, a cos_sin_cache, QK-norm, float32 or fp8
+// yarn's attention factor scales the cos/sin in either kernel. A
+// cos_sin_cache alone runs the plain kernel built for a table (kTable): each
+// lane reads its chunk's cos/sin from the token's row, no shared memory, no
+// barrier. Calls with other options (interleaved pairs, a cos_sin_cache with
+// others or with rows the 16-byte loads cannot take, QK-norm, float32 or fp8
 // pools) run rope_pool_options_kernel:
 // the same decomposition and loads, so the plain kernel stays as it is. Its
 // 16-byte form is compiled per pool family (fp8, or q's dtype / float32) and
