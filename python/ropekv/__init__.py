@@ -376,6 +376,34 @@ def _scaling_params(rope_scaling: Any) -> Optional[Tuple[float, ...]]:
             float(g("mscale_all_dim", 0.0)), float(bool(g("truncate", True))))
 
 
+# Parsed rope_scaling dicts by their items and the items' types (True and 1
+# are equal but not the same argument), for the fast path: parsing costs
+# about 1.4 us of a decode call, a lookup about 0.7. Bounded; dicts holding a
+# zero or NaN are not kept (-0.0 == 0.0 but prints differently in an error;
+# NaN matches nothing).
+_SCALING_SEEN: dict = {}
+_SCALING_SEEN_MAX = 64
+
+
+def _scaling_params_seen(rope_scaling: Any) -> Optional[Tuple[float, ...]]:
+    """_scaling_params, remembered for a dict whose items and their types
+    were parsed before (the same result, the same errors)."""
+    if type(rope_scaling) is not dict:
+        return _scaling_params(rope_scaling)
+    values = rope_scaling.values()
+    try:
+        key = (*rope_scaling.items(), *map(type, values))
+        return _SCALING_SEEN[key]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable value
+        return _scaling_params(rope_scaling)
+    params = _scaling_params(rope_scaling)  # a dict it cannot read raises: nothing kept
+    if len(_SCALING_SEEN) < _SCALING_SEEN_MAX and not any(v == 0 or v != v for v in values):
+        _SCALING_SEEN[key] = params
+    return params
+
+
 _register_fast_numpy()
 
 
@@ -533,7 +561,7 @@ def rope_pool_fused(
         scaling: Any = None
         if rope_scaling is not None:
             try:
-                scaling = _scaling_params(rope_scaling)
+                scaling = _scaling_params_seen(rope_scaling)
             except Exception:  # noqa: BLE001 - the general path reports it
                 scaling = _DECLINE
         if scaling is not _DECLINE:

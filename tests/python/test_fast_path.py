@@ -431,6 +431,48 @@ def test_bad_rope_scaling_raises_the_general_paths_error(framework, bad):
     expect_same_error(MAKE[framework]("float32"), dict(KW, rope_scaling=bad))
 
 
+@pytest.mark.parametrize("framework", ["torch", "numpy"])
+def test_remembered_rope_scaling_is_exact(framework, monkeypatch):
+    """The fast path remembers parsed rope_scaling dicts by their items and
+    the items' types: a dict equal to one seen before but with True for 1
+    still raises; a mutated dict is parsed again; a zero or NaN is never kept,
+    and the memory is bounded."""
+    run = MAKE[framework]
+    seed = new_seed()
+    c = run("float32", seed)
+    ropekv.rope_pool_fused(*args_of(c), **KW)  # (the first PyTorch call sets the fast path up)
+    monkeypatch.setattr(ropekv, "_SCALING_SEEN", {})
+    good = {"rope_type": "linear", "factor": 1}
+    ropekv.rope_pool_fused(*args_of(c), **dict(KW, rope_scaling=good))
+    assert len(ropekv._SCALING_SEEN) == 1
+    expect_same_error(run("float32"), dict(KW, rope_scaling={"rope_type": "linear",
+                                                             "factor": True}))
+    # The same dict object, changed: parsed again (to numbers the contract
+    # check then rejects, on every call).
+    good["factor"] = -2
+    expect_same_error(run("float32"), dict(KW, rope_scaling=good))
+    assert len(ropekv._SCALING_SEEN) == 2
+    # Equal results for an equal dict seen before, bit for bit against the
+    # general path.
+    again, general = run("float32", seed), run("float32", seed)
+    seen = {"rope_type": "linear", "factor": 1}
+    got = ropekv.rope_pool_fused(*args_of(again), q_out=again["q_out"], k_out=again["k_out"],
+                                 **dict(KW, rope_scaling=seen))
+    want = ropekv.rope_pool_fused(*args_of(general), q_out=general["q_out"],
+                                  k_out=general["k_out"], stream=0,
+                                  **dict(KW, rope_scaling=seen))
+    for g, w in zip(got, want):
+        assert bits(np_of(g)) == bits(np_of(w))
+    # -0.0 prints as such in the error; NaN never matches: neither is kept.
+    for factor in (-0.0, 0.0, float("nan")):
+        expect_same_error(run("float32"), dict(KW, rope_scaling={"rope_type": "linear",
+                                                                 "factor": factor}))
+    assert len(ropekv._SCALING_SEEN) == 2
+    for i in range(2 * ropekv._SCALING_SEEN_MAX):
+        ropekv._scaling_params_seen({"rope_type": "linear", "factor": 1.0 + i})
+    assert len(ropekv._SCALING_SEEN) == ropekv._SCALING_SEEN_MAX
+
+
 @pytest.mark.parametrize("is_neox", [np.bool_(False), 0, None], ids=repr)
 def test_is_neox_not_a_bool_is_declined(is_neox):
     """The general path decides what a non-bool is_neox means."""
