@@ -337,16 +337,23 @@ void launch_typed(const Params& prm, int vec, bool contig, int unroll, const Lau
 // decode call fetches its instructions cold (Nsight Compute's stall sampling
 // of a T = 1 call with QK-norm and fp8 pools: "no instruction" stalls were
 // a quarter of the samples).
-int choose_unroll(int64_t tokens, int64_t steps, int64_t vec_bytes, bool options, bool qk_norm) {
+constexpr int64_t kOptionsOneStep = 2048;  // team steps up to which options take U = 1
+
+// ROPEKV_CUDA_UNROLL, read once: 1, 2, 4 or 8, else 0 (not forced).
+int forced_unroll() {
   static const int forced = [] {
     const char* e = std::getenv("ROPEKV_CUDA_UNROLL");
     const int v = e ? std::atoi(e) : 0;
     return (v == 1 || v == 2 || v == 4 || v == 8) ? v : 0;
   }();
+  return forced;
+}
+
+int choose_unroll(int64_t tokens, int64_t steps, int64_t vec_bytes, bool options, bool qk_norm) {
   if (vec_bytes != 16) return 4;  // only the 16-byte kernels have other U
-  if (forced) return forced;
+  if (const int forced = forced_unroll()) return forced;
   const int64_t work = tokens * steps;
-  if (options && work <= 2048) return 1;
+  if (options && work <= kOptionsOneStep) return 1;
   if (qk_norm) return work <= 8192 ? 2 : 4;
   return work <= 6144 ? 2 : 4;
 }
@@ -460,14 +467,14 @@ void run(const Problem& p, const ExecOptions& options) {
 
   const int64_t esize = element_size(p.dtype);
   const bool table = table_kernel(p, esize);
-  const bool plain = is_plain(p) || table;  // the plain kernel
+  const bool plain_call = is_plain(p) || table;
   prm.attention_factor = p.attention_factor;
   const bool norm = p.q_norm.data != nullptr || p.k_norm.data != nullptr;  // (not plain)
   bool contig = true;
   int vec = 1;
   if (table) {
     vec = static_cast<int>(16 / esize);
-  } else if (plain) {
+  } else if (plain_call) {
     for (int64_t bytes = 16; bytes >= 2; bytes /= 2) {
       const int64_t v = bytes / esize;
       if (v < 2) break;  // one element: the strided kernel does the same work
@@ -501,6 +508,14 @@ void run(const Problem& p, const ExecOptions& options) {
   if (heads > INT_MAX / 4 || p.head_dim > INT_MAX / 4)
     throw Error("num_qo_heads + 2*num_kv_heads and head_dim must fit in 29 bits");
   const int64_t steps = ceil_div(heads, heads_par);
+  // Small plain calls of 16-bit data in 16-byte vectors run the options
+  // kernel's one-step build (no option set): one step per team, twice the
+  // warps of the plain kernel's two steps, measured faster at decode (H200,
+  // Llama-3.1-8B bf16, cold L2: docs/performance.md, *Options*). Not when
+  // ROPEKV_CUDA_UNROLL forces the plain kernel's steps.
+  const bool plain = plain_call && !(!table && esize == 2 && vec * esize == 16 &&
+                                     p.num_tokens * steps <= kOptionsOneStep &&
+                                     forced_unroll() == 0);
   int unroll = contig ? choose_unroll(p.num_tokens, steps, vec * esize, !plain, norm) : 4;
   if (table) unroll = unroll <= 2 ? 2 : 4;  // the table kernel's two builds
   // The options kernels: U = 1 compiled, or U = kOptSteps compiled and
