@@ -9,7 +9,9 @@
 // one block per token (its teams share the token's cos/sin). Calls with
 // options (not is_plain) run the options kernel, in its 16-byte form or else
 // its strided form, except a cos_sin_cache alone with 16-byte vectors and
-// rows, which runs the plain kernel built for a table (table_kernel).
+// rows, which runs the plain kernel built for a table (table_kernel). Small
+// plain calls of 16-bit data run the options kernel's one-step build (faster
+// at decode than the plain kernel's two steps per team).
 //
 // Device memory it owns, made once and kept for the process: a per-device
 // error flag (out-of-range slots) and one inv_freq table per (device,
