@@ -29,7 +29,11 @@
 //   empty     an empty kernel (the launch floor)
 // each as one block per token (the library's plan) and, with "/split", one
 // block per team (6 blocks per token); "/inplace": q_rot and k_rot are q and
-// k (the call with inplace=True, and what SGLang's kernel does).
+// k (the call with inplace=True, and what SGLang's kernel does); "/pin":
+// every address of the first loads (and the parameters of the outputs) made
+// before griddepcontrol.wait, which is made to wait for them, so that after
+// it only the loads remain.
+//   library/table  the library's plain kernel built for a cos_sin_cache (f32)
 //
 // Llama-3.1-8B shape (32 q heads, 8 kv heads, head_dim 128), bf16, random
 // slots in a 2^20-row pool, random positions below 2^17.
