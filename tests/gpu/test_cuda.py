@@ -1048,15 +1048,18 @@ def test_options_rope_scaling(scaling, dtype):
                     what=f"scaling T={T}")
 
 
+@pytest.mark.parametrize("idx", [torch.int64, torch.int32], ids=["int64", "int32"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("table", ["float32", "same"])
-def test_options_cos_sin_cache(dtype, table):
+def test_options_cos_sin_cache(dtype, table, idx):
+    # (The table alone with 16-byte rows runs the plain kernel's table build on
+    # CUDA, which widens a 32-bit position in its own place.)
     dt = DTYPES[dtype]
     tdt = torch.float32 if table == "float32" else dt
     for T, D, R, neox in ((1, 128, 128, True), (37, 80, 32, True), (12, 256, 64, False),
                           (5, 34, 34, True), (2000, 128, 128, True)):
         run_options(T, 4, 2, D, dt, seed=T, rotary_dim=R, is_neox=neox, table_dtype=tdt,
-                    what=f"cos_sin_cache T={T} D={D} R={R}")
+                    idx=idx, what=f"cos_sin_cache T={T} D={D} R={R}")
 
 
 @cuda_only
@@ -1081,6 +1084,7 @@ def test_options_cos_sin_cache_strided_table():
 
 # Out-of-table positions with the table alone and with other options.
 TABLE_CASES = {"table alone": {},
+               "table alone, int32 indices": dict(idx=torch.int32),
                "with fp8 and QK-norm": dict(kv_cache_dtype="fp8_e4m3", k_scale=0.5,
                                             q_norm=torch.float32)}
 
