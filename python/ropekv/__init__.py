@@ -378,11 +378,14 @@ def _scaling_params(rope_scaling: Any) -> Optional[Tuple[float, ...]]:
 
 # Parsed rope_scaling dicts by their items and the items' types (True and 1
 # are equal but not the same argument), for the fast path: parsing costs
-# about 1.4 us of a decode call, a lookup about 0.7. Bounded; dicts holding a
-# zero or NaN are not kept (-0.0 == 0.0 but prints differently in an error;
-# NaN matches nothing).
+# about 1.4 us of a decode call, a lookup about 0.7. Bounded. Only dicts
+# whose values are all of the exact types str, int, float, bool are kept
+# (their equality and hash decide float(); a subclass's need not), and no
+# float zero or NaN (-0.0 == 0.0 but prints differently in an error; NaN
+# matches nothing).
 _SCALING_SEEN: dict = {}
 _SCALING_SEEN_MAX = 64
+_SCALING_PLAIN = (str, int, float, bool)
 
 
 def _scaling_params_seen(rope_scaling: Any) -> Optional[Tuple[float, ...]]:
@@ -396,10 +399,12 @@ def _scaling_params_seen(rope_scaling: Any) -> Optional[Tuple[float, ...]]:
         return _SCALING_SEEN[key]
     except KeyError:
         pass
-    except TypeError:  # an unhashable value
+    except Exception:  # noqa: BLE001 - a value without a usable hash: no memory
         return _scaling_params(rope_scaling)
     params = _scaling_params(rope_scaling)  # a dict it cannot read raises: nothing kept
-    if len(_SCALING_SEEN) < _SCALING_SEEN_MAX and not any(v == 0 or v != v for v in values):
+    if len(_SCALING_SEEN) < _SCALING_SEEN_MAX and all(
+            type(v) in _SCALING_PLAIN and not (type(v) is float and (v == 0.0 or v != v))
+            for v in values):
         _SCALING_SEEN[key] = params
     return params
 

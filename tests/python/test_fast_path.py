@@ -435,8 +435,8 @@ def test_bad_rope_scaling_raises_the_general_paths_error(framework, bad):
 def test_remembered_rope_scaling_is_exact(framework, monkeypatch):
     """The fast path remembers parsed rope_scaling dicts by their items and
     the items' types: a dict equal to one seen before but with True for 1
-    still raises; a mutated dict is parsed again; a zero or NaN is never kept,
-    and the memory is bounded."""
+    still raises; a mutated dict is parsed again; a float zero or NaN, or a
+    value of a subclass, is never kept; and the memory is bounded."""
     run = MAKE[framework]
     seed = new_seed()
     c = run("float32", seed)
@@ -468,6 +468,23 @@ def test_remembered_rope_scaling_is_exact(framework, monkeypatch):
         expect_same_error(run("float32"), dict(KW, rope_scaling={"rope_type": "linear",
                                                                  "factor": factor}))
     assert len(ropekv._SCALING_SEEN) == 2
+    # A value of a float subclass is never kept: its own equality and hash
+    # need not tell different values apart.
+    class Same(float):
+        def __eq__(self, other):
+            return isinstance(other, Same)
+
+        def __hash__(self):
+            return 7
+
+    got = [ropekv._scaling_params_seen({"rope_type": "linear", "factor": Same(f)})[1]
+           for f in (2.0, 3.0)]
+    assert got == [2.0, 3.0] and len(ropekv._SCALING_SEEN) == 2
+    # An int zero or False is kept (yarn's truncate=False).
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+            "truncate": False}
+    assert ropekv._scaling_params_seen(yarn) == ropekv._scaling_params(yarn)
+    assert len(ropekv._SCALING_SEEN) == 3
     for i in range(2 * ropekv._SCALING_SEEN_MAX):
         ropekv._scaling_params_seen({"rope_type": "linear", "factor": 1.0 + i})
     assert len(ropekv._SCALING_SEEN) == ropekv._SCALING_SEEN_MAX
