@@ -11,8 +11,10 @@
 #   ncu       Nsight Compute on Llama-3.1-8B bf16 calls of T = 1, 64 and 8192
 #   latency   per-call time of small calls in CUDA graphs, next to an empty kernel
 #   cold      per-call time of plain calls of four model shapes, T = 1..8192, cold L2,
-#             at the library's and at each forced number of steps per team (not a
-#             default step)
+#             at the library's and at each forced number of steps per team (a forced
+#             one keeps small plain calls on the plain kernel; not a default step)
+#   coldopt   the same at the library's steps with a float32 cos_sin_cache (four
+#             shapes), then with QK-norm and fp8 pools (Llama) (not a default step)
 #   probe     bench/cuda_decode_probe.cu: decode-sized calls of kernel variants that
 #             each drop one part of the critical path (not a default step)
 #   cputest   the CPU Python suite tests/python
@@ -165,6 +167,10 @@ each_unroll() {
   return $rc
 }
 
+do_cold_options() {
+  timeout 60 "$DRIVER" --cold-table && timeout 60 "$DRIVER" --cold-options
+}
+
 do_probe() {
   mkdir -p "$ROOT/build" && timeout 120 nvcc -O3 -std=c++17 -arch=sm_"$ARCH" -Isrc bench/cuda_decode_probe.cu \
     -o "$ROOT/build/decode-probe" && timeout 120 "$ROOT/build/decode-probe"
@@ -232,6 +238,7 @@ for s in "${STEPS[@]}"; do
     ncu) step ncu do_ncu ;;
     latency) step latency each_unroll --latency ;;
     cold) step cold each_unroll --cold ;;
+    coldopt) step coldopt do_cold_options ;;
     probe) step probe do_probe ;;
     cputest) step cputest do_cputest ;;
     bench) step bench do_bench ;;
