@@ -235,7 +235,9 @@ __global__ void __launch_bounds__(256) probe_kernel(const __grid_constant__ Para
   }
 }
 
-int main() {
+int main(int argc, char** argv) {
+  // "onestep": the library rows and the one-step sweep only.
+  const bool only_onestep = argc > 1 && std::strcmp(argv[1], "onestep") == 0;
   constexpr int Hq = 32, Hk = 8, D = 128, half = D / 2;
   const long long P = 1 << 20, kRows = 1 << 17;
   const int kCalls = 50;
@@ -396,10 +398,12 @@ int main() {
       CK(cudaLaunchKernelEx(cfg, rope_pool_kernel<T, kN, true, kU>, p));
     };
     row("library", library, sets);
-    row("library/i32", library, sets32);
-    row("library/i64-fixed", library, sets64fixed);
-    row("library/i32-random", library, sets32rand);
-    row("library/inplace", library, sets_inplace);
+    if (!only_onestep) {
+      row("library/i32", library, sets32);
+      row("library/i64-fixed", library, sets64fixed);
+      row("library/i32-random", library, sets32rand);
+      row("library/inplace", library, sets_inplace);
+    }
     // The plain kernel reading its cos/sin from a cos_sin_cache (f32).
     const float* tab0 = table;
     auto library_table = [tab0](cudaLaunchConfig_t* cfg, const Params& p0) {
@@ -432,6 +436,53 @@ int main() {
                               op));
       };
     };
+    // What ships for small plain calls (the options kernel's one-step build, no
+    // option set) and the table kernel at one step, as 1, 3, 6 or 12 blocks
+    // per token of 12, 4, 2 or 1 teams ("/bN": N blocks per token).
+    std::vector<Params> sets1 = sets;
+    for (Params& p : sets1) p.num_batches = (Hq + 2 * Hk) / p.heads_par;
+    auto row1 = [&](const char* name, auto launch) {
+      for (int tpb : {12, 4, 2, 1}) {
+        char label[64];
+        std::snprintf(label, sizeof label, "%s/b%d", name, 12 / tpb);
+        std::printf("%-16s %5d %9.2f %9.2f\n", label, T_, measure(launch, tpb, false, sets1),
+                    measure(launch, tpb, true, sets1));
+      }
+    };
+    auto onestep = [](const float* cos_sin, long long rows) {
+      Options o{};
+      o.pool_mode = kPoolSame;
+      o.head_dim = D;
+      o.steps = 1;
+      o.k_scale = o.v_scale = o.k_mul = o.v_mul = 1.0f;
+      return [o, cos_sin, rows](cudaLaunchConfig_t* cfg, const Params& p) {
+        OptParams op{};
+        static_cast<Params&>(op) = p;
+        op.cos_sin = cos_sin;
+        op.cs_rows = rows;
+        op.cs_s0 = D;
+        op.cs_s1 = 1;
+        op.o = o;
+        CK(cudaLaunchKernelEx(cfg, rope_pool_options_kernel<T, kN, true, 1, kPoolsWide, false>,
+                              op));
+      };
+    };
+    auto table1 = [tab0](cudaLaunchConfig_t* cfg, const Params& p0) {
+      Params p = p0;
+      p.cos_sin = tab0;
+      p.cs_rows = kRows;
+      p.cs_s0 = D;
+      p.cs_s1 = 1;
+      CK(cudaLaunchKernelEx(cfg, rope_pool_kernel<T, kN, true, 1, true>, p));
+    };
+    row1("onestep", onestep(nullptr, 0));
+    row1("onestep/table", onestep(table, kRows));
+    row1("table-u1", table1);
+    if (only_onestep) {
+      CK(cudaStreamSynchronize(s));
+      for (void* d : allocs) CK(cudaFree(d));
+      continue;
+    }
     row("options", options(nullptr, 0), sets);
     row("options/table", options(table, kRows), sets);
     const float* tab = table;

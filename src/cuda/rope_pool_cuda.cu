@@ -10,8 +10,10 @@
 // options (not is_plain) run the options kernel, in its 16-byte form or else
 // its strided form, except a cos_sin_cache alone with 16-byte vectors and
 // rows, which runs the plain kernel built for a table (table_kernel). Small
-// plain calls of 16-bit data run the options kernel's one-step build (faster
-// at decode than the plain kernel's two steps per team).
+// plain calls of 16-bit data, with or without such a table, run the options
+// kernel's one-step build (faster at decode than the plain kernel's two steps
+// per team), a token's teams spread over several blocks while the grid is
+// small.
 //
 // Device memory it owns, made once and kept for the process: a per-device
 // error flag (out-of-range slots) and one inv_freq table per (device,
@@ -351,6 +353,19 @@ int forced_unroll() {
   return forced;
 }
 
+// Small one-step calls split a token's teams over blocks of at most
+// kSplitTeams warps while the grid stays within this many blocks (default:
+// half the SMs); ROPEKV_CUDA_SPLIT_GRID=N sets N (0: never split; for
+// tuning; read once).
+constexpr int64_t kSplitTeams = 4;
+int64_t split_grid_limit(int sms) {
+  static const int64_t forced = [] {
+    const char* e = std::getenv("ROPEKV_CUDA_SPLIT_GRID");
+    return e ? std::max<int64_t>(0, std::atoll(e)) : int64_t{-1};
+  }();
+  return forced >= 0 ? forced : sms / 2;
+}
+
 int choose_unroll(int64_t tokens, int64_t steps, int64_t vec_bytes, bool options, bool qk_norm) {
   if (vec_bytes != 16) return 4;  // only the 16-byte kernels have other U
   if (const int forced = forced_unroll()) return forced;
@@ -510,16 +525,26 @@ void run(const Problem& p, const ExecOptions& options) {
   if (heads > INT_MAX / 4 || p.head_dim > INT_MAX / 4)
     throw Error("num_qo_heads + 2*num_kv_heads and head_dim must fit in 29 bits");
   const int64_t steps = ceil_div(heads, heads_par);
-  // Small plain calls of 16-bit data in 16-byte vectors run the options
-  // kernel's one-step build (no option set): one step per team, twice the
-  // warps of the plain kernel's two steps, measured faster at decode (H200,
-  // Llama-3.1-8B bf16, cold L2: docs/performance.md, *Options*). Not when
-  // ROPEKV_CUDA_UNROLL forces the plain kernel's steps.
-  const bool plain = plain_call && !(!table && esize == 2 && vec * esize == 16 &&
-                                     p.num_tokens * steps <= kOptionsOneStep &&
-                                     forced_unroll() == 0);
+  // A one-step call (the options kernel's U = 1 build) spreads each token
+  // over blocks of at most kSplitTeams one-warp teams, on as many SMs, while
+  // the grid stays within split_grid_limit blocks: their loads and stores go
+  // through several SMs' memory pipelines at once (each block makes the
+  // token's cos/sin itself). Llama-3.1-8B bf16 T = 1, cold L2: 1.93 -> 1.77
+  // us; at T = 32 (96 blocks) no faster, and slower for Gemma-2-9B (H200,
+  // docs/performance.md, *Blocks per token*).
+  const bool split = lanes == 32 && steps > kSplitTeams &&
+                     p.num_tokens * ceil_div(steps, kSplitTeams) <= split_grid_limit(st.sms);
+  // Small plain calls of 16-bit data in 16-byte vectors run that one-step
+  // build: one step per team, twice the warps of the plain kernel's two
+  // steps, measured faster at decode (docs/performance.md, *One step per
+  // team*); with a cos_sin_cache only when split (unsplit, the table kernel
+  // is faster). Not when ROPEKV_CUDA_UNROLL forces the plain kernel's steps.
+  const bool one_step = esize == 2 && vec * esize == 16 &&
+                        p.num_tokens * steps <= kOptionsOneStep && forced_unroll() == 0 &&
+                        (!table || split);
+  const bool plain = plain_call && !one_step;
   int unroll = contig ? choose_unroll(p.num_tokens, steps, vec * esize, !plain, norm) : 4;
-  if (table) unroll = unroll <= 2 ? 2 : 4;  // the table kernel's two builds
+  if (table && plain) unroll = unroll <= 2 ? 2 : 4;  // the table kernel's two builds
   // The options kernels: U = 1 compiled, or U = kOptSteps compiled and
   // `unroll` of them taken (2 or 4), or the strided kernel's one.
   const int kernel_u = plain ? unroll : (contig && unroll > 1 ? detail::kOptSteps : 1);
@@ -528,6 +553,7 @@ void run(const Problem& p, const ExecOptions& options) {
   // The teams of one token share a block (and its cos/sin) when they fit.
   int64_t per_block =
       std::max<int64_t>(1, std::min(batches, detail::max_block(kernel_u) / lanes));
+  if (!plain && contig && unroll == 1 && split) per_block = kSplitTeams;  // (batches = steps)
   const int64_t blocks_per_token = ceil_div(batches, per_block);
   per_block = ceil_div(batches, blocks_per_token);
   size_t smem = static_cast<size_t>(p.rotary_dim) * sizeof(float);  // cos + sin

@@ -1161,6 +1161,55 @@ def test_options_out_of_table_token_with_several_blocks_per_token(norm):
     check_skipped(t, kw, snap, q_out, k_out, (1,))
 
 
+# Small calls of the one-step build spread a token over blocks of at most 4
+# warps while the grid fills at most half the SMs: on an H200 (132 SMs) the
+# Llama shape runs 3 blocks per token up to T = 22, Qwen 3 (of 3 warps) and
+# Phi-3 5; T = 16 of Phi-3 and T = 40 are not split. Each block makes the
+# token's cos/sin, reads its QK-norm weights and reports a bad index only
+# from the token's first block.
+SPLIT_SHAPES = {"llama": (32, 8, 128), "qwen": (28, 4, 128), "phi3": (32, 32, 96)}
+SPLIT_OPTIONS = {
+    "plain": {},
+    "cos_sin_cache f32": dict(table_dtype=torch.float32),
+    "cos_sin_cache bf16": dict(table_dtype=torch.bfloat16),
+    "qk-norm fp8": dict(kv_cache_dtype="fp8_e4m3", k_scale=0.5, q_norm=torch.float32,
+                        k_norm=torch.bfloat16),
+    "interleaved": dict(is_neox=False),
+}
+
+
+@pytest.mark.parametrize("opt", list(SPLIT_OPTIONS))
+@pytest.mark.parametrize("shape", list(SPLIT_SHAPES))
+def test_small_calls_split_over_blocks(shape, opt):
+    Hq, Hk, D = SPLIT_SHAPES[shape]
+    for T in (1, 7, 16, 40):
+        run_options(T, Hq, Hk, D, torch.bfloat16, seed=T, what=f"{shape} {opt} T={T}",
+                    **SPLIT_OPTIONS[opt])
+
+
+@cuda_only
+@pytest.mark.parametrize("opt", ["cos_sin_cache f32", "qk-norm fp8"])
+def test_split_call_reports_each_bad_token_once(opt):
+    """A 7-token Llama-shaped call (3 blocks per token): two positions outside
+    the table and one slot outside the pool are each counted once."""
+    ropekv.set_checked(False)
+    extra = dict(SPLIT_OPTIONS[opt], table_dtype=torch.float32)
+    t, kw = options_case(7, 32, 8, 128, torch.bfloat16, table_rows=100, **extra)
+    t["positions"][2] = 100
+    t["positions"][4] = -3
+    t["slots"].copy_(torch.arange(7, device=DEV))
+    t["slots"][5] = 10**6
+    snap = snapshot(t)
+    q_out, k_out = poisoned(t["q"]), poisoned(t["k"])
+    options_call(t, kw, q_out=q_out, k_out=k_out)
+    with pytest.raises(ValueError, match=r"^positions\[2\] = 100 is outside cos_sin_cache.*"
+                                         r"skipped 2 token.*; also slots\[5\] = 1000000 is out "
+                                         r"of range for a pool of 19 rows \(k_pool.shape\[0\]\); "
+                                         r"the CUDA kernel skipped the pool writes of 1 token\(s\)"):
+        ropekv.check_device_errors(t["q"].device.index)
+    check_skipped(t, kw, snap, q_out, k_out, (2, 4))
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_options_float32_pools(dtype):
     for T in (1, 30, 3000):
