@@ -313,7 +313,7 @@ def bench_one(model, dtype_name, T, pools, tables, mods, timer, args, log):
     # row keeps each one's best round (and every round under "rounds").
     r["rounds"] = {name: [] for name in timed}
     failed = set()
-    for k in range(args.rounds):
+    for k in range(args.rounds if timed else 0):
         for name in timed[k % len(timed):] + timed[:k % len(timed)]:
             if name in failed:
                 continue

@@ -353,16 +353,21 @@ int forced_unroll() {
   return forced;
 }
 
-// Small one-step calls split a token's teams over blocks of at most
-// kSplitTeams warps while the grid stays within this many blocks (default:
-// half the SMs); ROPEKV_CUDA_SPLIT_GRID=N sets N (0: never split; for
-// tuning; read once).
-constexpr int64_t kSplitTeams = 4;
+// Small one-step calls split a token's teams over as many blocks as keep the
+// grid within split_grid_limit blocks (default: half the SMs), each of at
+// least split_teams() warps (default 4) where the token has that many. For
+// tuning (read once): ROPEKV_CUDA_SPLIT_TEAMS=N (N >= 1) and
+// ROPEKV_CUDA_SPLIT_GRID=N (0: never split).
+int64_t env_count(const char* name, int64_t fallback) {
+  const char* e = std::getenv(name);
+  return e ? std::max<int64_t>(0, std::atoll(e)) : fallback;
+}
+int64_t split_teams() {
+  static const int64_t teams = std::max<int64_t>(1, env_count("ROPEKV_CUDA_SPLIT_TEAMS", 4));
+  return teams;
+}
 int64_t split_grid_limit(int sms) {
-  static const int64_t forced = [] {
-    const char* e = std::getenv("ROPEKV_CUDA_SPLIT_GRID");
-    return e ? std::max<int64_t>(0, std::atoll(e)) : int64_t{-1};
-  }();
+  static const int64_t forced = env_count("ROPEKV_CUDA_SPLIT_GRID", -1);
   return forced >= 0 ? forced : sms / 2;
 }
 
@@ -526,14 +531,18 @@ void run(const Problem& p, const ExecOptions& options) {
     throw Error("num_qo_heads + 2*num_kv_heads and head_dim must fit in 29 bits");
   const int64_t steps = ceil_div(heads, heads_par);
   // A one-step call (the options kernel's U = 1 build) spreads each token
-  // over blocks of at most kSplitTeams one-warp teams, on as many SMs, while
-  // the grid stays within split_grid_limit blocks: their loads and stores go
-  // through several SMs' memory pipelines at once (each block makes the
-  // token's cos/sin itself). Llama-3.1-8B bf16 T = 1, cold L2: 1.93 -> 1.77
-  // us; at T = 32 (96 blocks) no faster, and slower for Gemma-2-9B (H200,
-  // docs/performance.md, *Blocks per token*).
-  const bool split = lanes == 32 && steps > kSplitTeams &&
-                     p.num_tokens * ceil_div(steps, kSplitTeams) <= split_grid_limit(st.sms);
+  // over several blocks of one-warp teams, on as many SMs, while the grid
+  // stays small: their loads and stores go through several SMs' memory
+  // pipelines at once (each block makes the token's cos/sin itself). Blocks
+  // of 4 warps were the fastest at T <= 16 (2, 3, 6 and 8 measured) and 2
+  // blocks per token at T = 32 (the grid then at most half the SMs; more,
+  // no gain or a loss). Llama-3.1-8B bf16, cold L2: T = 1 1.94 -> 1.76 us,
+  // T = 32 2.25 -> 2.15 (H200, docs/performance.md, *Blocks per token*).
+  const int64_t split_blocks =
+      lanes == 32 ? std::min(split_grid_limit(st.sms) / p.num_tokens,
+                             ceil_div(steps, split_teams()))
+                  : 1;
+  const bool split = split_blocks >= 2;
   // Small plain calls of 16-bit data in 16-byte vectors run that one-step
   // build: one step per team, twice the warps of the plain kernel's two
   // steps, measured faster at decode (docs/performance.md, *One step per
@@ -553,7 +562,8 @@ void run(const Problem& p, const ExecOptions& options) {
   // The teams of one token share a block (and its cos/sin) when they fit.
   int64_t per_block =
       std::max<int64_t>(1, std::min(batches, detail::max_block(kernel_u) / lanes));
-  if (!plain && contig && unroll == 1 && split) per_block = kSplitTeams;  // (batches = steps)
+  if (!plain && contig && unroll == 1 && split)
+    per_block = std::min(per_block, ceil_div(steps, split_blocks));  // (batches = steps)
   const int64_t blocks_per_token = ceil_div(batches, per_block);
   per_block = ceil_div(batches, blocks_per_token);
   size_t smem = static_cast<size_t>(p.rotary_dim) * sizeof(float);  // cos + sin

@@ -1161,12 +1161,12 @@ def test_options_out_of_table_token_with_several_blocks_per_token(norm):
     check_skipped(t, kw, snap, q_out, k_out, (1,))
 
 
-# Small calls of the one-step build spread a token over blocks of at most 4
-# warps while the grid fills at most half the SMs: on an H200 (132 SMs) the
-# Llama shape runs 3 blocks per token up to T = 22, Qwen 3 (of 3 warps) and
-# Phi-3 5; T = 16 of Phi-3 and T = 40 are not split. Each block makes the
-# token's cos/sin, reads its QK-norm weights and reports a bad index only
-# from the token's first block.
+# Small calls of the one-step build spread a token over as many blocks (of at
+# least 4 warps) as keep the grid within half the SMs: on an H200 (132 SMs)
+# the Llama shape runs 3 blocks per token at T = 1, 7 and 16 and 2 at T = 32,
+# Qwen 3 (of 3 warps) at T <= 16, Phi-3 5 at T <= 13 and 4 at T = 16; T = 40
+# is not split. Each block makes the token's cos/sin and reads its QK-norm
+# weights; a bad index is reported from the token's first block only.
 SPLIT_SHAPES = {"llama": (32, 8, 128), "qwen": (28, 4, 128), "phi3": (32, 32, 96)}
 SPLIT_OPTIONS = {
     "plain": {},
@@ -1182,7 +1182,7 @@ SPLIT_OPTIONS = {
 @pytest.mark.parametrize("shape", list(SPLIT_SHAPES))
 def test_small_calls_split_over_blocks(shape, opt):
     Hq, Hk, D = SPLIT_SHAPES[shape]
-    for T in (1, 7, 16, 40):
+    for T in (1, 7, 16, 32, 40):
         run_options(T, Hq, Hk, D, torch.bfloat16, seed=T, what=f"{shape} {opt} T={T}",
                     **SPLIT_OPTIONS[opt])
 
