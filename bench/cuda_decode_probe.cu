@@ -34,6 +34,11 @@
 // before griddepcontrol.wait, which is made to wait for them, so that after
 // it only the loads remain.
 //   library/table  the library's plain kernel built for a cos_sin_cache (f32)
+//   onestep/bN     the options kernel's one-step build with no option set (what
+//                  small plain calls run) as N = 1, 3, 6 or 12 blocks per token;
+//                  "onestep/table/bN" with a cos_sin_cache; "table-u1/bN" the
+//                  plain kernel's table build at one step per team
+// (`decode-probe onestep`: the library rows and the onestep rows only.)
 //
 // Llama-3.1-8B shape (32 q heads, 8 kv heads, head_dim 128), bf16, random
 // slots in a 2^20-row pool, random positions below 2^17.
@@ -49,6 +54,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "cuda/rope_pool_kernel.cuh"
@@ -404,25 +410,29 @@ int main(int argc, char** argv) {
       row("library/i32-random", library, sets32rand);
       row("library/inplace", library, sets_inplace);
     }
-    // The plain kernel reading its cos/sin from a cos_sin_cache (f32).
+    // The plain kernel reading its cos/sin from a cos_sin_cache (f32), built
+    // for kUk steps per team.
     const float* tab0 = table;
-    auto library_table = [tab0](cudaLaunchConfig_t* cfg, const Params& p0) {
-      Params p = p0;
-      p.cos_sin = tab0;
-      p.cs_rows = kRows;
-      p.cs_s0 = D;
-      p.cs_s1 = 1;
-      CK(cudaLaunchKernelEx(cfg, rope_pool_kernel<T, kN, true, kU, true>, p));
+    auto library_table = [tab0](auto compiled) {
+      return [tab0](cudaLaunchConfig_t* cfg, const Params& p0) {
+        Params p = p0;
+        p.cos_sin = tab0;
+        p.cs_rows = kRows;
+        p.cs_s0 = D;
+        p.cs_s1 = 1;
+        constexpr int kUk = decltype(compiled)::value;
+        CK(cudaLaunchKernelEx(cfg, rope_pool_kernel<T, kN, true, kUk, true>, p));
+      };
     };
-    row("library/table", library_table, sets);
-    // The options kernel as a decode call runs it (16-byte form, 2 of its
-    // kOptSteps steps, pools of q's dtype, no QK-norm): cos/sin made, or read
-    // from a cos_sin_cache (an f32 table).
-    auto options = [](const float* cos_sin, long long rows) {
+    row("library/table", library_table(std::integral_constant<int, kU>{}), sets);
+    // The options kernel as a decode call runs it (16-byte form, pools of q's
+    // dtype, no QK-norm), built for kUk steps of which `steps` are taken:
+    // cos/sin made, or read from a cos_sin_cache (an f32 table).
+    auto options_kernel = [](auto compiled, int steps, const float* cos_sin, long long rows) {
       Options o{};
       o.pool_mode = kPoolSame;
       o.head_dim = D;
-      o.steps = kU;
+      o.steps = steps;
       o.k_scale = o.v_scale = o.k_mul = o.v_mul = 1.0f;
       return [o, cos_sin, rows](cudaLaunchConfig_t* cfg, const Params& p) {
         OptParams op{};
@@ -432,9 +442,14 @@ int main(int argc, char** argv) {
         op.cs_s0 = D;
         op.cs_s1 = 1;
         op.o = o;
-        CK(cudaLaunchKernelEx(cfg, rope_pool_options_kernel<T, kN, true, kOptSteps, kPoolsWide, false>,
+        constexpr int kUk = decltype(compiled)::value;
+        CK(cudaLaunchKernelEx(cfg, rope_pool_options_kernel<T, kN, true, kUk, kPoolsWide, false>,
                               op));
       };
+    };
+    // 2 of kOptSteps steps (the options kernel's larger build).
+    auto options = [&](const float* cos_sin, long long rows) {
+      return options_kernel(std::integral_constant<int, kOptSteps>{}, kU, cos_sin, rows);
     };
     // What ships for small plain calls (the options kernel's one-step build, no
     // option set) and the table kernel at one step, as 1, 3, 6 or 12 blocks
@@ -449,35 +464,12 @@ int main(int argc, char** argv) {
                     measure(launch, tpb, true, sets1));
       }
     };
-    auto onestep = [](const float* cos_sin, long long rows) {
-      Options o{};
-      o.pool_mode = kPoolSame;
-      o.head_dim = D;
-      o.steps = 1;
-      o.k_scale = o.v_scale = o.k_mul = o.v_mul = 1.0f;
-      return [o, cos_sin, rows](cudaLaunchConfig_t* cfg, const Params& p) {
-        OptParams op{};
-        static_cast<Params&>(op) = p;
-        op.cos_sin = cos_sin;
-        op.cs_rows = rows;
-        op.cs_s0 = D;
-        op.cs_s1 = 1;
-        op.o = o;
-        CK(cudaLaunchKernelEx(cfg, rope_pool_options_kernel<T, kN, true, 1, kPoolsWide, false>,
-                              op));
-      };
-    };
-    auto table1 = [tab0](cudaLaunchConfig_t* cfg, const Params& p0) {
-      Params p = p0;
-      p.cos_sin = tab0;
-      p.cs_rows = kRows;
-      p.cs_s0 = D;
-      p.cs_s1 = 1;
-      CK(cudaLaunchKernelEx(cfg, rope_pool_kernel<T, kN, true, 1, true>, p));
+    auto onestep = [&](const float* cos_sin, long long rows) {
+      return options_kernel(std::integral_constant<int, 1>{}, 1, cos_sin, rows);
     };
     row1("onestep", onestep(nullptr, 0));
     row1("onestep/table", onestep(table, kRows));
-    row1("table-u1", table1);
+    row1("table-u1", library_table(std::integral_constant<int, 1>{}));
     if (only_onestep) {
       CK(cudaStreamSynchronize(s));
       for (void* d : allocs) CK(cudaFree(d));
