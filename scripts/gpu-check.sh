@@ -15,6 +15,10 @@
 #             one keeps small plain calls on the plain kernel; not a default step)
 #   coldopt   the same at the library's steps with a float32 cos_sin_cache (four
 #             shapes), then with QK-norm and fp8 pools (Llama) (not a default step)
+#   split     small calls split over several blocks per token (the library's rule)
+#             against one block (ROPEKV_CUDA_SPLIT_GRID=0) and, with a cos_sin_cache,
+#             against the table kernel (ROPEKV_CUDA_UNROLL=2): --cold, --cold-table,
+#             --cold-options and --latency, two alternations (not a default step)
 #   probe     bench/cuda_decode_probe.cu: decode-sized calls of kernel variants that
 #             each drop one part of the critical path (not a default step)
 #   cputest   the CPU Python suite tests/python
@@ -171,6 +175,25 @@ do_cold_options() {
   timeout 60 "$DRIVER" --cold-table && timeout 60 "$DRIVER" --cold-options
 }
 
+do_split() {
+  local i rc=0
+  for i in 1 2; do
+    for grid in rule 0; do
+      echo "== split $grid run $i"
+      for mode in --cold --cold-table --cold-options --latency; do
+        if [ $grid = rule ]; then
+          timeout 60 "$DRIVER" $mode || rc=1
+        else
+          ROPEKV_CUDA_SPLIT_GRID=0 timeout 60 "$DRIVER" $mode || rc=1
+        fi
+      done
+    done
+    echo "== table kernel run $i"
+    ROPEKV_CUDA_UNROLL=2 timeout 60 "$DRIVER" --cold-table || rc=1
+  done
+  return $rc
+}
+
 do_probe() {
   mkdir -p "$ROOT/build" && timeout 120 nvcc -O3 -std=c++17 -arch=sm_"$ARCH" -Isrc bench/cuda_decode_probe.cu \
     -o "$ROOT/build/decode-probe" && timeout 120 "$ROOT/build/decode-probe"
@@ -239,6 +262,7 @@ for s in "${STEPS[@]}"; do
     latency) step latency each_unroll --latency ;;
     cold) step cold each_unroll --cold ;;
     coldopt) step coldopt do_cold_options ;;
+    split) step split do_split ;;
     probe) step probe do_probe ;;
     cputest) step cputest do_cputest ;;
     bench) step bench do_bench ;;
