@@ -538,11 +538,14 @@ void run(const Problem& p, const ExecOptions& options) {
   // blocks per token at T = 32 (the grid then at most half the SMs; more,
   // no gain or a loss). Llama-3.1-8B bf16, cold L2: T = 1 1.94 -> 1.76 us,
   // T = 32 2.25 -> 2.15 (H200, docs/performance.md, *Blocks per token*).
+  // Measured on 16-bit data (float32 calls with options keep one block of up
+  // to 16 warps per token); a split must give a token more blocks than the
+  // one-step build's own 16-warp blocks do.
   const int64_t split_blocks =
-      lanes == 32 ? std::min(split_grid_limit(st.sms) / p.num_tokens,
-                             ceil_div(steps, split_teams()))
-                  : 1;
-  const bool split = split_blocks >= 2;
+      esize == 2 && lanes == 32 ? std::min(split_grid_limit(st.sms) / p.num_tokens,
+                                           ceil_div(steps, split_teams()))
+                                : 1;
+  const bool split = split_blocks > ceil_div(steps, detail::max_block(1) / 32);
   // Small plain calls of 16-bit data in 16-byte vectors run that one-step
   // build: one step per team, twice the warps of the plain kernel's two
   // steps, measured faster at decode (docs/performance.md, *One step per
