@@ -353,10 +353,10 @@ int forced_unroll() {
   return forced;
 }
 
-// Small one-step calls split a token's teams over as many blocks as keep the
-// grid within split_grid_limit blocks (default: half the SMs), each of at
-// least split_teams() warps (default 4) where the token has that many. For
-// tuning (read once): ROPEKV_CUDA_SPLIT_TEAMS=N (N >= 1) and
+// Small one-step calls of 16-bit data split a token's teams over as many
+// blocks as keep the grid within split_grid_limit blocks (default: half the
+// SMs), each of at least split_teams() warps (default 4) where the token has
+// that many. For tuning (read once): ROPEKV_CUDA_SPLIT_TEAMS=N (N >= 1) and
 // ROPEKV_CUDA_SPLIT_GRID=N (0: never split).
 int64_t env_count(const char* name, int64_t fallback) {
   const char* e = std::getenv(name);
