@@ -534,10 +534,11 @@ void run(const Problem& p, const ExecOptions& options) {
   // over several blocks of one-warp teams, on as many SMs, while the grid
   // stays small: their loads and stores go through several SMs' memory
   // pipelines at once (each block makes the token's cos/sin itself). Blocks
-  // of 4 warps were the fastest at T <= 16 (2, 3, 6 and 8 measured) and 2
-  // blocks per token at T = 32 (the grid then at most half the SMs; more,
-  // no gain or a loss). Llama-3.1-8B bf16, cold L2: T = 1 1.94 -> 1.76 us,
-  // T = 32 2.25 -> 2.15 (H200, docs/performance.md, *Blocks per token*).
+  // of at least 4 warps came within 0.03 us of the best of 2, 3, 4, 6 and 8
+  // at T <= 8; where they would overfill the grid, fewer and larger blocks
+  // won (2 per token at T = 32); a grid of more than half the SMs gained
+  // nothing or lost. Llama-3.1-8B bf16, cold L2: T = 1 1.96 -> 1.80 us,
+  // T = 32 2.26 -> 2.14 (H200, docs/performance.md, *Blocks per token*).
   // Measured on 16-bit data (float32 calls with options keep one block of up
   // to 16 warps per token); a split must give a token more blocks than the
   // one-step build's own 16-warp blocks do.
