@@ -29,13 +29,13 @@ missing, or that does not support a shape (FlashInfer and SGLang have no
 head_dim 96 path: PEER_HEAD_DIMS), is skipped and shown as "—".
 
 Method: gpu_bench.Timer (CUDA graphs of 50 calls for T <= 512, fewer above,
-CUDA-event timing, median), each implementation timed --rounds times per shape
-in an order rotated every round (the best round kept), inputs rotating over slices larger than twice the
-L2 cache, slots a random permutation of a 2^20-row pool, positions random in
-[0, 2^17); the same arrays for every implementation. Each peer is checked
-against ropekv on slice 0 (rotated q and k, pool rows of k and v) with a loose
-tolerance (their cos/sin are rounded differently); mismatches are reported,
-not fatal.
+CUDA-event timing, median), each implementation timed --rounds times per
+shape in an order rotated every round (the best round kept), inputs rotating
+over slices larger than twice the L2 cache, slots a random permutation of a
+2^20-row pool, positions random in [0, 2^17); the same arrays for every
+implementation. Each peer is checked against ropekv on slice 0 (rotated q and
+k, pool rows of k and v) with a loose tolerance (their cos/sin are rounded
+differently); mismatches are reported, not fatal.
 
 Writes gpu_peers.json and gpu_peers.md to --out and prints the table
 (microseconds per call and each one's ratio to ropekv's time).
