@@ -265,7 +265,10 @@ def _empty_like(x: Any) -> Any:
     if fw == "torch":
         import torch
 
-        return torch.empty_like(x, memory_format=torch.contiguous_format)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        if out.device.type == "cpu":  # (see _ext.advise_huge_pages)
+            _ext.advise_huge_pages(out.data_ptr(), out.nbytes)
+        return out
     if fw == "cupy":
         import cupy
 

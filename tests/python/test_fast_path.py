@@ -13,6 +13,7 @@ stream): the tests use it as the second oracle.
 
 from __future__ import annotations
 
+import os
 import re
 import numpy as np
 import pytest
@@ -858,3 +859,44 @@ def test_pool_format_errors_are_the_general_paths(framework, bad):
     else:
         kw["kv_cache_dtype"] = "fp16"
     expect_same_error(c, kw)
+
+
+def _huge_page_advised(ptr, nbytes):
+    """Whether a mapping inside [ptr, ptr + nbytes) carries MADV_HUGEPAGE
+    ("hg" in /proc/self/smaps' VmFlags)."""
+    vma, flags = None, []
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                vma = (lo, hi) if lo < ptr + nbytes and hi > ptr else None
+            elif vma is not None and head == "VmFlags:":
+                flags.append("hg" in line.split()[1:])
+    return any(flags)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+@pytest.mark.parametrize("general", [False, True], ids=["fast", "general"])
+def test_large_cpu_outputs_ask_for_huge_pages(general):
+    """q_rot and k_rot of 4 MiB or more that the call makes (PyTorch CPU
+    tensors) carry MADV_HUGEPAGE, as numpy's own arrays do, so the call's
+    first write faults one 2 MiB page at a time. Results are the float64
+    reference's."""
+    Tb, Hq, Hk, Db = 2048, 8, 4, 128  # q_rot 8 MiB, k_rot 4 MiB (float32)
+    q = torch.from_numpy(RNG.standard_normal((Tb, Hq, Db), dtype=np.float32))
+    k = torch.from_numpy(RNG.standard_normal((Tb, Hk, Db), dtype=np.float32))
+    v = torch.from_numpy(RNG.standard_normal((Tb, Hk, Db), dtype=np.float32))
+    pos = torch.from_numpy(RNG.integers(0, 1 << 20, Tb))
+    slots = torch.from_numpy(RNG.permutation(Tb + 5)[:Tb])
+    k_pool = torch.from_numpy(RNG.standard_normal((Tb + 5, Hk, Db), dtype=np.float32))
+    v_pool = torch.from_numpy(RNG.standard_normal((Tb + 5, Hk, Db), dtype=np.float32))
+    extra = dict(stream=0) if general else {}
+    q_rot, k_rot, _, _ = ropekv.rope_pool_fused(q, k, v, pos, slots, k_pool, v_pool, head_dim=Db,
+                                                num_qo_heads=Hq, num_kv_heads=Hk,
+                                                rope_base=10000.0, **extra)
+    for out in (q_rot, k_rot):
+        assert _huge_page_advised(out.data_ptr(), out.nbytes), "no MADV_HUGEPAGE on the output"
+    for got, x, name in ((q_rot, q, "q_rot"), (k_rot, k, "k_rot")):
+        want, mag = rope(x.numpy().astype(np.float64), pos.numpy(), 10000.0, Db)
+        assert_close(got.numpy(), want, mag, name)
