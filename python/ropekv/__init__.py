@@ -266,7 +266,7 @@ def _empty_like(x: Any) -> Any:
         import torch
 
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        if out.device.type == "cpu":  # (see _ext.advise_huge_pages)
+        if out.nbytes >= 1 << 22 and out.device.type == "cpu":  # see _ext.advise_huge_pages
             _ext.advise_huge_pages(out.data_ptr(), out.nbytes)
         return out
     if fw == "cupy":
