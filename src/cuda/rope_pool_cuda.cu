@@ -343,12 +343,18 @@ void launch_typed(const Params& prm, int vec, bool contig, int unroll, const Lau
 // a quarter of the samples).
 constexpr int64_t kOptionsOneStep = 2048;  // team steps up to which options take U = 1
 
+// A tuning variable's value: a count (negative read as 0), or fallback
+// when it is not set.
+int64_t env_count(const char* name, int64_t fallback) {
+  const char* e = std::getenv(name);
+  return e ? std::max<int64_t>(0, std::atoll(e)) : fallback;
+}
+
 // ROPEKV_CUDA_UNROLL, read once: 1, 2, 4 or 8, else 0 (not forced).
 int forced_unroll() {
   static const int forced = [] {
-    const char* e = std::getenv("ROPEKV_CUDA_UNROLL");
-    const int v = e ? std::atoi(e) : 0;
-    return (v == 1 || v == 2 || v == 4 || v == 8) ? v : 0;
+    const int64_t v = env_count("ROPEKV_CUDA_UNROLL", 0);
+    return (v == 1 || v == 2 || v == 4 || v == 8) ? static_cast<int>(v) : 0;
   }();
   return forced;
 }
@@ -358,10 +364,6 @@ int forced_unroll() {
 // SMs), each of at least split_teams() warps (default 4) where the token has
 // that many. For tuning (read once): ROPEKV_CUDA_SPLIT_TEAMS=N (N >= 1) and
 // ROPEKV_CUDA_SPLIT_GRID=N (0: never split).
-int64_t env_count(const char* name, int64_t fallback) {
-  const char* e = std::getenv(name);
-  return e ? std::max<int64_t>(0, std::atoll(e)) : fallback;
-}
 int64_t split_teams() {
   static const int64_t teams = std::max<int64_t>(1, env_count("ROPEKV_CUDA_SPLIT_TEAMS", 4));
   return teams;
