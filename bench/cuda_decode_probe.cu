@@ -241,9 +241,151 @@ __global__ void __launch_bounds__(256) probe_kernel(const __grid_constant__ Para
   }
 }
 
+// "headpar" mode: the shape SGLang's fused kernel takes for small calls.
+// Grid (T / kTpb, Hq + Hk): a block is one head (a q head, or a kv head with
+// its v) of kTpb tokens; kL = half / kV lanes per head, each lane kV pairs
+// (two vectors of kV elements, at i and i + half). No shared memory, no
+// barrier: each lane makes its own kV cos/sin (kHpSc: sincos_fp32; kHpTable:
+// an f32 [rows, D] table row; kHpCopy: none, no rotation).
+// "tok" form (kHpt > 0): a block is one token and 128 / kL heads at a time,
+// each lane handling kHpt heads with the cos/sin it made once (the heads
+// share them in registers); grid (T, ceil((Hq + Hk) / (128 / kL * kHpt))).
+// kHpFast: __sincosf (inaccurate, timing only); kHpLoop: sincos_fp32 in a
+// rolled loop through the lane's own shared-memory slots (less code, no
+// barrier); kHpBlock (tok form): threads 0..63 make one cos/sin each into
+// shared memory, then a block barrier; kHpWarp (tok form): each warp makes
+// all 64 (two per lane, rolled) into its own slice, then __syncwarp.
+enum HpMode { kHpSc = 0, kHpTable = 1, kHpCopy = 2, kHpFast = 3, kHpLoop = 4, kHpBlock = 5,
+              kHpWarp = 6 };
+template <int kV, int kMode, int kHpt>
+__global__ void __launch_bounds__(128) headpar_kernel(const __grid_constant__ Params p,
+                                                      const float* table) {
+  constexpr int kL = 64 / kV, kRows = 128 / kL;  // (half = 64)
+  const int tx = threadIdx.x % kL, ty = threadIdx.x / kL;
+  const int Hq = p.num_qo_heads, Hqk = Hq + p.num_kv_heads;
+  constexpr int kH = kHpt > 0 ? kHpt : 1;
+  long long t;
+  int hh0, hstep;
+  if constexpr (kHpt > 0) {
+    t = blockIdx.x;
+    hh0 = blockIdx.y * kRows * kHpt + ty;
+    hstep = kRows;
+  } else {
+    t = static_cast<long long>(blockIdx.x) * kRows + ty;
+    hh0 = blockIdx.y;
+    hstep = 0;
+  }
+  const bool active = t < p.num_tokens;
+  const T* src[kH];
+  unsigned long long acc = param_lines(p);
+#pragma unroll
+  for (int j = 0; j < kH; ++j) {
+    const int hh = min(hh0 + j * hstep, Hqk - 1);
+    src[j] = (hh < Hq ? at<T>(p.q, t, hh) : at<T>(p.k, t, hh - Hq)) + tx * kV;
+    acc ^= reinterpret_cast<unsigned long long>(src[j]);
+  }
+  const long long* pos_at = static_cast<const long long*>(p.positions) + t;
+  const long long* slot_at = static_cast<const long long*>(p.slots) + t;
+  grid_dependency_sync(acc ^ reinterpret_cast<unsigned long long>(pos_at));
+  if (!active) return;
+  Vec<T, kV> a[kH], b[kH], va[kH], vb[kH];
+  bool has_v = false;
+#pragma unroll
+  for (int j = 0; j < kH; ++j) {
+    const int hh = hh0 + j * hstep;
+    if (hh >= Hqk) continue;
+    a[j] = load_vec<T, kV, true>(src[j]);
+    b[j] = load_vec<T, kV, true>(src[j] + p.half);
+    if (hh >= Hq) {
+      const T* vs = at<T>(p.v, t, hh - Hq) + tx * kV;
+      va[j] = load_vec<T, kV, true>(vs);
+      vb[j] = load_vec<T, kV, true>(vs + p.half);
+      has_v = true;
+    }
+  }
+  const long long position = __ldg(pos_at);
+  const long long slot = has_v ? __ldg(slot_at) : -1;
+  float cc[kV], ss[kV];
+  if constexpr (kMode == kHpSc) {
+    const float pos = static_cast<float>(position);
+#pragma unroll
+    for (int e = 0; e < kV; ++e)
+      ropekv::sincos_fp32(__fmul_rn(pos, __ldg(p.inv_freq + tx * kV + e)), &ss[e], &cc[e]);
+  } else if constexpr (kMode == kHpFast) {
+    const float pos = static_cast<float>(position);
+#pragma unroll
+    for (int e = 0; e < kV; ++e)
+      __sincosf(__fmul_rn(pos, __ldg(p.inv_freq + tx * kV + e)), &ss[e], &cc[e]);
+  } else if constexpr (kMode == kHpLoop || kMode == kHpBlock || kMode == kHpWarp) {
+    __shared__ float sm[128 * 2 * kV];
+    const float pos = static_cast<float>(position);
+    float* mine;
+    if constexpr (kMode == kHpLoop) {
+      mine = sm + threadIdx.x * 2 * kV;
+#pragma unroll 1
+      for (int e = 0; e < kV; ++e)
+        ropekv::sincos_fp32(__fmul_rn(pos, __ldg(p.inv_freq + tx * kV + e)), &mine[kV + e],
+                            &mine[e]);
+    } else if constexpr (kMode == kHpBlock) {
+      if (threadIdx.x < 64)
+        ropekv::sincos_fp32(__fmul_rn(pos, __ldg(p.inv_freq + threadIdx.x)), &sm[64 + threadIdx.x],
+                            &sm[threadIdx.x]);
+      __syncthreads();
+    } else {
+      float* w = sm + (threadIdx.x >> 5) * 128;
+#pragma unroll 1
+      for (int i = threadIdx.x & 31; i < 64; i += 32)
+        ropekv::sincos_fp32(__fmul_rn(pos, __ldg(p.inv_freq + i)), &w[64 + i], &w[i]);
+      __syncwarp();
+    }
+#pragma unroll
+    for (int e = 0; e < kV; ++e) {
+      if constexpr (kMode == kHpLoop) {
+        cc[e] = mine[e];
+        ss[e] = mine[kV + e];
+      } else {
+        const float* w = kMode == kHpBlock ? sm : sm + (threadIdx.x >> 5) * 128;
+        cc[e] = w[tx * kV + e];
+        ss[e] = w[64 + tx * kV + e];
+      }
+    }
+  } else if constexpr (kMode == kHpTable) {
+    const float* row = table + position * p.rotary_dim + tx * kV;
+#pragma unroll
+    for (int e = 0; e < kV; e += 4) {
+      const float4 c4 = __ldg(reinterpret_cast<const float4*>(row + e));
+      const float4 s4 = __ldg(reinterpret_cast<const float4*>(row + p.half + e));
+      cc[e] = c4.x; cc[e + 1] = c4.y; cc[e + 2] = c4.z; cc[e + 3] = c4.w;
+      ss[e] = s4.x; ss[e + 1] = s4.y; ss[e + 2] = s4.z; ss[e + 3] = s4.w;
+    }
+  }
+  const long long row = slot >= 0 && slot < p.pool_size ? slot : -1;
+#pragma unroll
+  for (int j = 0; j < kH; ++j) {
+    const int hh = hh0 + j * hstep;
+    if (hh >= Hqk) continue;
+    if constexpr (kMode != kHpCopy) rotate<T, kV>(a[j], b[j], cc, ss);
+    const bool isq = hh < Hq;
+    const int h = isq ? hh : hh - Hq;
+    T* dst = at<T>(isq ? p.q_rot : p.k_rot, t, h) + tx * kV;
+    store_vec<T, kV, true>(dst, a[j]);
+    store_vec<T, kV, true>(dst + p.half, b[j]);
+    if (!isq && row >= 0) {
+      T* z = at<T>(p.k_pool, row, h) + tx * kV;
+      store_vec<T, kV, true>(z, a[j]);
+      store_vec<T, kV, true>(z + p.half, b[j]);
+      T* w = at<T>(p.v_pool, row, h) + tx * kV;
+      store_vec<T, kV, true>(w, va[j]);
+      store_vec<T, kV, true>(w + p.half, vb[j]);
+    }
+  }
+}
+
 int main(int argc, char** argv) {
   // "onestep": the library rows and the one-step sweep only.
   const bool only_onestep = argc > 1 && std::strcmp(argv[1], "onestep") == 0;
+  // "headpar": the one-step rows next to the head-parallel shapes, T up to 128.
+  const bool headpar = argc > 1 && std::strcmp(argv[1], "headpar") == 0;
   constexpr int Hq = 32, Hk = 8, D = 128, half = D / 2;
   const long long P = 1 << 20, kRows = 1 << 17;
   const int kCalls = 50;
@@ -272,7 +414,8 @@ int main(int argc, char** argv) {
 
   std::printf("decode probe: Llama-3.1-8B bf16, us per call (50 calls per CUDA graph, PDL)\n");
   std::printf("%-16s %5s %9s %9s\n", "variant", "T", "warm", "cold");
-  for (int T_ : {1, 8, 32}) {
+  for (int T_ : {1, 8, 32, 128}) {
+    if (T_ == 128 && !headpar) break;
     // kCalls buffer sets of q, k, v, q_rot, k_rot, positions, slots.
     std::vector<Params> sets(kCalls);
     std::vector<void*> allocs;
@@ -333,6 +476,7 @@ int main(int argc, char** argv) {
       p.num_batches = (Hq + 2 * Hk) / (p.heads_par * kU);
       p.attention_factor = 1.0f;
       p.early_params = 1;  // as the library sets it for T up to the SM count
+      p.num_tokens = T_;
     }
     // The same sets with int32 indices, positions 1000 + t and slots
     // (7919 t + 13) mod P (the inputs of the library's own latency step), and
@@ -404,7 +548,7 @@ int main(int argc, char** argv) {
       CK(cudaLaunchKernelEx(cfg, rope_pool_kernel<T, kN, true, kU>, p));
     };
     row("library", library, sets);
-    if (!only_onestep) {
+    if (!only_onestep && !headpar) {
       row("library/i32", library, sets32);
       row("library/i64-fixed", library, sets64fixed);
       row("library/i32-random", library, sets32rand);
@@ -468,6 +612,57 @@ int main(int argc, char** argv) {
       return options_kernel(std::integral_constant<int, 1>{}, 1, cos_sin, rows);
     };
     row1("onestep", onestep(nullptr, 0));
+    if (headpar) {
+      // kHpt = 0: SGLang's shape, grid (T / rows, Hq + Hk); else one token
+      // per block, kHpt heads per lane.
+      auto hp = [tab0 = table](auto kernel, int lanes, int hpt) {
+        return [=](cudaLaunchConfig_t* cfg, const Params& p) {
+          const int rows = 128 / lanes, hqk = p.num_qo_heads + p.num_kv_heads;
+          cfg->blockDim = dim3(128);
+          cfg->dynamicSmemBytes = 0;
+          cfg->gridDim = hpt == 0 ? dim3(static_cast<unsigned>((p.num_tokens + rows - 1) / rows),
+                                         static_cast<unsigned>(hqk))
+                                  : dim3(static_cast<unsigned>(p.num_tokens),
+                                         static_cast<unsigned>((hqk + rows * hpt - 1) / (rows * hpt)));
+          CK(cudaLaunchKernelEx(cfg, kernel, p, tab0));
+        };
+      };
+      auto hrow = [&](const char* name, auto launch, const std::vector<Params>& which) {
+        std::printf("%-16s %5d %9.2f %9.2f\n", name, T_, measure(launch, 1, false, which),
+                    measure(launch, 1, true, which));
+      };
+      // The library's small kernel (rope_pool_small_kernel), computing its
+      // cos/sin or reading them from the table, int64 and int32 indices.
+      auto small = [tab0 = table](bool with_table) {
+        return [=](cudaLaunchConfig_t* cfg, const Params& p0) {
+          Params p = p0;
+          cfg->blockDim = dim3(16, 8);
+          cfg->gridDim = dim3(static_cast<unsigned>(p.num_tokens),
+                              static_cast<unsigned>((p.num_qo_heads + p.num_kv_heads + 7) / 8));
+          cfg->dynamicSmemBytes = with_table ? 0 : D * sizeof(float);
+          if (with_table) {
+            p.cos_sin = tab0;
+            p.cs_rows = kRows;
+            p.cs_s0 = D;
+            p.cs_s1 = 1;
+            p.cs_dtype = 0;
+          }
+          CK(cudaLaunchKernelEx(cfg, with_table ? rope_pool_small_kernel<T, true>
+                                                : rope_pool_small_kernel<T, false>, p));
+        };
+      };
+      hrow("small", small(false), sets);
+      hrow("small/i32", small(false), sets32rand);
+      hrow("small/table", small(true), sets);
+      hrow("small/table/i32", small(true), sets32rand);
+      hrow("hp/v4/table", hp(headpar_kernel<4, kHpTable, 0>, 16, 0), sets);
+      hrow("hp/v4/copy", hp(headpar_kernel<4, kHpCopy, 0>, 16, 0), sets);
+      hrow("tok1/v4/block", hp(headpar_kernel<4, kHpBlock, 1>, 16, 1), sets);
+      hrow("tok1/v4/table", hp(headpar_kernel<4, kHpTable, 1>, 16, 1), sets);
+      CK(cudaStreamSynchronize(s));
+      for (void* d : allocs) CK(cudaFree(d));
+      continue;
+    }
     row1("onestep/table", onestep(table, kRows));
     row1("table-u1", library_table(std::integral_constant<int, 1>{}));
     if (only_onestep) {

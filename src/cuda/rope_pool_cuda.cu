@@ -10,10 +10,11 @@
 // options (not is_plain) run the options kernel, in its 16-byte form or else
 // its strided form, except a cos_sin_cache alone with 16-byte vectors and
 // rows, which runs the plain kernel built for a table (table_kernel). Small
-// plain calls of 16-bit data, with or without such a table, run the options
-// kernel's one-step build (faster at decode than the plain kernel's two steps
-// per team), a token's teams spread over several blocks while the grid is
-// small.
+// calls of 16-bit data with full rotary, plain or with such a table, run the
+// small kernel (small_kernel: one token's heads per block, 8-byte vectors);
+// other small plain calls of 16-bit data run the options kernel's one-step
+// build (faster at decode than the plain kernel's two steps per team), a
+// token's teams spread over several blocks while the grid is small.
 //
 // Device memory it owns, made once and kept for the process: a per-device
 // error flag (out-of-range slots) and one inv_freq table per (device,
@@ -220,6 +221,8 @@ struct Launch {
   int threads;
   size_t smem;
   bool pdl;  // launch with programmatic stream serialization
+  unsigned int blocks_y = 1;  // the small kernel's 2-D grid and block
+  unsigned int threads_y = 1;
 };
 
 // The launch configuration of `l`. With l.pdl (Hopper and later), the kernel
@@ -232,8 +235,8 @@ struct LaunchConfig {
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1];
   LaunchConfig(const Launch& l, cudaStream_t stream) {
-    cfg.gridDim = dim3(static_cast<unsigned int>(l.blocks));
-    cfg.blockDim = dim3(static_cast<unsigned int>(l.threads));
+    cfg.gridDim = dim3(static_cast<unsigned int>(l.blocks), l.blocks_y);
+    cfg.blockDim = dim3(static_cast<unsigned int>(l.threads), l.threads_y);
     cfg.dynamicSmemBytes = l.smem;
     cfg.stream = stream;
     if (l.pdl) {
@@ -251,6 +254,14 @@ void launch_as(const Params& prm, const Launch& l, cudaStream_t stream) {
   LaunchConfig lc(l, stream);
   check(cudaLaunchKernelEx(&lc.cfg, detail::rope_pool_kernel<T, N, kContig, U, kTable>, prm),
         "launching the rope_pool kernel");
+}
+
+template <class T>
+void launch_small_as(const Params& prm, const Launch& l, cudaStream_t stream) {
+  LaunchConfig lc(l, stream);
+  const auto kernel = prm.cos_sin != nullptr ? detail::rope_pool_small_kernel<T, true>
+                                             : detail::rope_pool_small_kernel<T, false>;
+  check(cudaLaunchKernelEx(&lc.cfg, kernel, prm), "launching the rope_pool small kernel");
 }
 
 template <class T, int N, bool kContig, int U, int kPools, bool kNorm>
@@ -373,6 +384,17 @@ int64_t split_grid_limit(int sms) {
   return forced >= 0 ? forced : sms / 2;
 }
 
+// Tokens up to which a call takes the small kernel (small_kernel): 512, or
+// 256 with a cos_sin_cache. Against the kernels it replaced (H200, cold L2,
+// four shapes): faster up to T = 256 for every shape, and at T = 512 for
+// Qwen2.5-7B, Gemma-2-9B and Phi-3-mini (2-13 %) but 3 % slower for
+// Llama-3.1-8B; with a table 13-25 % slower at T = 512. For tuning (read
+// once): ROPEKV_CUDA_SMALL_TOKENS=N sets both limits (0: never).
+int64_t small_tokens(bool table) {
+  static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_TOKENS", -1);
+  return forced >= 0 ? forced : (table ? 256 : 512);
+}
+
 int choose_unroll(int64_t tokens, int64_t steps, int64_t vec_bytes, bool options, bool qk_norm) {
   if (vec_bytes != 16) return 4;  // only the 16-byte kernels have other U
   if (const int forced = forced_unroll()) return forced;
@@ -399,6 +421,28 @@ bool table_kernel(const Problem& p, int64_t esize) {
          (cs.stride[0] * tes) % 16 == 0 && vector_ok(p, 16 / esize, esize, esize);
 }
 
+
+// Whether a call runs the small kernel (detail::rope_pool_small_kernel): at
+// most small_tokens() tokens of 16-bit data with full rotary, 8-byte vectors
+// in every array, and no option but a cos_sin_cache whose rows allow
+// kSmallVec-value loads (16-byte aligned for float32, 8 for 16-bit).
+bool small_kernel(const Problem& p, int64_t esize) {
+  const int64_t lanes = p.rotary_dim / 2 / detail::kSmallVec;
+  if (esize != 2 || p.rotary_dim != p.head_dim ||
+      p.num_tokens > small_tokens(p.cos_sin_cache.data != nullptr) || forced_unroll() != 0 ||
+      lanes < 1 || lanes > detail::kSmallThreads ||
+      p.num_qo_heads + p.num_kv_heads > 65535 ||
+      !vector_ok(p, detail::kSmallVec, esize, esize))
+    return false;
+  if (is_plain(p)) return true;
+  const CosSinCache& cs = p.cos_sin_cache;
+  if (cs.data == nullptr || !p.is_neox || p.pool_type != pool_type_of(p.dtype) ||
+      p.q_norm.data != nullptr || p.k_norm.data != nullptr || cs.stride[1] != 1)
+    return false;
+  const int64_t tes = cs.dtype == FloatType::kF32 ? 4 : 2;
+  return reinterpret_cast<uintptr_t>(cs.data) % (tes * detail::kSmallVec) == 0 &&
+         cs.stride[0] % detail::kSmallVec == 0;
+}
 
 // Whether 1 / scale is an exact normal fp32 number (scale a power of two).
 bool exact_reciprocal(float scale) {
@@ -490,9 +534,25 @@ void run(const Problem& p, const ExecOptions& options) {
   prm.prefetch = 0;
 
   const int64_t esize = element_size(p.dtype);
+  prm.attention_factor = p.attention_factor;
+  if (small_kernel(p, esize)) {
+    // HB heads of L lanes per block, up to kSmallThreads threads.
+    const int64_t lanes = p.rotary_dim / 2 / detail::kSmallVec;
+    const int64_t heads = p.num_qo_heads + p.num_kv_heads;
+    const int64_t per_block = std::min(heads, std::max<int64_t>(1, detail::kSmallThreads / lanes));
+    Launch l;
+    l.blocks = p.num_tokens;
+    l.blocks_y = static_cast<unsigned int>(ceil_div(heads, per_block));
+    l.threads = static_cast<int>(lanes);
+    l.threads_y = static_cast<unsigned int>(per_block);
+    l.smem = prm.cos_sin != nullptr ? 0 : static_cast<size_t>(p.rotary_dim) * sizeof(float);
+    l.pdl = st.pdl;
+    prm.early_params = 1;  // (measured so at T <= 128; see param_lines)
+    if (p.dtype == FloatType::kF16) return launch_small_as<__half>(prm, l, stream);
+    return launch_small_as<__nv_bfloat16>(prm, l, stream);
+  }
   const bool table = table_kernel(p, esize);
   const bool plain_call = is_plain(p) || table;
-  prm.attention_factor = p.attention_factor;
   const bool norm = p.q_norm.data != nullptr || p.k_norm.data != nullptr;  // (not plain)
   bool contig = true;
   int vec = 1;

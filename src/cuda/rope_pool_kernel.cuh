@@ -556,13 +556,14 @@ __device__ __forceinline__ float first_inv_freq(const Params& p, int tid) {
 }
 
 // The token's cos/sin into shared memory (cos[half], then sin[half]), one
-// frequency per thread: theta = fp32(pos * inv_freq), each times yarn's
-// attention factor when it is not 1. freq0: first_inv_freq(p, tid).
+// frequency per thread of the block's `threads`: theta = fp32(pos *
+// inv_freq), each times yarn's attention factor when it is not 1. freq0:
+// first_inv_freq(p, tid).
 __device__ __forceinline__ void make_cos_sin(const Params& p, long long position, int tid,
-                                             float freq0, float* cs_smem) {
+                                             int threads, float freq0, float* cs_smem) {
   const float pos = static_cast<float>(position);
   const float m = p.attention_factor;
-  for (int i = tid; i < p.half; i += blockDim.x) {
+  for (int i = tid; i < p.half; i += threads) {
     float s, c;
     sincos_fp32(__fmul_rn(pos, i == tid ? freq0 : __ldg(p.inv_freq + i)), &s, &c);
     if (m != 1.0f) {
@@ -704,7 +705,7 @@ __global__ void __launch_bounds__(max_block(U)) rope_pool_kernel(const __grid_co
       return;
     }
   } else {
-    make_cos_sin(p, position, tid, freq0, cs_smem);
+    make_cos_sin(p, position, tid, blockDim.x, freq0, cs_smem);
   }
   if (slot >= p.pool_size && pl.part == 0 && tid == 0)
     report_bad_index(p.err, false, t, slot, p.pool_size);
@@ -724,6 +725,102 @@ __global__ void __launch_bounds__(max_block(U)) rope_pool_kernel(const __grid_co
         a, b);
     cos_sin_of(c);
   }
+}
+
+// ------------------------------------------------------------------ small calls
+
+// Pairs per lane of the small kernel: two 8-byte vectors of 16-bit data.
+constexpr int kSmallVec = 4;
+// Threads per block it aims at (heads of L lanes each, up to this many).
+constexpr int kSmallThreads = 128;
+
+// The kernel of small calls of 16-bit data (decode), full rotary, NeoX
+// pairs, pools of q's dtype; kTable: cos/sin read from a cos_sin_cache.
+// Block (L, HB): HB heads of one token, each q head or kv head (with its v)
+// taken by L = half / kSmallVec lanes, kSmallVec pairs per lane (at i and
+// i + half); grid (T, ceil((Hq + Hk) / HB)). Each block makes the token's
+// cos/sin once into shared memory (one frequency per thread, one barrier),
+// and its heads share them; with a table each lane reads its own from the
+// token's row (no shared memory, no barrier).
+//
+// Why this shape: a decode call is a chain of memory round trips and
+// instruction fetches, not a stream of bytes, and small blocks of one
+// vector per lane spread it over more SMs with the shortest code. Against
+// the options kernel's one-step build split over three blocks per token
+// (what small plain calls ran before), Llama-3.1-8B bf16, cold L2, 50-call
+// graphs: T = 1 1.84 -> 1.69 us, T = 8 1.96 -> 1.78, T = 32 2.23 -> 2.12,
+// T = 128 3.07 -> 2.79; with a float32 table, T = 1 2.07 -> 1.66
+// (bench/cuda_decode_probe.cu headpar, docs/performance.md, *Small calls*).
+template <class T, bool kTable>
+__global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
+    const __grid_constant__ Params p) {
+  extern __shared__ float cs_smem[];  // cos[half], then sin[half]
+  constexpr int N = kSmallVec;
+  const int lane = threadIdx.x, threads = blockDim.x * blockDim.y;
+  const int tid = threadIdx.y * blockDim.x + lane;
+  const long long t = blockIdx.x;
+  const int Hq = p.num_qo_heads, hh = blockIdx.y * blockDim.y + threadIdx.y;
+  const bool active = hh < Hq + p.num_kv_heads, is_q = hh < Hq;
+  const int h = is_q ? hh : hh - Hq;
+  // Before the wait (overlapping the previous kernel): addresses only.
+  const float freq0 = kTable ? 0.0f : first_inv_freq(p, tid);
+  const T* src = at<T>(is_q ? p.q : p.k, t, h) + lane * N;
+  const T* vsrc = at<T>(p.v, t, is_q ? 0 : h) + lane * N;
+  const void* pos_at = index_at(p.positions, p.pos_stride, p.pos64, t);
+  const void* slot_at = index_at(p.slots, p.slot_stride, p.slot64, t);
+  grid_dependency_sync(param_lines(p) ^ reinterpret_cast<unsigned long long>(src) ^
+                       reinterpret_cast<unsigned long long>(pos_at) ^
+                       reinterpret_cast<unsigned long long>(slot_at));
+
+  // The data loads go out first, then the indices: a 32-bit index issued
+  // first (widened to 64 bits as it arrives) held them back by one memory
+  // round trip. The table build loads the slot only where it is needed (kv
+  // heads, the reporter), the other build in every thread: each order
+  // measured 0.15-0.25 us faster than the other for its build (cold T = 1,
+  // four shapes; docs/performance.md, *Small calls*).
+  Vec<T, N> a, b, va, vb;
+  if (active) {
+    a = load_vec<T, N, true>(src);
+    b = load_vec<T, N, true>(src + p.half);
+    if (!is_q) {
+      va = load_vec<T, N, true>(vsrc);
+      vb = load_vec<T, N, true>(vsrc + p.half);
+    }
+  }
+  const long long position = load_index_at(pos_at, p.pos64);
+  const bool reporter = blockIdx.y == 0 && tid == 0;  // one report per token
+  const long long slot =
+      !kTable || !is_q || reporter ? load_index_at(slot_at, p.slot64) : -1;
+  float cc[N], ss[N];
+  if constexpr (kTable) {
+    if (position < 0 || position >= p.cs_rows) {  // the token is skipped
+      if (reporter) report_bad_index(p.err, true, t, position, p.cs_rows);
+      return;
+    }
+    if (active) {
+      table_floats<N>(p.cos_sin, position * p.cs_s0 + lane * N, p.cs_dtype, cc);
+      table_floats<N>(p.cos_sin, position * p.cs_s0 + p.half + lane * N, p.cs_dtype, ss);
+    }
+  } else {
+    make_cos_sin(p, position, tid, threads, freq0, cs_smem);
+  }
+  if (slot >= p.pool_size && reporter) report_bad_index(p.err, false, t, slot, p.pool_size);
+  if constexpr (!kTable) {
+    __syncthreads();
+    smem_cos_sin<N>(cs_smem, p.half, lane, cc, ss);
+  }
+  if (!active) return;
+  rotate<T, N>(a, b, cc, ss);
+  T* dst = at<T>(is_q ? p.q_rot : p.k_rot, t, h) + lane * N;
+  store_vec<T, N, true>(dst, a);
+  store_vec<T, N, true>(dst + p.half, b);
+  if (is_q || slot < 0 || slot >= p.pool_size) return;
+  T* kz = at<T>(p.k_pool, slot, h) + lane * N;
+  store_vec<T, N, true>(kz, a);
+  store_vec<T, N, true>(kz + p.half, b);
+  T* vz = at<T>(p.v_pool, slot, h) + lane * N;
+  store_vec<T, N, true>(vz, va);
+  store_vec<T, N, true>(vz + p.half, vb);
 }
 
 // ------------------------------------------------------------------ options
@@ -1156,7 +1253,7 @@ __global__ void __launch_bounds__(max_block(U))
     }
     prefetch_row(p, ahead);
   } else {
-    make_cos_sin(p, position, tid, freq0, cs_smem);
+    make_cos_sin(p, position, tid, blockDim.x, freq0, cs_smem);
   }
   if (norm) {
     if (kEarly && tid < D) {

@@ -529,8 +529,9 @@ void cold(bool options, bool inplace, bool table) {
     if (options && m.name != kLlama.name) continue;
     const char* sg = std::getenv("ROPEKV_CUDA_SPLIT_GRID");
     const char* st = std::getenv("ROPEKV_CUDA_SPLIT_TEAMS");
-    std::printf("U=%s S=%s/%s cold %-12s%s%s%s", u ? u : "auto", sg ? sg : "auto",
-                st ? st : "auto", m.name, options ? " QK-norm fp8" : "",
+    const char* sm = std::getenv("ROPEKV_CUDA_SMALL_TOKENS");
+    std::printf("U=%s S=%s/%s small=%s cold %-12s%s%s%s", u ? u : "auto", sg ? sg : "auto",
+                st ? st : "auto", sm ? sm : "auto", m.name, options ? " QK-norm fp8" : "",
                 inplace ? " in place" : "", table ? " cos_sin_cache f32" : "");
     // A float32 [kRows, D] table (values do not matter for the time).
     Buf tab(table ? size_t(kRows) * m.D * 4 : 4);

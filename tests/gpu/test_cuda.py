@@ -1161,12 +1161,15 @@ def test_options_out_of_table_token_with_several_blocks_per_token(norm):
     check_skipped(t, kw, snap, q_out, k_out, (1,))
 
 
-# Small calls of the one-step build spread a token over as many blocks (of at
-# least 4 warps) as keep the grid within half the SMs: on an H200 (132 SMs)
-# the Llama shape runs 3 blocks per token at T = 1, 7 and 16 and 2 at T = 32,
-# Qwen 3 (of 3 warps) at T <= 16, Phi-3 5 at T <= 13 and 4 at T = 16; T = 40
-# is not split. Each block makes the token's cos/sin and reads its QK-norm
-# weights; a bad index is reported from the token's first block only.
+# Small calls of the one-step build (here: with a QK-norm and fp8 pools, or
+# interleaved pairs) spread a token over as many blocks (of at least 4 warps)
+# as keep the grid within half the SMs: on an H200 (132 SMs) the Llama shape
+# runs 3 blocks per token at T = 1, 7 and 16 and 2 at T = 32, Qwen 3 (of 3
+# warps) at T <= 16, Phi-3 5 at T <= 13 and 4 at T = 16; T = 40 is not split.
+# Each block makes the token's cos/sin and reads its QK-norm weights; a bad
+# index is reported from the token's first block only. Plain calls and those
+# with a cos_sin_cache run the small kernel instead (4 to 7 blocks per token
+# for these shapes; see test_small_kernel_shapes).
 SPLIT_SHAPES = {"llama": (32, 8, 128), "qwen": (28, 4, 128), "phi3": (32, 32, 96)}
 SPLIT_OPTIONS = {
     "plain": {},
@@ -1190,8 +1193,9 @@ def test_small_calls_split_over_blocks(shape, opt):
 @cuda_only
 @pytest.mark.parametrize("opt", ["cos_sin_cache f32", "qk-norm fp8"])
 def test_split_call_reports_each_bad_token_once(opt):
-    """A 7-token Llama-shaped call (3 blocks per token): two positions outside
-    the table and one slot outside the pool are each counted once."""
+    """A 7-token Llama-shaped call (5 blocks per token of the small kernel
+    with the table, 3 of the one-step build with a QK-norm): two positions
+    outside the table and one slot outside the pool are each counted once."""
     ropekv.set_checked(False)
     extra = dict(SPLIT_OPTIONS[opt], table_dtype=torch.float32)
     t, kw = options_case(7, 32, 8, 128, torch.bfloat16, table_rows=100, **extra)
@@ -1208,6 +1212,27 @@ def test_split_call_reports_each_bad_token_once(opt):
                                          r"the CUDA kernel skipped the pool writes of 1 token\(s\)"):
         ropekv.check_device_errors(t["q"].device.index)
     check_skipped(t, kw, snap, q_out, k_out, (2, 4))
+
+
+# Calls of 16-bit data with full rotary, up to 512 tokens (256 with a
+# cos_sin_cache), run the small kernel: blocks of one token's heads, D / 8
+# lanes per head (from one lane at D = 8 to 128 at D = 1024, one head per
+# block), the last block of a token partly empty when the heads do not fill
+# it; 257 and 513 tokens run the kernels beyond its limits.
+SMALL_SHAPES = [(3, 1, 8), (5, 3, 24), (28, 4, 128), (7, 2, 80), (32, 32, 96), (16, 8, 256),
+                (4, 2, 512), (3, 1, 1024)]
+
+
+@pytest.mark.parametrize("table", ["none", "float32", "same"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_small_kernel_shapes(dtype, table):
+    dt = DTYPES[dtype]
+    tdt = {"none": None, "float32": torch.float32, "same": dt}[table]
+    for i, (Hq, Hk, D) in enumerate(SMALL_SHAPES):
+        for T in (1, 3, 257, 513):
+            run_options(T, Hq, Hk, D, dt, seed=T + D, table_dtype=tdt,
+                        idx=torch.int32 if (i + T) % 2 else torch.int64,
+                        what=f"small {Hq}/{Hk}/{D} T={T} table {table}")
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
