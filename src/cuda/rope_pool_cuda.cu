@@ -395,6 +395,19 @@ int64_t small_tokens(bool table) {
   return forced >= 0 ? forced : (table ? 256 : 512);
 }
 
+// Threads per block the small kernel aims at (whole heads; one head of up to
+// 128 lanes where a head has more): 256 for 17 to 64 tokens, else 128. Of
+// 64, 128 and 256 (H200, cold L2, four shapes, plain and with a table), 128
+// was the fastest or within 0.05 us of it at T = 1, 8 and 16 and from 128
+// on; 256 was 0.04-0.17 us faster at T = 32 for every shape; 64 lost at
+// T = 1 and 512. For tuning (read once): ROPEKV_CUDA_SMALL_THREADS=N, 32
+// to detail::kSmallThreads.
+int64_t small_threads(int64_t tokens) {
+  static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_THREADS", 0);
+  if (forced > 0) return std::clamp<int64_t>(forced, 32, detail::kSmallThreads);
+  return tokens > 16 && tokens <= 64 ? 256 : 128;
+}
+
 int choose_unroll(int64_t tokens, int64_t steps, int64_t vec_bytes, bool options, bool qk_norm) {
   if (vec_bytes != 16) return 4;  // only the 16-byte kernels have other U
   if (const int forced = forced_unroll()) return forced;
@@ -430,7 +443,7 @@ bool small_kernel(const Problem& p, int64_t esize) {
   const int64_t lanes = p.rotary_dim / 2 / detail::kSmallVec;
   if (esize != 2 || p.rotary_dim != p.head_dim ||
       p.num_tokens > small_tokens(p.cos_sin_cache.data != nullptr) || forced_unroll() != 0 ||
-      lanes < 1 || lanes > detail::kSmallThreads ||
+      lanes < 1 || lanes > 128 ||
       p.num_qo_heads + p.num_kv_heads > 65535 ||
       !vector_ok(p, detail::kSmallVec, esize, esize))
     return false;
@@ -536,10 +549,11 @@ void run(const Problem& p, const ExecOptions& options) {
   const int64_t esize = element_size(p.dtype);
   prm.attention_factor = p.attention_factor;
   if (small_kernel(p, esize)) {
-    // HB heads of L lanes per block, up to kSmallThreads threads.
+    // HB heads of L lanes per block, up to small_threads(T) threads.
     const int64_t lanes = p.rotary_dim / 2 / detail::kSmallVec;
     const int64_t heads = p.num_qo_heads + p.num_kv_heads;
-    const int64_t per_block = std::min(heads, std::max<int64_t>(1, detail::kSmallThreads / lanes));
+    const int64_t per_block =
+        std::min(heads, std::max<int64_t>(1, small_threads(p.num_tokens) / lanes));
     Launch l;
     l.blocks = p.num_tokens;
     l.blocks_y = static_cast<unsigned int>(ceil_div(heads, per_block));

@@ -731,8 +731,9 @@ __global__ void __launch_bounds__(max_block(U)) rope_pool_kernel(const __grid_co
 
 // Pairs per lane of the small kernel: two 8-byte vectors of 16-bit data.
 constexpr int kSmallVec = 4;
-// Threads per block it aims at (heads of L lanes each, up to this many).
-constexpr int kSmallThreads = 128;
+// The most threads of its blocks (heads of L lanes each); the launcher aims
+// at 128 or 256 (small_threads in rope_pool_cuda.cu).
+constexpr int kSmallThreads = 256;
 
 // The kernel of small calls of 16-bit data (decode), full rotary, NeoX
 // pairs, pools of q's dtype; kTable: cos/sin read from a cos_sin_cache.

@@ -530,14 +530,15 @@ void cold(bool options, bool inplace, bool table) {
     const char* sg = std::getenv("ROPEKV_CUDA_SPLIT_GRID");
     const char* st = std::getenv("ROPEKV_CUDA_SPLIT_TEAMS");
     const char* sm = std::getenv("ROPEKV_CUDA_SMALL_TOKENS");
-    std::printf("U=%s S=%s/%s small=%s cold %-12s%s%s%s", u ? u : "auto", sg ? sg : "auto",
-                st ? st : "auto", sm ? sm : "auto", m.name, options ? " QK-norm fp8" : "",
+    const char* sb = std::getenv("ROPEKV_CUDA_SMALL_THREADS");
+    std::printf("U=%s S=%s/%s small=%s/%s cold %-12s%s%s%s", u ? u : "auto", sg ? sg : "auto",
+                st ? st : "auto", sm ? sm : "auto", sb ? sb : "auto", m.name, options ? " QK-norm fp8" : "",
                 inplace ? " in place" : "", table ? " cos_sin_cache f32" : "");
     // A float32 [kRows, D] table (values do not matter for the time).
     Buf tab(table ? size_t(kRows) * m.D * 4 : 4);
     int64_t tab_shape[2] = {kRows, m.D};
     CK(cudaMemset(tab.ptr, 0x3c, tab.bytes));
-    for (int T : {1, 8, 16, 32, 128, 256, 512, 2048, 8192}) {
+    for (int T : {1, 8, 16, 32, 64, 128, 256, 512, 2048, 8192}) {
       ModelCall c(T, m, options);
       const size_t set_bytes = c.q.bytes * 2 + c.k.bytes * 3 + size_t(T) * 8;
       const int n = static_cast<int>(std::clamp<size_t>((size_t(1) << 30) / set_bytes, 1, 50));

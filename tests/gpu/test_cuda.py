@@ -1215,10 +1215,11 @@ def test_split_call_reports_each_bad_token_once(opt):
 
 
 # Calls of 16-bit data with full rotary, up to 512 tokens (256 with a
-# cos_sin_cache), run the small kernel: blocks of one token's heads, D / 8
-# lanes per head (from one lane at D = 8 to 128 at D = 1024, one head per
-# block), the last block of a token partly empty when the heads do not fill
-# it; 257 and 513 tokens run the kernels beyond its limits.
+# cos_sin_cache), run the small kernel: blocks of 128 threads (256 at
+# T = 17..64) holding whole heads of one token, D / 8 lanes per head (from
+# one lane at D = 8 to 128 at D = 1024, one head per 128-thread block), the
+# last block of a token partly empty when the heads do not fill it; 257 and
+# 513 tokens run the kernels beyond its limits.
 SMALL_SHAPES = [(3, 1, 8), (5, 3, 24), (28, 4, 128), (7, 2, 80), (32, 32, 96), (16, 8, 256),
                 (4, 2, 512), (3, 1, 1024)]
 
@@ -1229,7 +1230,7 @@ def test_small_kernel_shapes(dtype, table):
     dt = DTYPES[dtype]
     tdt = {"none": None, "float32": torch.float32, "same": dt}[table]
     for i, (Hq, Hk, D) in enumerate(SMALL_SHAPES):
-        for T in (1, 3, 257, 513):
+        for T in (1, 3, 40, 257, 513):
             run_options(T, Hq, Hk, D, dt, seed=T + D, table_dtype=tdt,
                         idx=torch.int32 if (i + T) % 2 else torch.int64,
                         what=f"small {Hq}/{Hk}/{D} T={T} table {table}")
