@@ -388,7 +388,7 @@ int64_t split_grid_limit(int sms) {
 // 256 with a cos_sin_cache. Against the kernels it replaced (H200, cold L2,
 // four shapes): faster up to T = 256 for every shape, and at T = 512 for
 // Qwen2.5-7B, Gemma-2-9B and Phi-3-mini (2-13 %) but 3 % slower for
-// Llama-3.1-8B; with a table 13-25 % slower at T = 512. For tuning (read
+// Llama-3.1-8B; with a table 13-22 % slower at T = 512 for three shapes. For tuning (read
 // once): ROPEKV_CUDA_SMALL_TOKENS=N sets both limits (0: never).
 int64_t small_tokens(bool table) {
   static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_TOKENS", -1);
@@ -397,11 +397,11 @@ int64_t small_tokens(bool table) {
 
 // Threads per block the small kernel aims at (whole heads; one head of up to
 // 128 lanes where a head has more): 256 for 17 to 64 tokens, else 128. Of
-// 64, 128 and 256 (H200, cold L2, four shapes, plain and with a table), 128
-// was the fastest or within 0.05 us of it at T = 1, 8 and 16 and from 128
-// on; 256 was 0.04-0.17 us faster at T = 32 for every shape; 64 lost at
-// T = 1 and 512. For tuning (read once): ROPEKV_CUDA_SMALL_THREADS=N, 32
-// to detail::kSmallThreads.
+// 64, 128 and 256 (H200, cold L2, four shapes, plain and with a table), 256
+// was 0.07-0.17 us faster than 128 at T = 32 and 64 but slower at T = 8 and
+// 512; 64 lost at T = 1 and 512 (docs/performance.md, *Small calls*). For
+// tuning (read once): ROPEKV_CUDA_SMALL_THREADS=N, 32 to
+// detail::kSmallThreads.
 int64_t small_threads(int64_t tokens) {
   static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_THREADS", 0);
   if (forced > 0) return std::clamp<int64_t>(forced, 32, detail::kSmallThreads);

@@ -746,12 +746,13 @@ constexpr int kSmallThreads = 256;
 //
 // Why this shape: a decode call is a chain of memory round trips and
 // instruction fetches, not a stream of bytes, and small blocks of one
-// vector per lane spread it over more SMs with the shortest code. Against
-// the options kernel's one-step build split over three blocks per token
-// (what small plain calls ran before), Llama-3.1-8B bf16, cold L2, 50-call
-// graphs: T = 1 1.84 -> 1.69 us, T = 8 1.96 -> 1.78, T = 32 2.23 -> 2.12,
-// T = 128 3.07 -> 2.79; with a float32 table, T = 1 2.07 -> 1.66
-// (bench/cuda_decode_probe.cu headpar, docs/performance.md, *Small calls*).
+// vector per lane spread it over more SMs with short code. Against what
+// small calls ran before (the options kernel's one-step build, split over
+// several blocks per token; H200, cold L2, 50-call graphs, four shapes):
+// T = 1 1.78-1.96 -> 1.60-1.75 us, T = 128 2.81-3.95 -> 2.53-3.25; with a
+// float32 table, Llama-3.1-8B T = 1 2.11 -> 1.99, T = 32 2.52 -> 2.15
+// (docs/performance.md, *Small calls*; bench/cuda_decode_probe.cu headpar
+// has the shapes it was chosen from).
 template <class T, bool kTable>
 __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
     const __grid_constant__ Params p) {
