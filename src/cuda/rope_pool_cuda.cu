@@ -10,8 +10,9 @@
 // options (not is_plain) run the options kernel, in its 16-byte form or else
 // its strided form, except a cos_sin_cache alone with 16-byte vectors and
 // rows, which runs the plain kernel built for a table (table_kernel). Small
-// calls of 16-bit data with full rotary, plain or with such a table, run the
-// small kernel (small_kernel: one token's heads per block, 8-byte vectors);
+// calls of 16-bit data with full rotary, plain, interleaved or with a
+// cos_sin_cache, run the small kernel (small_kernel: one token's heads per
+// block, 8-byte vectors);
 // other small plain calls of 16-bit data run the options kernel's one-step
 // build (faster at decode than the plain kernel's two steps per team), a
 // token's teams spread over several blocks while the grid is small.
@@ -257,10 +258,14 @@ void launch_as(const Params& prm, const Launch& l, cudaStream_t stream) {
 }
 
 template <class T>
-void launch_small_as(const Params& prm, const Launch& l, cudaStream_t stream) {
+void launch_small_as(const Params& prm, bool interleaved, const Launch& l, cudaStream_t stream) {
   LaunchConfig lc(l, stream);
-  const auto kernel = prm.cos_sin != nullptr ? detail::rope_pool_small_kernel<T, true>
-                                             : detail::rope_pool_small_kernel<T, false>;
+  using detail::rope_pool_small_kernel;
+  const bool table = prm.cos_sin != nullptr;
+  const auto kernel = table ? (interleaved ? rope_pool_small_kernel<T, true, true>
+                                           : rope_pool_small_kernel<T, true, false>)
+                            : (interleaved ? rope_pool_small_kernel<T, false, true>
+                                           : rope_pool_small_kernel<T, false, false>);
   check(cudaLaunchKernelEx(&lc.cfg, kernel, prm), "launching the rope_pool small kernel");
 }
 
@@ -437,23 +442,22 @@ bool table_kernel(const Problem& p, int64_t esize) {
 
 // Whether a call runs the small kernel (detail::rope_pool_small_kernel): at
 // most small_tokens() tokens of 16-bit data with full rotary, 8-byte vectors
-// in every array, and no option but a cos_sin_cache whose rows allow
-// kSmallVec-value loads (16-byte aligned for float32, 8 for 16-bit).
+// in every array, pools of q's dtype, no QK-norm, NeoX or interleaved pairs,
+// and a cos_sin_cache, if any, whose rows allow kSmallVec-value loads
+// (16-byte aligned for float32, 8 for 16-bit).
 bool small_kernel(const Problem& p, int64_t esize) {
   const int64_t lanes = p.rotary_dim / 2 / detail::kSmallVec;
-  if (esize != 2 || p.rotary_dim != p.head_dim ||
-      p.num_tokens > small_tokens(p.cos_sin_cache.data != nullptr) || forced_unroll() != 0 ||
-      lanes < 1 || lanes > 128 ||
-      p.num_qo_heads + p.num_kv_heads > 65535 ||
-      !vector_ok(p, detail::kSmallVec, esize, esize))
-    return false;
-  if (is_plain(p)) return true;
   const CosSinCache& cs = p.cos_sin_cache;
-  if (cs.data == nullptr || !p.is_neox || p.pool_type != pool_type_of(p.dtype) ||
-      p.q_norm.data != nullptr || p.k_norm.data != nullptr || cs.stride[1] != 1)
+  if (esize != 2 || p.rotary_dim != p.head_dim ||
+      p.num_tokens > small_tokens(cs.data != nullptr) || forced_unroll() != 0 || lanes < 1 ||
+      lanes > 128 || p.num_qo_heads + p.num_kv_heads > 65535 ||
+      p.pool_type != pool_type_of(p.dtype) || p.q_norm.data != nullptr ||
+      p.k_norm.data != nullptr || !vector_ok(p, detail::kSmallVec, esize, esize))
     return false;
+  if (cs.data == nullptr) return true;
   const int64_t tes = cs.dtype == FloatType::kF32 ? 4 : 2;
-  return reinterpret_cast<uintptr_t>(cs.data) % (tes * detail::kSmallVec) == 0 &&
+  return cs.stride[1] == 1 &&
+         reinterpret_cast<uintptr_t>(cs.data) % (tes * detail::kSmallVec) == 0 &&
          cs.stride[0] % detail::kSmallVec == 0;
 }
 
@@ -562,8 +566,8 @@ void run(const Problem& p, const ExecOptions& options) {
     l.smem = prm.cos_sin != nullptr ? 0 : static_cast<size_t>(p.rotary_dim) * sizeof(float);
     l.pdl = st.pdl;
     prm.early_params = 1;  // (measured so at T <= 128; see param_lines)
-    if (p.dtype == FloatType::kF16) return launch_small_as<__half>(prm, l, stream);
-    return launch_small_as<__nv_bfloat16>(prm, l, stream);
+    if (p.dtype == FloatType::kF16) return launch_small_as<__half>(prm, !p.is_neox, l, stream);
+    return launch_small_as<__nv_bfloat16>(prm, !p.is_neox, l, stream);
   }
   const bool table = table_kernel(p, esize);
   const bool plain_call = is_plain(p) || table;

@@ -587,20 +587,27 @@ __device__ __forceinline__ void smem_cos_sin(const float* cs_smem, int half, int
 }
 
 // The N values at x of a table of dtype code 0 f32 or (16-bit) 1 f16 /
-// 2 bf16 as floats (exact), in 16-byte loads where they hold more: the
-// table kernel's launcher checks the row stride, the base and half for it.
+// 2 bf16 as floats (exact), in 16-byte loads where they hold more (8-byte
+// ones for N = 2): the launchers check the row stride, the base and half
+// for it.
 template <int N>
 __device__ __forceinline__ void table_floats(const void* base, long long i, int dtype,
                                              float (&x)[N]) {
   if (dtype == 0) {
     const float* f = static_cast<const float*>(base) + i;
+    if constexpr (N == 2) {
+      const float2 v = __ldg(reinterpret_cast<const float2*>(f));
+      x[0] = v.x;
+      x[1] = v.y;
+    } else {
 #pragma unroll
-    for (int j = 0; j < N; j += 4) {
-      const float4 v = __ldg(reinterpret_cast<const float4*>(f + j));
-      x[j] = v.x;
-      x[j + 1] = v.y;
-      x[j + 2] = v.z;
-      x[j + 3] = v.w;
+      for (int j = 0; j < N; j += 4) {
+        const float4 v = __ldg(reinterpret_cast<const float4*>(f + j));
+        x[j] = v.x;
+        x[j + 1] = v.y;
+        x[j + 2] = v.z;
+        x[j + 3] = v.w;
+      }
     }
   } else {
     using Raw = typename RawOf<2 * N>::type;
@@ -735,11 +742,31 @@ constexpr int kSmallVec = 4;
 // at 128 or 256 (small_threads in rope_pool_cuda.cu).
 constexpr int kSmallThreads = 256;
 
-// The kernel of small calls of 16-bit data (decode), full rotary, NeoX
-// pairs, pools of q's dtype; kTable: cos/sin read from a cos_sin_cache.
-// Block (L, HB): HB heads of one token, each q head or kv head (with its v)
-// taken by L = half / kSmallVec lanes, kSmallVec pairs per lane (at i and
-// i + half); grid (T, ceil((Hq + Hk) / HB)). Each block makes the token's
+// Interleaved pairs (x[2i], x[2i+1]) of 16-bit vectors: each word of a and
+// b is one pair; c and s hold the frequencies of a's pairs, then b's.
+template <class T, int N>
+__device__ __forceinline__ void rotate_interleaved(Vec<T, N>& a, Vec<T, N>& b,
+                                                   const float (&c)[N], const float (&s)[N]) {
+  static_assert(sizeof(T) == 2 && N % 2 == 0, "16-bit vectors of whole pairs");
+  constexpr int W = N / 2;
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    const float2 x = unpack2(a.w[j], T()), y = unpack2(b.w[j], T());
+    a.w[j] = pack2(make_float2(rot1(x.x, x.y, c[j], s[j]), rot2(x.x, x.y, c[j], s[j])), T());
+    b.w[j] = pack2(make_float2(rot1(y.x, y.y, c[W + j], s[W + j]),
+                               rot2(y.x, y.y, c[W + j], s[W + j])),
+                   T());
+  }
+}
+
+// The kernel of small calls of 16-bit data (decode), full rotary, pools of
+// q's dtype; kTable: cos/sin read from a cos_sin_cache; kInterleaved: GPT-J
+// pairs (2i, 2i+1) instead of NeoX (i, i + half). Block (L, HB): HB heads
+// of one token, each q head or kv head (with its v) taken by L = half /
+// kSmallVec lanes; a lane loads the vectors of kSmallVec elements at 4l and
+// half + 4l (NeoX: pairs 4l.. with half + 4l..; interleaved: the pairs 2l,
+// 2l + 1 and half / 2 + 2l, half / 2 + 2l + 1 they hold, so that loads and
+// stores stay contiguous runs); grid (T, ceil((Hq + Hk) / HB)). Each block makes the token's
 // cos/sin once into shared memory (one frequency per thread, one barrier),
 // and its heads share them; with a table each lane reads its own from the
 // token's row (no shared memory, no barrier).
@@ -753,11 +780,12 @@ constexpr int kSmallThreads = 256;
 // float32 table, Llama-3.1-8B T = 1 2.11 -> 1.99, T = 32 2.52 -> 2.15
 // (docs/performance.md, *Small calls*; bench/cuda_decode_probe.cu headpar
 // has the shapes it was chosen from).
-template <class T, bool kTable>
+template <class T, bool kTable, bool kInterleaved>
 __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
     const __grid_constant__ Params p) {
   extern __shared__ float cs_smem[];  // cos[half], then sin[half]
   constexpr int N = kSmallVec;
+  static_assert(N == 4, "the interleaved lanes take two pairs of each vector");
   const int lane = threadIdx.x, threads = blockDim.x * blockDim.y;
   const int tid = threadIdx.y * blockDim.x + lane;
   const long long t = blockIdx.x;
@@ -800,8 +828,22 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
       return;
     }
     if (active) {
-      table_floats<N>(p.cos_sin, position * p.cs_s0 + lane * N, p.cs_dtype, cc);
-      table_floats<N>(p.cos_sin, position * p.cs_s0 + p.half + lane * N, p.cs_dtype, ss);
+      const long long row = position * p.cs_s0;
+      if constexpr (kInterleaved) {
+        float c2[2], s2[2];
+        for (int k = 0; k < 2; ++k) {  // a's frequencies, then b's
+          const long long f = row + (k == 0 ? 0 : p.half / 2) + 2 * lane;
+          table_floats<2>(p.cos_sin, f, p.cs_dtype, c2);
+          table_floats<2>(p.cos_sin, f + p.half, p.cs_dtype, s2);
+          cc[2 * k] = c2[0];
+          cc[2 * k + 1] = c2[1];
+          ss[2 * k] = s2[0];
+          ss[2 * k + 1] = s2[1];
+        }
+      } else {
+        table_floats<N>(p.cos_sin, row + lane * N, p.cs_dtype, cc);
+        table_floats<N>(p.cos_sin, row + p.half + lane * N, p.cs_dtype, ss);
+      }
     }
   } else {
     make_cos_sin(p, position, tid, threads, freq0, cs_smem);
@@ -809,10 +851,22 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
   if (slot >= p.pool_size && reporter) report_bad_index(p.err, false, t, slot, p.pool_size);
   if constexpr (!kTable) {
     __syncthreads();
-    smem_cos_sin<N>(cs_smem, p.half, lane, cc, ss);
+    if constexpr (kInterleaved) {
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const int f = (j < 2 ? 0 : p.half / 2) + 2 * lane + (j & 1);
+        cc[j] = cs_smem[f];
+        ss[j] = cs_smem[p.half + f];
+      }
+    } else {
+      smem_cos_sin<N>(cs_smem, p.half, lane, cc, ss);
+    }
   }
   if (!active) return;
-  rotate<T, N>(a, b, cc, ss);
+  if constexpr (kInterleaved)
+    rotate_interleaved<T, N>(a, b, cc, ss);
+  else
+    rotate<T, N>(a, b, cc, ss);
   T* dst = at<T>(is_q ? p.q_rot : p.k_rot, t, h) + lane * N;
   store_vec<T, N, true>(dst, a);
   store_vec<T, N, true>(dst + p.half, b);

@@ -10,6 +10,7 @@
 //   sanitize_driver --cold-options  the same for Llama with QK-norm and fp8 pools
 //   sanitize_driver --cold-inplace  the same in place (q_rot, k_rot = q, k)
 //   sanitize_driver --cold-table    the same with a float32 cos_sin_cache (2^17 rows)
+//   sanitize_driver --cold-interleaved  the same with interleaved pairs (is_neox=False)
 //   sanitize_driver --host     host time per T = 1 call (Llama bf16) and of its parts
 //
 // Built by scripts/gpu-check.sh against the library the Python build made.
@@ -515,7 +516,7 @@ void latency() {
 // Llama shape with QK-norm and fp8 pools; with `inplace`: q_rot and k_rot are
 // q and k, as with inplace=True); run it with ROPEKV_CUDA_UNROLL=1|2|4|8 to
 // compare the kernel's steps per team.
-void cold(bool options, bool inplace, bool table) {
+void cold(bool options, bool inplace, bool table, bool interleaved) {
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cudaEvent_t e0, e1;
@@ -531,15 +532,17 @@ void cold(bool options, bool inplace, bool table) {
     const char* st = std::getenv("ROPEKV_CUDA_SPLIT_TEAMS");
     const char* sm = std::getenv("ROPEKV_CUDA_SMALL_TOKENS");
     const char* sb = std::getenv("ROPEKV_CUDA_SMALL_THREADS");
-    std::printf("U=%s S=%s/%s small=%s/%s cold %-12s%s%s%s", u ? u : "auto", sg ? sg : "auto",
-                st ? st : "auto", sm ? sm : "auto", sb ? sb : "auto", m.name, options ? " QK-norm fp8" : "",
-                inplace ? " in place" : "", table ? " cos_sin_cache f32" : "");
+    std::printf("U=%s S=%s/%s small=%s/%s cold %-12s%s%s%s%s", u ? u : "auto",
+                sg ? sg : "auto", st ? st : "auto", sm ? sm : "auto", sb ? sb : "auto", m.name,
+                options ? " QK-norm fp8" : "", inplace ? " in place" : "",
+                table ? " cos_sin_cache f32" : "", interleaved ? " interleaved" : "");
     // A float32 [kRows, D] table (values do not matter for the time).
     Buf tab(table ? size_t(kRows) * m.D * 4 : 4);
     int64_t tab_shape[2] = {kRows, m.D};
     CK(cudaMemset(tab.ptr, 0x3c, tab.bytes));
     for (int T : {1, 8, 16, 32, 64, 128, 256, 512, 2048, 8192}) {
       ModelCall c(T, m, options);
+      c.cfg.is_neox = !interleaved;
       const size_t set_bytes = c.q.bytes * 2 + c.k.bytes * 3 + size_t(T) * 8;
       const int n = static_cast<int>(std::clamp<size_t>((size_t(1) << 30) / set_bytes, 1, 50));
       std::vector<std::unique_ptr<ModelCall>> sets;  // inputs and outputs of each call
@@ -641,8 +644,9 @@ int main(int argc, char** argv) {
   }
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "--cold" || mode == "--cold-options" || mode == "--cold-inplace" ||
-      mode == "--cold-table") {
-    cold(mode == "--cold-options", mode == "--cold-inplace", mode == "--cold-table");
+      mode == "--cold-table" || mode == "--cold-interleaved") {
+    cold(mode == "--cold-options", mode == "--cold-inplace", mode == "--cold-table",
+         mode == "--cold-interleaved");
     return 0;
   }
   if (mode == "--host") {
@@ -668,13 +672,17 @@ int main(int argc, char** argv) {
   run_case("f16 out-of-range slot, int64", 3, 8, 2, 64, f16, true, 1, true);
   using KV = ropekv::KvCacheDtype;
   run_options_case("opt bf16 norm fp8 cache", 9, 32, 8, 128, bf16, 1, false, KV::kFp8E4M3);
-  // The table alone (16-byte vectors): the plain kernel reading the table,
-  // U = 2 and (past 6144 team steps) U = 4.
-  run_options_case("table kernel bf16", 9, 32, 8, 128, bf16, 1, false, KV::kAuto);
+  // The table alone: up to 256 tokens of 16-bit data the small kernel (NeoX
+  // or interleaved pairs, 128 lanes per head at D = 1024); beyond, or for
+  // float32, the plain kernel reading the table, U = 2 and (past 6144 team
+  // steps) U = 4.
+  run_options_case("small kernel bf16 table", 9, 32, 8, 128, bf16, 1, false, KV::kAuto);
+  run_options_case("small kernel bf16 table, interleaved", 9, 32, 8, 128, bf16, 1, true,
+                   KV::kAuto);
+  run_options_case("small kernel bf16 table D=1024", 3, 32, 4, 1024, bf16, 1, false, KV::kAuto);
+  run_options_case("table kernel bf16, 2 steps", 300, 32, 8, 128, bf16, 1, false, KV::kAuto);
   run_options_case("table kernel bf16, 4 steps", 520, 32, 8, 128, bf16, 1, false, KV::kAuto);
   run_options_case("table kernel f32", 6, 8, 2, 64, f32, 1, false, KV::kAuto);
-  run_options_case("table kernel bf16 D=1024 (two-warp teams)", 3, 32, 4, 1024, bf16, 1, false,
-                   KV::kAuto);
   // Past 2048 team steps the kOptSteps options kernel: 2 steps with QK-norm.
   run_options_case("opt bf16 norm fp8, 2 of 4 steps", 200, 32, 8, 128, bf16, 1, false,
                    KV::kFp8E4M3);

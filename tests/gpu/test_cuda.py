@@ -1214,8 +1214,8 @@ def test_split_call_reports_each_bad_token_once(opt):
     check_skipped(t, kw, snap, q_out, k_out, (2, 4))
 
 
-# Calls of 16-bit data with full rotary, up to 512 tokens (256 with a
-# cos_sin_cache), run the small kernel: blocks of 128 threads (256 at
+# Calls of 16-bit data with full rotary (NeoX or interleaved pairs), up to
+# 512 tokens (256 with a cos_sin_cache), run the small kernel: blocks of 128 threads (256 at
 # T = 17..64) holding whole heads of one token, D / 8 lanes per head (from
 # one lane at D = 8 to 128 at D = 1024, one head per 128-thread block), the
 # last block of a token partly empty when the heads do not fill it; 257 and
@@ -1224,16 +1224,17 @@ SMALL_SHAPES = [(3, 1, 8), (5, 3, 24), (28, 4, 128), (7, 2, 80), (32, 32, 96), (
                 (4, 2, 512), (3, 1, 1024)]
 
 
+@pytest.mark.parametrize("pairs", ["neox", "interleaved"])
 @pytest.mark.parametrize("table", ["none", "float32", "same"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_small_kernel_shapes(dtype, table):
+def test_small_kernel_shapes(dtype, table, pairs):
     dt = DTYPES[dtype]
     tdt = {"none": None, "float32": torch.float32, "same": dt}[table]
     for i, (Hq, Hk, D) in enumerate(SMALL_SHAPES):
         for T in (1, 3, 40, 257, 513):
             run_options(T, Hq, Hk, D, dt, seed=T + D, table_dtype=tdt,
-                        idx=torch.int32 if (i + T) % 2 else torch.int64,
-                        what=f"small {Hq}/{Hk}/{D} T={T} table {table}")
+                        is_neox=pairs == "neox", idx=torch.int32 if (i + T) % 2 else torch.int64,
+                        what=f"small {Hq}/{Hk}/{D} T={T} table {table} {pairs}")
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
