@@ -39,6 +39,18 @@
 //                  "onestep/table/bN" with a cos_sin_cache; "table-u1/bN" the
 //                  plain kernel's table build at one step per team
 // (`decode-probe onestep`: the library rows and the onestep rows only.)
+// `decode-probe headpar` (T = 1, 8, 32, 128): the onestep rows next to
+//   small, small/table   the library's small kernel (rope_pool_small_kernel),
+//                        int64 and ("/i32") int32 random indices
+//   hp/v4/...            SGLang's shape: a block is 8 tokens of one head,
+//                        16 lanes of 4 pairs (8-byte vectors), each lane its
+//                        own cos/sin: /sc sincos_fp32, /table an f32 table
+//                        row, /copy none (no rotation)
+//   tokK/v4/...          a block is one token and 8 heads (K heads per lane):
+//                        /block 64 threads make the cos/sin into shared
+//                        memory, one barrier; /warp each warp makes all 64;
+//                        /loop each lane its own in a rolled loop; /fast
+//                        __sincosf (timing only); /table the table row
 //
 // Llama-3.1-8B shape (32 q heads, 8 kv heads, head_dim 128), bf16, random
 // slots in a 2^20-row pool, random positions below 2^17.
@@ -620,10 +632,11 @@ int main(int argc, char** argv) {
           const int rows = 128 / lanes, hqk = p.num_qo_heads + p.num_kv_heads;
           cfg->blockDim = dim3(128);
           cfg->dynamicSmemBytes = 0;
+          const int per_block = rows * (hpt == 0 ? 1 : hpt);
           cfg->gridDim = hpt == 0 ? dim3(static_cast<unsigned>((p.num_tokens + rows - 1) / rows),
                                          static_cast<unsigned>(hqk))
                                   : dim3(static_cast<unsigned>(p.num_tokens),
-                                         static_cast<unsigned>((hqk + rows * hpt - 1) / (rows * hpt)));
+                                         static_cast<unsigned>((hqk + per_block - 1) / per_block));
           CK(cudaLaunchKernelEx(cfg, kernel, p, tab0));
         };
       };
@@ -647,17 +660,23 @@ int main(int argc, char** argv) {
             p.cs_s1 = 1;
             p.cs_dtype = 0;
           }
-          CK(cudaLaunchKernelEx(cfg, with_table ? rope_pool_small_kernel<T, true>
-                                                : rope_pool_small_kernel<T, false>, p));
+          CK(cudaLaunchKernelEx(cfg, with_table ? rope_pool_small_kernel<T, true, false>
+                                                : rope_pool_small_kernel<T, false, false>, p));
         };
       };
       hrow("small", small(false), sets);
       hrow("small/i32", small(false), sets32rand);
       hrow("small/table", small(true), sets);
       hrow("small/table/i32", small(true), sets32rand);
+      hrow("hp/v4/sc", hp(headpar_kernel<4, kHpSc, 0>, 16, 0), sets);
+      hrow("hp/v4/fast", hp(headpar_kernel<4, kHpFast, 0>, 16, 0), sets);
       hrow("hp/v4/table", hp(headpar_kernel<4, kHpTable, 0>, 16, 0), sets);
       hrow("hp/v4/copy", hp(headpar_kernel<4, kHpCopy, 0>, 16, 0), sets);
       hrow("tok1/v4/block", hp(headpar_kernel<4, kHpBlock, 1>, 16, 1), sets);
+      hrow("tok2/v4/block", hp(headpar_kernel<4, kHpBlock, 2>, 16, 2), sets);
+      hrow("tok1/v4/warp", hp(headpar_kernel<4, kHpWarp, 1>, 16, 1), sets);
+      hrow("tok1/v4/loop", hp(headpar_kernel<4, kHpLoop, 1>, 16, 1), sets);
+      hrow("tok1/v4/fast", hp(headpar_kernel<4, kHpFast, 1>, 16, 1), sets);
       hrow("tok1/v4/table", hp(headpar_kernel<4, kHpTable, 1>, 16, 1), sets);
       CK(cudaStreamSynchronize(s));
       for (void* d : allocs) CK(cudaFree(d));

@@ -12,10 +12,10 @@
 // rows, which runs the plain kernel built for a table (table_kernel). Small
 // calls of 16-bit data with full rotary, plain, interleaved or with a
 // cos_sin_cache, run the small kernel (small_kernel: one token's heads per
-// block, 8-byte vectors);
-// other small plain calls of 16-bit data run the options kernel's one-step
-// build (faster at decode than the plain kernel's two steps per team), a
-// token's teams spread over several blocks while the grid is small.
+// block, 8-byte vectors); other small plain calls of 16-bit data (partial
+// rotary) run the options kernel's one-step build (faster at decode than
+// the plain kernel's two steps per team), a token's teams spread over
+// several blocks while the grid is small.
 //
 // Device memory it owns, made once and kept for the process: a per-device
 // error flag (out-of-range slots) and one inv_freq table per (device,
@@ -393,8 +393,9 @@ int64_t split_grid_limit(int sms) {
 // 256 with a cos_sin_cache. Against the kernels it replaced (H200, cold L2,
 // four shapes): faster up to T = 256 for every shape, and at T = 512 for
 // Qwen2.5-7B, Gemma-2-9B and Phi-3-mini (2-13 %) but 3 % slower for
-// Llama-3.1-8B; with a table 13-22 % slower at T = 512 for three shapes. For tuning (read
-// once): ROPEKV_CUDA_SMALL_TOKENS=N sets both limits (0: never).
+// Llama-3.1-8B; with a table 13-22 % slower at T = 512 for three shapes.
+// For tuning (read once): ROPEKV_CUDA_SMALL_TOKENS=N sets both limits (0:
+// never).
 int64_t small_tokens(bool table) {
   static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_TOKENS", -1);
   return forced >= 0 ? forced : (table ? 256 : 512);
@@ -459,6 +460,27 @@ bool small_kernel(const Problem& p, int64_t esize) {
   return cs.stride[1] == 1 &&
          reinterpret_cast<uintptr_t>(cs.data) % (tes * detail::kSmallVec) == 0 &&
          cs.stride[0] % detail::kSmallVec == 0;
+}
+
+// The small kernel's launch: HB heads of L lanes per block, up to
+// small_threads(T) threads, grid (T, ceil((Hq + Hk) / HB)).
+void launch_small(Params& prm, const Problem& p, const DeviceState& st, cudaStream_t stream) {
+  const int64_t lanes = p.rotary_dim / 2 / detail::kSmallVec;
+  const int64_t heads = p.num_qo_heads + p.num_kv_heads;
+  const int64_t per_block =
+      std::min(heads, std::max<int64_t>(1, small_threads(p.num_tokens) / lanes));
+  Launch l;
+  l.blocks = p.num_tokens;
+  l.blocks_y = static_cast<unsigned int>(ceil_div(heads, per_block));
+  l.threads = static_cast<int>(lanes);
+  l.threads_y = static_cast<unsigned int>(per_block);
+  l.smem = prm.cos_sin != nullptr ? 0 : static_cast<size_t>(p.rotary_dim) * sizeof(float);
+  l.pdl = st.pdl;
+  // Every parameter line before the wait (see param_lines): the small
+  // kernel was measured so at every size it takes (T <= 512).
+  prm.early_params = 1;
+  if (p.dtype == FloatType::kF16) return launch_small_as<__half>(prm, !p.is_neox, l, stream);
+  return launch_small_as<__nv_bfloat16>(prm, !p.is_neox, l, stream);
 }
 
 // Whether 1 / scale is an exact normal fp32 number (scale a power of two).
@@ -552,23 +574,7 @@ void run(const Problem& p, const ExecOptions& options) {
 
   const int64_t esize = element_size(p.dtype);
   prm.attention_factor = p.attention_factor;
-  if (small_kernel(p, esize)) {
-    // HB heads of L lanes per block, up to small_threads(T) threads.
-    const int64_t lanes = p.rotary_dim / 2 / detail::kSmallVec;
-    const int64_t heads = p.num_qo_heads + p.num_kv_heads;
-    const int64_t per_block =
-        std::min(heads, std::max<int64_t>(1, small_threads(p.num_tokens) / lanes));
-    Launch l;
-    l.blocks = p.num_tokens;
-    l.blocks_y = static_cast<unsigned int>(ceil_div(heads, per_block));
-    l.threads = static_cast<int>(lanes);
-    l.threads_y = static_cast<unsigned int>(per_block);
-    l.smem = prm.cos_sin != nullptr ? 0 : static_cast<size_t>(p.rotary_dim) * sizeof(float);
-    l.pdl = st.pdl;
-    prm.early_params = 1;  // (measured so at T <= 128; see param_lines)
-    if (p.dtype == FloatType::kF16) return launch_small_as<__half>(prm, !p.is_neox, l, stream);
-    return launch_small_as<__nv_bfloat16>(prm, !p.is_neox, l, stream);
-  }
+  if (small_kernel(p, esize)) return launch_small(prm, p, st, stream);
   const bool table = table_kernel(p, esize);
   const bool plain_call = is_plain(p) || table;
   const bool norm = p.q_norm.data != nullptr || p.k_norm.data != nullptr;  // (not plain)
@@ -627,11 +633,13 @@ void run(const Problem& p, const ExecOptions& options) {
                                            ceil_div(steps, split_teams()))
                                 : 1;
   const bool split = split_blocks > ceil_div(steps, detail::max_block(1) / 32);
-  // Small plain calls of 16-bit data in 16-byte vectors run that one-step
-  // build: one step per team, twice the warps of the plain kernel's two
-  // steps, measured faster at decode (docs/performance.md, *One step per
-  // team*); with a cos_sin_cache only when split (unsplit, the table kernel
-  // is faster). Not when ROPEKV_CUDA_UNROLL forces the plain kernel's steps.
+  // Small plain calls of 16-bit data in 16-byte vectors that the small
+  // kernel does not take (partial rotary; all of them with
+  // ROPEKV_CUDA_SMALL_TOKENS=0) run that one-step build: one step per team,
+  // twice the warps of the plain kernel's two steps, measured faster at
+  // decode (docs/performance.md, *One step per team*); with a cos_sin_cache
+  // only when split (unsplit, the table kernel is faster). Not when
+  // ROPEKV_CUDA_UNROLL forces the plain kernel's steps.
   const bool one_step = esize == 2 && vec * esize == 16 &&
                         p.num_tokens * steps <= kOptionsOneStep && forced_unroll() == 0 &&
                         (!table || split);
