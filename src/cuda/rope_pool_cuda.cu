@@ -543,7 +543,7 @@ void run(const Problem& p, const ExecOptions& options) {
   DeviceState& st = device_state(device);
   cudaStream_t stream = static_cast<cudaStream_t>(options.stream);
 
-  Params prm;
+  Params prm{};  // (every field defined: the kernels fold all parameter lines, see param_lines)
   prm.q = tensor3(p.q);
   prm.k = tensor3(p.k);
   prm.v = tensor3(p.v);

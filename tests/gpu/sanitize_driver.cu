@@ -682,6 +682,8 @@ int main(int argc, char** argv) {
   run_options_case("small kernel bf16 table D=1024", 3, 32, 4, 1024, bf16, 1, false, KV::kAuto);
   run_options_case("table kernel bf16, 2 steps", 300, 32, 8, 128, bf16, 1, false, KV::kAuto);
   run_options_case("table kernel bf16, 4 steps", 520, 32, 8, 128, bf16, 1, false, KV::kAuto);
+  run_options_case("table kernel bf16 D=1024 (two-warp teams)", 300, 8, 2, 1024, bf16, 1, false,
+                   KV::kAuto);
   run_options_case("table kernel f32", 6, 8, 2, 64, f32, 1, false, KV::kAuto);
   // Past 2048 team steps the kOptSteps options kernel: 2 steps with QK-norm.
   run_options_case("opt bf16 norm fp8, 2 of 4 steps", 200, 32, 8, 128, bf16, 1, false,

@@ -873,7 +873,7 @@ def tokens(d, idx):
 def options_case(T, Hq, Hk, D, dtype, *, seed=0, base=10000.0, rotary_dim=None, is_neox=True,
                  rope_scaling=None, table_dtype=None, table_rows=4096, kv_cache_dtype="auto",
                  k_scale=1.0, v_scale=1.0, q_norm=None, k_norm=None, norm_eps=1e-6,
-                 strided=False, misaligned=False, fp8_typed=False, idx=torch.int64,
+                 strided=False, misaligned=False, shift=0, fp8_typed=False, idx=torch.int64,
                  device=DEV):
     """The tensors (a dict, on `device`) and keyword arguments of one options
     call. q_norm / k_norm: the weight's torch dtype, or None for no QK-norm."""
@@ -886,8 +886,9 @@ def options_case(T, Hq, Hk, D, dtype, *, seed=0, base=10000.0, rotary_dim=None, 
     if strided:  # views of one fused projection, last dimension strided by 2
         qkv = rn(T, Hq + 2 * Hk, 2 * D)
         q, k, v = qkv[:, :Hq, ::2], qkv[:, Hq:Hq + Hk, ::2], qkv[:, Hq + Hk:, ::2]
-    elif misaligned:  # one element in: no 16-byte vectors
-        buf = rn(T * (Hq + 2 * Hk) * D + 1)[1:]
+    elif misaligned or shift:  # `shift` (default 1) elements in: no 16-byte vectors
+        n = shift or 1
+        buf = rn(T * (Hq + 2 * Hk) * D + n)[n:]
         q = buf[: T * Hq * D].view(T, Hq, D)
         k = buf[T * Hq * D: T * (Hq + Hk) * D].view(T, Hk, D)
         v = buf[T * (Hq + Hk) * D:].view(T, Hk, D)
@@ -1052,8 +1053,9 @@ def test_options_rope_scaling(scaling, dtype):
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("table", ["float32", "same"])
 def test_options_cos_sin_cache(dtype, table, idx):
-    # (The table alone with 16-byte rows runs the plain kernel's table build on
-    # CUDA, which widens a 32-bit position in its own place.)
+    # (On CUDA the table alone runs the small kernel up to 256 tokens with full
+    # rotary, and the plain kernel's table build at T = 2000, which widens a
+    # 32-bit position in its own place.)
     dt = DTYPES[dtype]
     tdt = torch.float32 if table == "float32" else dt
     for T, D, R, neox in ((1, 128, 128, True), (37, 80, 32, True), (12, 256, 64, False),
@@ -1147,8 +1149,10 @@ def test_options_position_and_slot_errors_unchecked_then_check_device_errors(cas
 @cuda_only
 @pytest.mark.parametrize("norm", [True, False])
 def test_options_out_of_table_token_with_several_blocks_per_token(norm):
-    """Heads of 1024 (teams of two warps, five blocks per token): every block
-    of the token skips it, and (with a QK-norm) the norm's sums cross warps."""
+    """Heads of 1024 and a table: with a QK-norm the options kernel (teams of
+    two warps, five blocks per token, the norm's sums crossing warps),
+    without one the small kernel (one 128-lane head per block, 36 blocks per
+    token). Every block of the token skips it."""
     norms = dict(q_norm=torch.bfloat16, k_norm=torch.float32) if norm else {}
     t, kw = options_case(3, 32, 4, 1024, torch.bfloat16, table_dtype=torch.float32,
                          table_rows=64, **norms)
@@ -1235,6 +1239,67 @@ def test_small_kernel_shapes(dtype, table, pairs):
             run_options(T, Hq, Hk, D, dt, seed=T + D, table_dtype=tdt,
                         is_neox=pairs == "neox", idx=torch.int32 if (i + T) % 2 else torch.int64,
                         what=f"small {Hq}/{Hk}/{D} T={T} table {table} {pairs}")
+
+
+@pytest.mark.parametrize("table", ["none", "float32"])
+def test_small_kernel_limits_in_place_and_8_byte_alignment(table):
+    """The small kernel at its token limits (512, 256 with a table), in place,
+    and on inputs 8-byte but not 16-byte aligned (4 elements into a buffer),
+    which only it takes as vectors."""
+    tdt = None if table == "none" else torch.float32
+    limit = 512 if tdt is None else 256
+    for T in (limit, limit + 1):
+        run_options(T, 28, 4, 128, torch.bfloat16, seed=T, table_dtype=tdt,
+                    what=f"small limit T={T} table {table}")
+    for pairs in ("neox", "interleaved"):
+        for T in (1, 40):
+            run_options(T, 32, 8, 128, torch.float16, seed=T, table_dtype=tdt, inplace=True,
+                        is_neox=pairs == "neox", what=f"small in place T={T} {pairs}")
+            run_options(T, 8, 2, 64, torch.bfloat16, seed=T, table_dtype=tdt, shift=4,
+                        is_neox=pairs == "neox", what=f"small shifted T={T} {pairs}")
+
+
+@cuda_only
+def test_small_kernel_reports_each_bad_slot_once():
+    """A 7-token Llama-shaped plain call (5 blocks per token of the small
+    kernel): two slots outside the pool are counted once each, their pool
+    rows are not written, q_rot and k_rot of every token are."""
+    ropekv.set_checked(False)
+    t, kw = options_case(7, 32, 8, 128, torch.bfloat16)
+    t["slots"].copy_(torch.arange(7, device=DEV))
+    t["slots"][2] = 10**6 + 1
+    t["slots"][5] = 10**6
+    snap = snapshot(t)
+    res = options_call(t, kw)
+    with pytest.raises(ValueError, match=r"^slots\[2\] = 1000001 is out of range for a pool of "
+                                         r"19 rows \(k_pool.shape\[0\]\); the CUDA kernel "
+                                         r"skipped the pool writes of 2 token\(s\)"):
+        ropekv.check_device_errors(t["q"].device.index)
+    check_options(t, kw, res, snap, "bad slots")
+
+
+@cuda_only
+@pytest.mark.parametrize("env", ["ROPEKV_CUDA_SMALL_THREADS=200", "ROPEKV_CUDA_SMALL_THREADS=32",
+                                 "ROPEKV_CUDA_SMALL_TOKENS=0"])
+def test_small_kernel_tuning_variables(env):
+    """The small kernel's tuning variables: blocks of a thread count that is
+    not a power of two, or below a head's lanes (one head per block), and
+    the small kernel off (the kernels it replaced); each against the CPU."""
+    code = textwrap.dedent("""
+        import sys, torch
+        sys.path.insert(0, %r)
+        import test_cuda as tc
+        for (T, Hq, Hk, D) in ((1, 32, 8, 128), (40, 32, 32, 96), (3, 3, 1, 1024)):
+            for neox in (True, False):
+                for table in (None, torch.float32):
+                    tc.run_options(T, Hq, Hk, D, torch.bfloat16, seed=T, is_neox=neox,
+                                   table_dtype=table, what=f"%s T={T} D={D}")
+        print("OK")
+    """) % (os.path.dirname(os.path.abspath(__file__)), env)
+    name, value = env.split("=")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, **{name: value}))
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
