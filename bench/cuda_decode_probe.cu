@@ -40,7 +40,8 @@
 //                  plain kernel's table build at one step per team
 // (`decode-probe onestep`: the library rows and the onestep rows only.)
 // `decode-probe headpar` (T = 1, 8, 32, 128): the onestep rows next to
-//   small, small/table   the library's small kernel (rope_pool_small_kernel),
+//   small, small/table   the library's small kernel (rope_pool_small_kernel) in
+//                        blocks of 8 heads (the library takes 16 at T = 17..64),
 //                        int64 and ("/i32") int32 random indices
 //   hp/v4/...            SGLang's shape: a block is 8 tokens of one head,
 //                        16 lanes of 4 pairs (8-byte vectors), each lane its
