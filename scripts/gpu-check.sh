@@ -19,8 +19,13 @@
 #             against one block (ROPEKV_CUDA_SPLIT_GRID=0) and, with a cos_sin_cache,
 #             against the table kernel (ROPEKV_CUDA_UNROLL=2): --cold, --cold-table,
 #             --cold-options and --latency, two alternations (not a default step)
+#   small     the small kernel (calls up to 512 tokens) against the kernels it replaced
+#             (ROPEKV_CUDA_SMALL_TOKENS=0) and at 128 and 256 threads per block
+#             (ROPEKV_CUDA_SMALL_THREADS): --cold, --cold-table and --cold-interleaved,
+#             two alternations (not a default step)
 #   probe     bench/cuda_decode_probe.cu: decode-sized calls of kernel variants that
-#             each drop one part of the critical path (not a default step)
+#             each drop one part of the critical path (not a default step; PROBE_ARGS
+#             picks a mode: onestep, headpar)
 #   cputest   the CPU Python suite tests/python
 #   bench     bench/gpu_bench.py (ropekv vs PyTorch eager, torch.compile, copy)
 #   options   bench/gpu_bench.py --options (each option's cost vs the plain call)
@@ -194,9 +199,23 @@ do_split() {
   return $rc
 }
 
+do_small() {
+  local i setting mode rc=0
+  for i in 1 2; do
+    for setting in "" ROPEKV_CUDA_SMALL_TOKENS=0 ROPEKV_CUDA_SMALL_THREADS=128 \
+                   ROPEKV_CUDA_SMALL_THREADS=256; do
+      echo "== small ${setting:-rule} run $i"
+      for mode in --cold --cold-table --cold-interleaved; do
+        env $setting timeout 60 "$DRIVER" $mode || rc=1
+      done
+    done
+  done
+  return $rc
+}
+
 do_probe() {
   mkdir -p "$ROOT/build" && timeout 120 nvcc -O3 -std=c++17 -arch=sm_"$ARCH" -Isrc bench/cuda_decode_probe.cu \
-    -o "$ROOT/build/decode-probe" && timeout 120 "$ROOT/build/decode-probe"
+    -o "$ROOT/build/decode-probe" && timeout 120 "$ROOT/build/decode-probe" ${PROBE_ARGS:-}
 }
 
 do_cputest() {
@@ -263,6 +282,7 @@ for s in "${STEPS[@]}"; do
     cold) step cold each_unroll --cold ;;
     coldopt) step coldopt do_cold_options ;;
     split) step split do_split ;;
+    small) step small do_small ;;
     probe) step probe do_probe ;;
     cputest) step cputest do_cputest ;;
     bench) step bench do_bench ;;
