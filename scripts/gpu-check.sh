@@ -22,7 +22,8 @@
 #   small     the small kernel (calls up to 512 tokens) against the kernels it replaced
 #             (ROPEKV_CUDA_SMALL_TOKENS=0) and at 128 and 256 threads per block
 #             (ROPEKV_CUDA_SMALL_THREADS): --cold, --cold-table and --cold-interleaved,
-#             two alternations (not a default step)
+#             two alternations (not a default step; SMALL_MODES and SMALL_SETTINGS
+#             pick other driver modes and settings, "rule" for the library's own)
 #   probe     bench/cuda_decode_probe.cu: decode-sized calls of kernel variants that
 #             each drop one part of the critical path (not a default step; PROBE_ARGS
 #             picks a mode: onestep, headpar)
@@ -204,10 +205,11 @@ do_split() {
 do_small() {
   local i setting mode rc=0
   for i in 1 2; do
-    for setting in "" ROPEKV_CUDA_SMALL_TOKENS=0 ROPEKV_CUDA_SMALL_THREADS=128 \
-                   ROPEKV_CUDA_SMALL_THREADS=256; do
-      echo "== small ${setting:-rule} run $i"
-      for mode in --cold --cold-table --cold-interleaved; do
+    for setting in ${SMALL_SETTINGS:-rule ROPEKV_CUDA_SMALL_TOKENS=0 ROPEKV_CUDA_SMALL_THREADS=128 \
+                   ROPEKV_CUDA_SMALL_THREADS=256}; do
+      echo "== small $setting run $i"
+      [ "$setting" = rule ] && setting=
+      for mode in ${SMALL_MODES:---cold --cold-table --cold-interleaved}; do
         env $setting timeout 60 "$DRIVER" $mode || rc=1
       done
     done

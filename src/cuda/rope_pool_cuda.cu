@@ -10,9 +10,10 @@
 // options (not is_plain) run the options kernel, in its 16-byte form or else
 // its strided form, except a cos_sin_cache alone with 16-byte vectors and
 // rows, which runs the plain kernel built for a table (table_kernel). Small
-// calls of 16-bit data with full rotary, plain, interleaved or with a
-// cos_sin_cache, run the small kernel (small_kernel: one token's heads per
-// block, 8-byte vectors); other small plain calls of 16-bit data (partial
+// calls of 16-bit data with full rotary run the small kernel (small_kernel:
+// one token's heads per block, 8-byte vectors), plain or with interleaved
+// pairs, a cos_sin_cache, float32 or fp8 pools, or a QK-norm (heads of up to
+// 256); other small plain calls of 16-bit data (partial
 // rotary) run the options kernel's one-step build (faster at decode than
 // the plain kernel's two steps per team), a token's teams spread over
 // several blocks while the grid is small.
@@ -257,15 +258,16 @@ void launch_as(const Params& prm, const Launch& l, cudaStream_t stream) {
         "launching the rope_pool kernel");
 }
 
-template <class T>
-void launch_small_as(const Params& prm, bool interleaved, const Launch& l, cudaStream_t stream) {
+// P: Params (plain, or a cos_sin_cache), or OptParams (the options build).
+template <class T, class P>
+void launch_small_as(const P& prm, bool interleaved, const Launch& l, cudaStream_t stream) {
   LaunchConfig lc(l, stream);
   using detail::rope_pool_small_kernel;
   const bool table = prm.cos_sin != nullptr;
-  const auto kernel = table ? (interleaved ? rope_pool_small_kernel<T, true, true>
-                                           : rope_pool_small_kernel<T, true, false>)
-                            : (interleaved ? rope_pool_small_kernel<T, false, true>
-                                           : rope_pool_small_kernel<T, false, false>);
+  const auto kernel = table ? (interleaved ? rope_pool_small_kernel<T, true, true, P>
+                                           : rope_pool_small_kernel<T, true, false, P>)
+                            : (interleaved ? rope_pool_small_kernel<T, false, true, P>
+                                           : rope_pool_small_kernel<T, false, false, P>);
   check(cudaLaunchKernelEx(&lc.cfg, kernel, prm), "launching the rope_pool small kernel");
 }
 
@@ -440,20 +442,56 @@ bool table_kernel(const Problem& p, int64_t esize) {
          (cs.stride[0] * tes) % 16 == 0 && vector_ok(p, 16 / esize, esize, esize);
 }
 
+// Whether 1 / scale is an exact normal fp32 number (scale a power of two).
+bool exact_reciprocal(float scale) {
+  int e = 0;
+  return std::frexp(scale, &e) == 0.5f && e >= -124 && e <= 126;
+}
+
+// The options of a call for the options kernels (steps: o.steps).
+detail::Options options_of(const Problem& p, int steps) {
+  detail::Options o{};
+  o.q_norm = p.q_norm.data;
+  o.qn_stride = p.q_norm.stride;
+  o.qn_dtype = static_cast<int>(p.q_norm.dtype);
+  o.k_norm = p.k_norm.data;
+  o.kn_stride = p.k_norm.stride;
+  o.kn_dtype = static_cast<int>(p.k_norm.dtype);
+  o.pool_mode = p.pool_type == pool_type_of(p.dtype) ? detail::kPoolSame
+                : is_fp8(p.pool_type)                 ? detail::kPoolFp8
+                                                      : detail::kPoolF32;
+  o.fp8_kind = static_cast<int>(is_fp8(p.pool_type) ? fp8_kind(p.pool_type) : Fp8Kind::kE4M3);
+  o.interleaved = !p.is_neox;
+  o.head_dim = static_cast<int>(p.head_dim);
+  o.steps = steps;
+  o.norm_eps = p.norm_eps;
+  o.k_scale = p.k_scale;
+  o.v_scale = p.v_scale;
+  // x / scale is x * (1 / scale), the same correctly rounded quotient, when
+  // 1 / scale is an exact normal number (a power-of-two scale, 1 included).
+  const bool exact = exact_reciprocal(p.k_scale) && exact_reciprocal(p.v_scale);
+  o.fp8_div = exact ? 0 : 1;
+  o.k_mul = exact ? 1.0f / p.k_scale : 1.0f;
+  o.v_mul = exact ? 1.0f / p.v_scale : 1.0f;
+  return o;
+}
 
 // Whether a call runs the small kernel (detail::rope_pool_small_kernel): at
-// most small_tokens() tokens of 16-bit data with full rotary, 8-byte vectors
-// in every array, pools of q's dtype, no QK-norm, NeoX or interleaved pairs,
-// and a cos_sin_cache, if any, whose rows allow kSmallVec-value loads
-// (16-byte aligned for float32, 8 for 16-bit).
+// most small_tokens() tokens of 16-bit data with full rotary, vectors of
+// kSmallVec elements in every array (pools of any format), NeoX or
+// interleaved pairs, a QK-norm only for heads of 1 to 32 lanes (a power of
+// two: the sums of squares stay within a warp), and a cos_sin_cache, if
+// any, whose rows allow kSmallVec-value loads (16-byte aligned for float32,
+// 8 for 16-bit).
 bool small_kernel(const Problem& p, int64_t esize) {
   const int64_t lanes = p.rotary_dim / 2 / detail::kSmallVec;
   const CosSinCache& cs = p.cos_sin_cache;
+  const bool norm = p.q_norm.data != nullptr || p.k_norm.data != nullptr;
   if (esize != 2 || p.rotary_dim != p.head_dim ||
       p.num_tokens > small_tokens(cs.data != nullptr) || forced_unroll() != 0 || lanes < 1 ||
       lanes > 128 || p.num_qo_heads + p.num_kv_heads > 65535 ||
-      p.pool_type != pool_type_of(p.dtype) || p.q_norm.data != nullptr ||
-      p.k_norm.data != nullptr || !vector_ok(p, detail::kSmallVec, esize, esize))
+      (norm && (lanes > 32 || (lanes & (lanes - 1)) != 0)) ||
+      !vector_ok(p, detail::kSmallVec, esize, element_size(p.pool_type)))
     return false;
   if (cs.data == nullptr) return true;
   const int64_t tes = cs.dtype == FloatType::kF32 ? 4 : 2;
@@ -479,15 +517,19 @@ void launch_small(Params& prm, const Problem& p, const DeviceState& st, cudaStre
   // Every parameter line before the wait (see param_lines): the small
   // kernel was measured so at every size it takes (T <= 512).
   prm.early_params = 1;
-  if (p.dtype == FloatType::kF16) return launch_small_as<__half>(prm, !p.is_neox, l, stream);
+  const bool f16 = p.dtype == FloatType::kF16;
+  if (p.pool_type != pool_type_of(p.dtype) || p.q_norm.data != nullptr ||
+      p.k_norm.data != nullptr) {
+    OptParams op{};
+    static_cast<Params&>(op) = prm;
+    op.o = options_of(p, 1);
+    if (f16) return launch_small_as<__half>(op, !p.is_neox, l, stream);
+    return launch_small_as<__nv_bfloat16>(op, !p.is_neox, l, stream);
+  }
+  if (f16) return launch_small_as<__half>(prm, !p.is_neox, l, stream);
   return launch_small_as<__nv_bfloat16>(prm, !p.is_neox, l, stream);
 }
 
-// Whether 1 / scale is an exact normal fp32 number (scale a power of two).
-bool exact_reciprocal(float scale) {
-  int e = 0;
-  return std::frexp(scale, &e) == 0.5f && e >= -124 && e <= 126;
-}
 
 const char* kTensorNames[] = {"q",      "k",      "v",     "positions",     "slots",
                               "k_pool", "v_pool", "q_rot", "k_rot",         "cos_sin_cache",
@@ -698,29 +740,7 @@ void run(const Problem& p, const ExecOptions& options) {
   if (!plain) {
     OptParams op{};
     static_cast<Params&>(op) = prm;
-    detail::Options& o = op.o;
-    o.q_norm = p.q_norm.data;
-    o.qn_stride = p.q_norm.stride;
-    o.qn_dtype = static_cast<int>(p.q_norm.dtype);
-    o.k_norm = p.k_norm.data;
-    o.kn_stride = p.k_norm.stride;
-    o.kn_dtype = static_cast<int>(p.k_norm.dtype);
-    o.pool_mode = p.pool_type == pool_type_of(p.dtype) ? detail::kPoolSame
-                  : is_fp8(p.pool_type)                 ? detail::kPoolFp8
-                                                        : detail::kPoolF32;
-    o.fp8_kind = static_cast<int>(is_fp8(p.pool_type) ? fp8_kind(p.pool_type) : Fp8Kind::kE4M3);
-    o.interleaved = !p.is_neox;
-    o.head_dim = static_cast<int>(p.head_dim);
-    o.steps = unroll;
-    o.norm_eps = p.norm_eps;
-    o.k_scale = p.k_scale;
-    o.v_scale = p.v_scale;
-    // x / scale is x * (1 / scale), the same correctly rounded quotient, when
-    // 1 / scale is an exact normal number (a power-of-two scale, 1 included).
-    const bool exact = exact_reciprocal(p.k_scale) && exact_reciprocal(p.v_scale);
-    o.fp8_div = exact ? 0 : 1;
-    o.k_mul = exact ? 1.0f / p.k_scale : 1.0f;
-    o.v_mul = exact ? 1.0f / p.v_scale : 1.0f;
+    op.o = options_of(p, unroll);
     switch (p.dtype) {
       case FloatType::kF32: return launch_options_typed<float>(op, contig, l, stream);
       case FloatType::kF16: return launch_options_typed<__half>(op, contig, l, stream);

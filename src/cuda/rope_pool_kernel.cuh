@@ -53,6 +53,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/fp8.h"
 #include "common/sincos.h"
@@ -734,151 +735,6 @@ __global__ void __launch_bounds__(max_block(U)) rope_pool_kernel(const __grid_co
   }
 }
 
-// ------------------------------------------------------------------ small calls
-
-// Pairs per lane of the small kernel: two 8-byte vectors of 16-bit data.
-constexpr int kSmallVec = 4;
-// The most threads of its blocks (heads of L lanes each); the launcher aims
-// at 128 or 256 (small_threads in rope_pool_cuda.cu).
-constexpr int kSmallThreads = 256;
-
-// Interleaved pairs (x[2i], x[2i+1]) of 16-bit vectors: each word of a and
-// b is one pair; c and s hold the frequencies of a's pairs, then b's.
-template <class T, int N>
-__device__ __forceinline__ void rotate_interleaved(Vec<T, N>& a, Vec<T, N>& b,
-                                                   const float (&c)[N], const float (&s)[N]) {
-  static_assert(sizeof(T) == 2 && N % 2 == 0, "16-bit vectors of whole pairs");
-  constexpr int W = N / 2;
-#pragma unroll
-  for (int j = 0; j < W; ++j) {
-    const float2 x = unpack2(a.w[j], T()), y = unpack2(b.w[j], T());
-    a.w[j] = pack2(make_float2(rot1(x.x, x.y, c[j], s[j]), rot2(x.x, x.y, c[j], s[j])), T());
-    b.w[j] = pack2(make_float2(rot1(y.x, y.y, c[W + j], s[W + j]),
-                               rot2(y.x, y.y, c[W + j], s[W + j])),
-                   T());
-  }
-}
-
-// The kernel of small calls of 16-bit data (decode), full rotary, pools of
-// q's dtype; kTable: cos/sin read from a cos_sin_cache; kInterleaved: GPT-J
-// pairs (2i, 2i+1) instead of NeoX (i, i + half). Block (L, HB): HB heads
-// of one token, each q head or kv head (with its v) taken by L = half /
-// kSmallVec lanes; a lane loads the vectors of kSmallVec elements at 4l and
-// half + 4l (NeoX: pairs 4l.. with half + 4l..; interleaved: the pairs 2l,
-// 2l + 1 and half / 2 + 2l, half / 2 + 2l + 1 they hold, so that loads and
-// stores stay contiguous runs); grid (T, ceil((Hq + Hk) / HB)). Each block makes the token's
-// cos/sin once into shared memory (one frequency per thread, one barrier),
-// and its heads share them; with a table each lane reads its own from the
-// token's row (no shared memory, no barrier).
-//
-// Why this shape: a decode call is a chain of memory round trips and
-// instruction fetches, not a stream of bytes, and small blocks of one
-// vector per lane spread it over more SMs with short code. Against what
-// small calls ran before (the options kernel's one-step build, split over
-// several blocks per token; H200, cold L2, 50-call graphs, four shapes):
-// T = 1 1.78-1.96 -> 1.60-1.75 us, T = 128 2.81-3.95 -> 2.53-3.25; with a
-// float32 table, Llama-3.1-8B T = 1 2.11 -> 1.99, T = 32 2.52 -> 2.15
-// (docs/performance.md, *Small calls*; bench/cuda_decode_probe.cu headpar
-// has the shapes it was chosen from).
-template <class T, bool kTable, bool kInterleaved>
-__global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
-    const __grid_constant__ Params p) {
-  extern __shared__ float cs_smem[];  // cos[half], then sin[half]
-  constexpr int N = kSmallVec;
-  static_assert(N == 4, "the interleaved lanes take two pairs of each vector");
-  const int lane = threadIdx.x, threads = blockDim.x * blockDim.y;
-  const int tid = threadIdx.y * blockDim.x + lane;
-  const long long t = blockIdx.x;
-  const int Hq = p.num_qo_heads, hh = blockIdx.y * blockDim.y + threadIdx.y;
-  const bool active = hh < Hq + p.num_kv_heads, is_q = hh < Hq;
-  const int h = is_q ? hh : hh - Hq;
-  // Before the wait (overlapping the previous kernel): addresses only.
-  const float freq0 = kTable ? 0.0f : first_inv_freq(p, tid);
-  const T* src = at<T>(is_q ? p.q : p.k, t, h) + lane * N;
-  const T* vsrc = at<T>(p.v, t, is_q ? 0 : h) + lane * N;
-  const void* pos_at = index_at(p.positions, p.pos_stride, p.pos64, t);
-  const void* slot_at = index_at(p.slots, p.slot_stride, p.slot64, t);
-  grid_dependency_sync(param_lines(p) ^ reinterpret_cast<unsigned long long>(src) ^
-                       reinterpret_cast<unsigned long long>(pos_at) ^
-                       reinterpret_cast<unsigned long long>(slot_at));
-
-  // The data loads go out first, then the indices: a 32-bit index issued
-  // first (widened to 64 bits as it arrives) held them back by one memory
-  // round trip. The table build loads the slot only where it is needed (kv
-  // heads, the reporter), the other build in every thread: each order
-  // measured 0.15-0.25 us faster than the other for its build (cold T = 1,
-  // four shapes; docs/performance.md, *Small calls*).
-  Vec<T, N> a, b, va, vb;
-  if (active) {
-    a = load_vec<T, N, true>(src);
-    b = load_vec<T, N, true>(src + p.half);
-    if (!is_q) {
-      va = load_vec<T, N, true>(vsrc);
-      vb = load_vec<T, N, true>(vsrc + p.half);
-    }
-  }
-  const long long position = load_index_at(pos_at, p.pos64);
-  const bool reporter = blockIdx.y == 0 && tid == 0;  // one report per token
-  const long long slot =
-      !kTable || !is_q || reporter ? load_index_at(slot_at, p.slot64) : -1;
-  float cc[N], ss[N];
-  if constexpr (kTable) {
-    if (position < 0 || position >= p.cs_rows) {  // the token is skipped
-      if (reporter) report_bad_index(p.err, true, t, position, p.cs_rows);
-      return;
-    }
-    if (active) {
-      const long long row = position * p.cs_s0;
-      if constexpr (kInterleaved) {
-        float c2[2], s2[2];
-        for (int k = 0; k < 2; ++k) {  // a's frequencies, then b's
-          const long long f = row + (k == 0 ? 0 : p.half / 2) + 2 * lane;
-          table_floats<2>(p.cos_sin, f, p.cs_dtype, c2);
-          table_floats<2>(p.cos_sin, f + p.half, p.cs_dtype, s2);
-          cc[2 * k] = c2[0];
-          cc[2 * k + 1] = c2[1];
-          ss[2 * k] = s2[0];
-          ss[2 * k + 1] = s2[1];
-        }
-      } else {
-        table_floats<N>(p.cos_sin, row + lane * N, p.cs_dtype, cc);
-        table_floats<N>(p.cos_sin, row + p.half + lane * N, p.cs_dtype, ss);
-      }
-    }
-  } else {
-    make_cos_sin(p, position, tid, threads, freq0, cs_smem);
-  }
-  if (slot >= p.pool_size && reporter) report_bad_index(p.err, false, t, slot, p.pool_size);
-  if constexpr (!kTable) {
-    __syncthreads();
-    if constexpr (kInterleaved) {
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        const int f = (j < 2 ? 0 : p.half / 2) + 2 * lane + (j & 1);
-        cc[j] = cs_smem[f];
-        ss[j] = cs_smem[p.half + f];
-      }
-    } else {
-      smem_cos_sin<N>(cs_smem, p.half, lane, cc, ss);
-    }
-  }
-  if (!active) return;
-  if constexpr (kInterleaved)
-    rotate_interleaved<T, N>(a, b, cc, ss);
-  else
-    rotate<T, N>(a, b, cc, ss);
-  T* dst = at<T>(is_q ? p.q_rot : p.k_rot, t, h) + lane * N;
-  store_vec<T, N, true>(dst, a);
-  store_vec<T, N, true>(dst + p.half, b);
-  if (is_q || slot < 0 || slot >= p.pool_size) return;
-  T* kz = at<T>(p.k_pool, slot, h) + lane * N;
-  store_vec<T, N, true>(kz, a);
-  store_vec<T, N, true>(kz + p.half, b);
-  T* vz = at<T>(p.v_pool, slot, h) + lane * N;
-  store_vec<T, N, true>(vz, va);
-  store_vec<T, N, true>(vz + p.half, vb);
-}
-
 // ------------------------------------------------------------------ options
 
 // A vector as N floats (exact) and back (each rounded once, nearest even).
@@ -1421,6 +1277,243 @@ __global__ void __launch_bounds__(max_block(U))
     if (c >= items) break;
     load_batch<T, N, kContig, U, true>(p, batch_src<T, kContig, U>(p, t, first_vh, hp, vh_end),
                                        c, a, b, interleaved);  // (see rope_pool_kernel)
+  }
+}
+
+// ------------------------------------------------------------------ small calls
+
+// Pairs per lane of the small kernel: two 8-byte vectors of 16-bit data.
+constexpr int kSmallVec = 4;
+// The most threads of its blocks (heads of L lanes each); the launcher aims
+// at 128 or 256 (small_threads in rope_pool_cuda.cu).
+constexpr int kSmallThreads = 256;
+
+// Interleaved pairs (x[2i], x[2i+1]) of 16-bit vectors: each word of a and
+// b is one pair; c and s hold the frequencies of a's pairs, then b's.
+template <class T, int N>
+__device__ __forceinline__ void rotate_interleaved(Vec<T, N>& a, Vec<T, N>& b,
+                                                   const float (&c)[N], const float (&s)[N]) {
+  static_assert(sizeof(T) == 2 && N % 2 == 0, "16-bit vectors of whole pairs");
+  constexpr int W = N / 2;
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    const float2 x = unpack2(a.w[j], T()), y = unpack2(b.w[j], T());
+    a.w[j] = pack2(make_float2(rot1(x.x, x.y, c[j], s[j]), rot2(x.x, x.y, c[j], s[j])), T());
+    b.w[j] = pack2(make_float2(rot1(y.x, y.y, c[W + j], s[W + j]),
+                               rot2(y.x, y.y, c[W + j], s[W + j])),
+                   T());
+  }
+}
+
+// The QK-norm and the rotation of a lane's two vectors in fp32, then one
+// rounding to T (the order of transform: x * r, times the weight, then the
+// rotation). wa / wb: the weights of a's and b's elements as raw bits of
+// dtype code wdt; c, s as for rotate (NeoX) or rotate_interleaved.
+template <class T, int N, bool kInterleaved>
+__device__ __forceinline__ void rotate_normed(Vec<T, N>& a, Vec<T, N>& b, const float (&c)[N],
+                                              const float (&s)[N], float r,
+                                              const unsigned int (&wa)[N],
+                                              const unsigned int (&wb)[N], int wdt) {
+  float xa[N], xb[N];
+  to_floats<T, N>(a, xa);
+  to_floats<T, N>(b, xb);
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    xa[j] = __fmul_rn(__fmul_rn(xa[j], r), bits_to_float(wa[j], wdt));
+    xb[j] = __fmul_rn(__fmul_rn(xb[j], r), bits_to_float(wb[j], wdt));
+  }
+  if constexpr (kInterleaved) {
+    constexpr int W = N / 2;
+#pragma unroll
+    for (int i = 0; i < W; ++i) {
+      const float a1 = xa[2 * i], a2 = xa[2 * i + 1], b1 = xb[2 * i], b2 = xb[2 * i + 1];
+      xa[2 * i] = rot1(a1, a2, c[i], s[i]);
+      xa[2 * i + 1] = rot2(a1, a2, c[i], s[i]);
+      xb[2 * i] = rot1(b1, b2, c[W + i], s[W + i]);
+      xb[2 * i + 1] = rot2(b1, b2, c[W + i], s[W + i]);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const float x1 = xa[j], x2 = xb[j];
+      xa[j] = rot1(x1, x2, c[j], s[j]);
+      xb[j] = rot2(x1, x2, c[j], s[j]);
+    }
+  }
+  a = from_floats<T, N>(xa);
+  b = from_floats<T, N>(xb);
+}
+
+// The kernel of small calls of 16-bit data (decode), full rotary; kTable:
+// cos/sin read from a cos_sin_cache; kInterleaved: GPT-J pairs (2i, 2i+1)
+// instead of NeoX (i, i + half). P = Params: pools of q's dtype; P =
+// OptParams (the options build): also a QK-norm (heads of L = 1..32 lanes,
+// a power of two: the launcher's rule) and pools of any format (float32,
+// fp8 with its scales). Block (L, HB): HB heads
+// of one token, each q head or kv head (with its v) taken by L = half /
+// kSmallVec lanes; a lane loads the vectors of kSmallVec elements at 4l and
+// half + 4l (NeoX: pairs 4l.. with half + 4l..; interleaved: the pairs 2l,
+// 2l + 1 and half / 2 + 2l, half / 2 + 2l + 1 they hold, so that loads and
+// stores stay contiguous runs); grid (T, ceil((Hq + Hk) / HB)). Each block makes the token's
+// cos/sin once into shared memory (one frequency per thread, one barrier),
+// and its heads share them; with a table each lane reads its own from the
+// token's row (no shared memory, no barrier). With a QK-norm, a head's sum
+// of squares goes over its L lanes (an aligned group of one warp) by a
+// butterfly of shuffles, the same sum in every lane.
+//
+// Why this shape: a decode call is a chain of memory round trips and
+// instruction fetches, not a stream of bytes, and small blocks of one
+// vector per lane spread it over more SMs with short code. Against what
+// small calls ran before (the options kernel's one-step build, split over
+// several blocks per token; H200, cold L2, 50-call graphs, four shapes):
+// T = 1 1.78-1.96 -> 1.60-1.75 us, T = 128 2.81-3.95 -> 2.53-3.25; with a
+// float32 table, Llama-3.1-8B T = 1 2.11 -> 1.99, T = 32 2.52 -> 2.15
+// (docs/performance.md, *Small calls*; bench/cuda_decode_probe.cu headpar
+// has the shapes it was chosen from).
+template <class T, bool kTable, bool kInterleaved, class P>
+__global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
+    const __grid_constant__ P p) {
+  extern __shared__ float cs_smem[];  // cos[half], then sin[half]
+  constexpr bool kOpt = std::is_same<P, OptParams>::value;
+  constexpr int N = kSmallVec;
+  static_assert(N == 4, "the interleaved lanes take two pairs of each vector");
+  const int lane = threadIdx.x, threads = blockDim.x * blockDim.y;
+  const int tid = threadIdx.y * blockDim.x + lane;
+  const long long t = blockIdx.x;
+  const int Hq = p.num_qo_heads, hh = blockIdx.y * blockDim.y + threadIdx.y;
+  const bool active = hh < Hq + p.num_kv_heads, is_q = hh < Hq;
+  const int h = is_q ? hh : hh - Hq;
+  // Before the wait (overlapping the previous kernel): addresses only.
+  const float freq0 = kTable ? 0.0f : first_inv_freq(p, tid);
+  const T* src = at<T>(is_q ? p.q : p.k, t, h) + lane * N;
+  const T* vsrc = at<T>(p.v, t, is_q ? 0 : h) + lane * N;
+  const void* pos_at = index_at(p.positions, p.pos_stride, p.pos64, t);
+  const void* slot_at = index_at(p.slots, p.slot_stride, p.slot64, t);
+  grid_dependency_sync(param_lines(p) ^ reinterpret_cast<unsigned long long>(src) ^
+                       reinterpret_cast<unsigned long long>(pos_at) ^
+                       reinterpret_cast<unsigned long long>(slot_at));
+
+  // The data loads go out first, then the indices: a 32-bit index issued
+  // first (widened to 64 bits as it arrives) held them back by one memory
+  // round trip. The table build loads the slot only where it is needed (kv
+  // heads, the reporter), the other build in every thread: each order
+  // measured 0.15-0.25 us faster than the other for its build (cold T = 1,
+  // four shapes; docs/performance.md, *Small calls*).
+  Vec<T, N> a, b, va, vb;
+  if (active) {
+    a = load_vec<T, N, true>(src);
+    b = load_vec<T, N, true>(src + p.half);
+    if (!is_q) {
+      va = load_vec<T, N, true>(vsrc);
+      vb = load_vec<T, N, true>(vsrc + p.half);
+    }
+  }
+  // The head's QK-norm weights (options build), as raw bits: converted
+  // where used, so that the index loads below are not held back.
+  const void* w = nullptr;
+  int wdt = 0;
+  unsigned int wa[N], wb[N];
+  if constexpr (kOpt) {
+    w = is_q ? p.o.q_norm : p.o.k_norm;
+    wdt = is_q ? p.o.qn_dtype : p.o.kn_dtype;
+    const long long ws = is_q ? p.o.qn_stride : p.o.kn_stride;
+    if (active && w != nullptr) {
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        wa[j] = load_bits(w, (lane * N + j) * ws, wdt);
+        wb[j] = load_bits(w, (p.half + lane * N + j) * ws, wdt);
+      }
+    }
+  }
+  const long long position = load_index_at(pos_at, p.pos64);
+  const bool reporter = blockIdx.y == 0 && tid == 0;  // one report per token
+  const long long slot =
+      !kTable || !is_q || reporter ? load_index_at(slot_at, p.slot64) : -1;
+  float cc[N], ss[N];
+  if constexpr (kTable) {
+    if (position < 0 || position >= p.cs_rows) {  // the token is skipped
+      if (reporter) report_bad_index(p.err, true, t, position, p.cs_rows);
+      return;
+    }
+    if (active) {
+      const long long row = position * p.cs_s0;
+      if constexpr (kInterleaved) {
+        float c2[2], s2[2];
+        for (int k = 0; k < 2; ++k) {  // a's frequencies, then b's
+          const long long f = row + (k == 0 ? 0 : p.half / 2) + 2 * lane;
+          table_floats<2>(p.cos_sin, f, p.cs_dtype, c2);
+          table_floats<2>(p.cos_sin, f + p.half, p.cs_dtype, s2);
+          cc[2 * k] = c2[0];
+          cc[2 * k + 1] = c2[1];
+          ss[2 * k] = s2[0];
+          ss[2 * k + 1] = s2[1];
+        }
+      } else {
+        table_floats<N>(p.cos_sin, row + lane * N, p.cs_dtype, cc);
+        table_floats<N>(p.cos_sin, row + p.half + lane * N, p.cs_dtype, ss);
+      }
+    }
+  } else {
+    make_cos_sin(p, position, tid, threads, freq0, cs_smem);
+  }
+  if (slot >= p.pool_size && reporter) report_bad_index(p.err, false, t, slot, p.pool_size);
+  // QK-norm: the head's sum of squares over its lanes (every lane of the
+  // warp takes part), then r = 1 / sqrt(ss / D + eps), each step correctly
+  // rounded as in the options kernel.
+  float r = 1.0f;
+  if constexpr (kOpt) {
+    if (p.o.q_norm != nullptr || p.o.k_norm != nullptr) {
+      float ss2 = active && w != nullptr ? sum_squares<T, N>(a, b, true) : 0.0f;
+      const int first = tid & ~31;
+      const unsigned int mask =
+          threads - first >= 32 ? 0xFFFFFFFFu : (1u << (threads - first)) - 1u;
+#pragma unroll 1
+      for (int d = blockDim.x / 2; d > 0; d >>= 1)
+        ss2 += __shfl_xor_sync(mask, ss2, d, blockDim.x);
+      if (w != nullptr)
+        r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss2, static_cast<float>(2 * p.half)),
+                                                 p.o.norm_eps)));
+    }
+  }
+  if constexpr (!kTable) {
+    __syncthreads();
+    if constexpr (kInterleaved) {
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const int f = (j < 2 ? 0 : p.half / 2) + 2 * lane + (j & 1);
+        cc[j] = cs_smem[f];
+        ss[j] = cs_smem[p.half + f];
+      }
+    } else {
+      smem_cos_sin<N>(cs_smem, p.half, lane, cc, ss);
+    }
+  }
+  if (!active) return;
+  if (kOpt && w != nullptr)
+    rotate_normed<T, N, kInterleaved>(a, b, cc, ss, r, wa, wb, wdt);
+  else if constexpr (kInterleaved)
+    rotate_interleaved<T, N>(a, b, cc, ss);
+  else
+    rotate<T, N>(a, b, cc, ss);
+  T* dst = at<T>(is_q ? p.q_rot : p.k_rot, t, h) + lane * N;
+  store_vec<T, N, true>(dst, a);
+  store_vec<T, N, true>(dst + p.half, b);
+  if (is_q || slot < 0 || slot >= p.pool_size) return;
+  if constexpr (kOpt) {
+    const Options& o = p.o;
+    store_pool<T, N, true, kPoolsAny>(p.k_pool, o, slot, h, lane * N, a, o.k_scale, o.k_mul);
+    store_pool<T, N, true, kPoolsAny>(p.k_pool, o, slot, h, p.half + lane * N, b, o.k_scale,
+                                      o.k_mul);
+    store_pool<T, N, true, kPoolsAny>(p.v_pool, o, slot, h, lane * N, va, o.v_scale, o.v_mul);
+    store_pool<T, N, true, kPoolsAny>(p.v_pool, o, slot, h, p.half + lane * N, vb, o.v_scale,
+                                      o.v_mul);
+  } else {
+    T* kz = at<T>(p.k_pool, slot, h) + lane * N;
+    store_vec<T, N, true>(kz, a);
+    store_vec<T, N, true>(kz + p.half, b);
+    T* vz = at<T>(p.v_pool, slot, h) + lane * N;
+    store_vec<T, N, true>(vz, va);
+    store_vec<T, N, true>(vz + p.half, vb);
   }
 }
 

@@ -216,15 +216,17 @@ void run_case(const char* name, int T, int Hq, int Hk, int D, DLDataType dt, boo
 }
 
 // A call with options (the options kernel) for the sanitizers: interleaved
-// pairs or not, a cos_sin_cache (f32) with token 1 outside it, QK-norm
-// weights (f32), fp8_e4m3 or float32 pools; with kAuto pools (q's dtype) the
-// table alone, without weights (the plain kernel's table build when the
-// arrays take 16-byte vectors). Checks that the call raises the
-// position error, leaves token 1's outputs and pool row untouched, writes
-// every element of the other tokens' outputs (no NaN from the poison) and no
-// pool row that no token names. The math is the pytest suite's job.
+// pairs or not, a cos_sin_cache (f32) with token 1 outside it (or, with
+// table = false, none), QK-norm weights (f32), fp8_e4m3 or float32 pools;
+// with kAuto pools (q's dtype) the table alone, without weights (the plain
+// kernel's table build when the arrays take 16-byte vectors). Checks that
+// the call raises the position error (with a table), leaves token 1's
+// outputs and pool row untouched (likewise), writes every element of the
+// other tokens' outputs (no NaN from the poison) and no pool row that no
+// token names. The math is the pytest suite's job.
 void run_options_case(const char* name, int T, int Hq, int Hk, int D, DLDataType dt,
-                      int64_t last_stride, bool interleaved, ropekv::KvCacheDtype pool_type) {
+                      int64_t last_stride, bool interleaved, ropekv::KvCacheDtype pool_type,
+                      bool table = true) {
   const int esize = dt.bits / 8;
   const bool fp8 = pool_type == ropekv::KvCacheDtype::kFp8E4M3;
   const bool table_only = pool_type == ropekv::KvCacheDtype::kAuto;
@@ -289,6 +291,7 @@ void run_options_case(const char* name, int T, int Hq, int Hk, int D, DLDataType
                             view(kr.ptr, dt, 3, sk, stk),    view(cs.ptr, f32, 2, scs, nullptr),
                             view(w.ptr, f32, 1, sw, nullptr), view(w.ptr, f32, 1, sw, nullptr)};
   if (table_only) t.q_norm_weight = t.k_norm_weight = DLTensor{};
+  if (!table) t.cos_sin_cache = DLTensor{};  // cos/sin from rope_base: token 1 is written too
   ropekv::RopeConfig cfg;
   cfg.head_dim = D;
   cfg.num_qo_heads = Hq;
@@ -297,11 +300,11 @@ void run_options_case(const char* name, int T, int Hq, int Hk, int D, DLDataType
   cfg.kv_cache_dtype = pool_type;
   if (fp8) cfg.k_scale = 0.5, cfg.v_scale = 2.0;
   ropekv::rope_pool_fused(t, cfg);
-  bool raised = false;
+  bool raised = !table;
   try {
     ropekv::check_device_errors(0, nullptr);
   } catch (const ropekv::Error& e) {
-    raised = std::strstr(e.what(), "positions[1] = 50 is outside cos_sin_cache") != nullptr;
+    raised = table && std::strstr(e.what(), "positions[1] = 50 is outside cos_sin_cache");
   }
   CK(cudaDeviceSynchronize());
   std::vector<uint8_t> gqr(qr.bytes), gkr(kr.bytes), gkp(kp.bytes), gvp(vp.bytes);
@@ -322,13 +325,13 @@ void run_options_case(const char* name, int T, int Hq, int Hk, int D, DLDataType
     return n;
   };
   for (int tt = 0; tt < T; ++tt) {
-    const int want = tt == 1 ? 1 : 0;
+    const int want = tt == 1 && table ? 1 : 0;
     bad += (poisoned(gqr, Hq, tt) == want * Hq * D) ? 0 : 1;
     bad += (poisoned(gkr, Hk, tt) == want * Hk * D) ? 0 : 1;
   }
   const size_t row = size_t(Hk) * D * pesize;
   for (int64_t r = 0; r < P; ++r) {
-    if (r < T && r != 1) continue;  // written by token r
+    if (r < T && (r != 1 || !table)) continue;  // written by token r
     bad += std::memcmp(&gkp[r * row], &hkp[r * row], row) != 0;
     bad += std::memcmp(&gvp[r * row], &hvp[r * row], row) != 0;
   }
@@ -671,7 +674,14 @@ int main(int argc, char** argv) {
   run_case("bf16 out-of-range slot", 8, 8, 2, 128, bf16, false, 1, true);
   run_case("f16 out-of-range slot, int64", 3, 8, 2, 64, f16, true, 1, true);
   using KV = ropekv::KvCacheDtype;
-  run_options_case("opt bf16 norm fp8 cache", 9, 32, 8, 128, bf16, 1, false, KV::kFp8E4M3);
+  // With a QK-norm (f32 weights) and float32 or fp8 pools: the small kernel's
+  // options build (heads of up to 32 lanes), with or without a table.
+  run_options_case("small kernel bf16 table norm fp8", 9, 32, 8, 128, bf16, 1, false,
+                   KV::kFp8E4M3);
+  run_options_case("small kernel f16 norm f32 pools", 7, 16, 8, 256, f16, 1, true, KV::kFloat32,
+                   false);
+  run_options_case("small kernel bf16 norm fp8, interleaved", 3, 8, 2, 64, bf16, 1, true,
+                   KV::kFp8E4M3, false);
   // The table alone: up to 256 tokens of 16-bit data the small kernel (NeoX
   // or interleaved pairs, 128 lanes per head at D = 1024); beyond, or for
   // float32, the plain kernel reading the table, U = 2 and (past 6144 team

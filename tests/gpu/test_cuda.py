@@ -874,9 +874,10 @@ def options_case(T, Hq, Hk, D, dtype, *, seed=0, base=10000.0, rotary_dim=None, 
                  rope_scaling=None, table_dtype=None, table_rows=4096, kv_cache_dtype="auto",
                  k_scale=1.0, v_scale=1.0, q_norm=None, k_norm=None, norm_eps=1e-6,
                  strided=False, misaligned=False, shift=0, fp8_typed=False, idx=torch.int64,
-                 device=DEV):
+                 norm_strided=False, device=DEV):
     """The tensors (a dict, on `device`) and keyword arguments of one options
-    call. q_norm / k_norm: the weight's torch dtype, or None for no QK-norm."""
+    call. q_norm / k_norm: the weight's torch dtype, or None for no QK-norm;
+    norm_strided: the weights are every other element of a buffer."""
     g = torch.Generator().manual_seed(seed)
     R = D if rotary_dim is None else rotary_dim
 
@@ -922,11 +923,14 @@ def options_case(T, Hq, Hk, D, dtype, *, seed=0, base=10000.0, rotary_dim=None, 
               kv_cache_dtype=kv_cache_dtype, norm_eps=norm_eps)
     if kv_cache_dtype in reference.FP8:
         kw.update(k_scale=k_scale, v_scale=v_scale)
-    if q_norm is not None:
-        t["q_norm_weight"] = (1.0 + 0.3 * torch.randn(D, generator=g)).to(q_norm)
-    if k_norm is not None:
-        t["k_norm_weight"] = (1.0 + 0.3 * torch.randn(D, generator=g)).to(k_norm)
-    return {n: x.to(device) for n, x in t.items()}, kw
+    for name, wdt in (("q_norm_weight", q_norm), ("k_norm_weight", k_norm)):
+        if wdt is not None:
+            n = 2 * D if norm_strided else D
+            t[name] = (1.0 + 0.3 * torch.randn(n, generator=g)).to(wdt)
+    out = {n: x.to(device) for n, x in t.items()}
+    if norm_strided:  # (the view is made on `device`: .to() would make it contiguous)
+        out.update({n: out[n][::2] for n in ("q_norm_weight", "k_norm_weight") if n in out})
+    return out, kw
 
 
 def options_call(t, kw, *, inplace=False, q_out=None, k_out=None):
@@ -1241,6 +1245,30 @@ def test_small_kernel_shapes(dtype, table, pairs):
                         what=f"small {Hq}/{Hk}/{D} T={T} table {table} {pairs}")
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("pool", ["auto", "float32", "fp8_e4m3", "fp8_e5m2"])
+def test_small_kernel_options(pool, dtype):
+    """The small kernel's options build: float32 and fp8 pools (fp8 scales
+    of any value), a QK-norm of q, k or both (weights float32 or q's dtype,
+    contiguous or strided), NeoX or interleaved pairs, with or without a
+    table. It takes a QK-norm for heads of 8 to 256 (1 to 32 lanes, a power
+    of two); the others of SMALL_SHAPES (24, 80, 96, 512, 1024), and T = 513,
+    go to the options kernel; in place for some."""
+    dt = DTYPES[dtype]
+    g = np.random.default_rng(len(pool) + 7 * len(dtype))
+    norms = [(None, None), (torch.float32, None), (None, dt), (dt, torch.float32)]
+    for i, (Hq, Hk, D) in enumerate(SMALL_SHAPES):
+        for j, T in enumerate((1, 40, 513)):
+            qn, kn = norms[(i + j) % 4]
+            ks, vs = float(g.uniform(0.01, 2.0)), float(g.uniform(0.01, 2.0))
+            scales = dict(k_scale=ks, v_scale=vs) if pool.startswith("fp8") else {}
+            run_options(T, Hq, Hk, D, dt, seed=T + D, kv_cache_dtype=pool, q_norm=qn,
+                        k_norm=kn, is_neox=(i + j) % 2 == 0, norm_strided=j == 1,
+                        table_dtype=(None, torch.float32, dt)[(i + 2 * j) % 3],
+                        inplace=(i + j) % 5 == 0, idx=torch.int32 if i % 2 else torch.int64,
+                        what=f"small {pool} {Hq}/{Hk}/{D} T={T} norms {qn} {kn}", **scales)
+
+
 @pytest.mark.parametrize("table", ["none", "float32"])
 def test_small_kernel_limits_in_place_and_8_byte_alignment(table):
     """The small kernel at its token limits (512, 256 with a table), in place,
@@ -1284,7 +1312,8 @@ def test_small_kernel_reports_each_bad_slot_once():
 def test_small_kernel_tuning_variables(env):
     """The small kernel's tuning variables: blocks of a thread count that is
     not a power of two, or below a head's lanes (one head per block), and
-    the small kernel off (the kernels it replaced); each against the CPU."""
+    the small kernel off (the kernels it replaced); plain calls and calls
+    with a QK-norm and fp8 pools, each against the CPU."""
     code = textwrap.dedent("""
         import sys, torch
         sys.path.insert(0, %r)
@@ -1294,8 +1323,14 @@ def test_small_kernel_tuning_variables(env):
                 for table in (None, torch.float32):
                     tc.run_options(T, Hq, Hk, D, torch.bfloat16, seed=T, is_neox=neox,
                                    table_dtype=table, what=f"%s T={T} D={D}")
+        # The options build with a QK-norm: heads of 16, 8 and 1 lanes, blocks
+        # ending in part of a warp.
+        for (T, Hq, Hk, D) in ((1, 32, 8, 128), (40, 8, 2, 64), (3, 3, 2, 8)):
+            tc.run_options(T, Hq, Hk, D, torch.bfloat16, seed=T, q_norm=torch.float32,
+                           k_norm=torch.bfloat16, kv_cache_dtype="fp8_e4m3", k_scale=0.5,
+                           v_scale=3.0, what=f"%s norm fp8 T={T} D={D}")
         print("OK")
-    """) % (os.path.dirname(os.path.abspath(__file__)), env)
+    """) % (os.path.dirname(os.path.abspath(__file__)), env, env)
     name, value = env.split("=")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=300, env=dict(os.environ, **{name: value}))
