@@ -114,7 +114,7 @@ do_build() {
   # -march=haswell needs -maes for that (Highway's AVX2 target requires AES).
   local cpu=()
   grep -qw avx2 /proc/cpuinfo && grep -qw aes /proc/cpuinfo &&
-    cpu=("-C cmake.define.CMAKE_CXX_FLAGS=-march=haswell -maes")
+    cpu=(-C "cmake.define.CMAKE_CXX_FLAGS=-march=haswell -maes")
   timeout 420 $PY -m pip install --no-build-isolation --no-deps --force-reinstall -v . \
     -C build-dir="$BUILD_DIR" -C cmake.define.CMAKE_CUDA_ARCHITECTURES="$ARCH" \
     "${CMAKE_DEFS[@]}" "${cpu[@]}" || return 1

@@ -41,5 +41,5 @@ cmake --build build -j"$(nproc)"
 py_opts=(-C cmake.define.ROPEKV_CUDA=OFF)
 nvidia-smi -L >/dev/null 2>&1 && py_opts=(-C cmake.define.ROPEKV_CUDA=ON)
 grep -qw avx2 /proc/cpuinfo && grep -qw aes /proc/cpuinfo &&
-  py_opts+=("-C cmake.define.CMAKE_CXX_FLAGS=-march=haswell -maes")
+  py_opts+=(-C "cmake.define.CMAKE_CXX_FLAGS=-march=haswell -maes")
 .venv/bin/python -m pip install -q --no-build-isolation "${py_opts[@]}" .
