@@ -258,16 +258,17 @@ void launch_as(const Params& prm, const Launch& l, cudaStream_t stream) {
         "launching the rope_pool kernel");
 }
 
-// P: Params (plain, or a cos_sin_cache), or OptParams (the options build).
-template <class T, class P>
+// P: Params (plain, or a cos_sin_cache), or OptParams (the options builds,
+// with or without the QK-norm code).
+template <class T, class P, bool kNorm = false>
 void launch_small_as(const P& prm, bool interleaved, const Launch& l, cudaStream_t stream) {
   LaunchConfig lc(l, stream);
   using detail::rope_pool_small_kernel;
   const bool table = prm.cos_sin != nullptr;
-  const auto kernel = table ? (interleaved ? rope_pool_small_kernel<T, true, true, P>
-                                           : rope_pool_small_kernel<T, true, false, P>)
-                            : (interleaved ? rope_pool_small_kernel<T, false, true, P>
-                                           : rope_pool_small_kernel<T, false, false, P>);
+  const auto kernel = table ? (interleaved ? rope_pool_small_kernel<T, true, true, P, kNorm>
+                                           : rope_pool_small_kernel<T, true, false, P, kNorm>)
+                            : (interleaved ? rope_pool_small_kernel<T, false, true, P, kNorm>
+                                           : rope_pool_small_kernel<T, false, false, P, kNorm>);
   check(cudaLaunchKernelEx(&lc.cfg, kernel, prm), "launching the rope_pool small kernel");
 }
 
@@ -391,16 +392,18 @@ int64_t split_grid_limit(int sms) {
   return forced >= 0 ? forced : sms / 2;
 }
 
-// Tokens up to which a call takes the small kernel (small_kernel): 512, or
-// 256 with a cos_sin_cache. Against the kernels it replaced (H200, cold L2,
-// four shapes): faster up to T = 256 for every shape, and at T = 512 for
-// Qwen2.5-7B, Gemma-2-9B and Phi-3-mini (2-13 %) but 3 % slower for
-// Llama-3.1-8B; with a table 13-22 % slower at T = 512 for three shapes.
-// For tuning (read once): ROPEKV_CUDA_SMALL_TOKENS=N sets both limits (0:
-// never).
-int64_t small_tokens(bool table) {
+// Tokens up to which a call takes the small kernel (small_kernel): 512 for
+// plain calls (interleaved pairs and rope scaling included), 256 with a
+// cos_sin_cache, a QK-norm or pools of another format. Against the kernels
+// it replaced (H200, cold L2, four shapes): faster up to T = 256 for every
+// shape, and at T = 512 for Qwen2.5-7B, Gemma-2-9B and Phi-3-mini (2-13 %)
+// but 3 % slower for Llama-3.1-8B; with a table 13-22 % slower at T = 512
+// for three shapes; with a QK-norm and fp8 pools (Llama) 27 % slower at
+// T = 512, 18 % faster at 256. For tuning (read once):
+// ROPEKV_CUDA_SMALL_TOKENS=N sets both limits (0: never).
+int64_t small_tokens(bool plain) {
   static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_TOKENS", -1);
-  return forced >= 0 ? forced : (table ? 256 : 512);
+  return forced >= 0 ? forced : (plain ? 512 : 256);
 }
 
 // Threads per block the small kernel aims at (whole heads; one head of up to
@@ -487,9 +490,10 @@ bool small_kernel(const Problem& p, int64_t esize) {
   const int64_t lanes = p.rotary_dim / 2 / detail::kSmallVec;
   const CosSinCache& cs = p.cos_sin_cache;
   const bool norm = p.q_norm.data != nullptr || p.k_norm.data != nullptr;
-  if (esize != 2 || p.rotary_dim != p.head_dim ||
-      p.num_tokens > small_tokens(cs.data != nullptr) || forced_unroll() != 0 || lanes < 1 ||
-      lanes > 128 || p.num_qo_heads + p.num_kv_heads > 65535 ||
+  const bool plain = cs.data == nullptr && !norm && p.pool_type == pool_type_of(p.dtype);
+  if (esize != 2 || p.rotary_dim != p.head_dim || p.num_tokens > small_tokens(plain) ||
+      forced_unroll() != 0 || lanes < 1 || lanes > 128 ||
+      p.num_qo_heads + p.num_kv_heads > 65535 ||
       (norm && (lanes > 32 || (lanes & (lanes - 1)) != 0)) ||
       !vector_ok(p, detail::kSmallVec, esize, element_size(p.pool_type)))
     return false;
@@ -523,6 +527,10 @@ void launch_small(Params& prm, const Problem& p, const DeviceState& st, cudaStre
     OptParams op{};
     static_cast<Params&>(op) = prm;
     op.o = options_of(p, 1);
+    if (op.o.q_norm != nullptr || op.o.k_norm != nullptr) {
+      if (f16) return launch_small_as<__half, OptParams, true>(op, !p.is_neox, l, stream);
+      return launch_small_as<__nv_bfloat16, OptParams, true>(op, !p.is_neox, l, stream);
+    }
     if (f16) return launch_small_as<__half>(op, !p.is_neox, l, stream);
     return launch_small_as<__nv_bfloat16>(op, !p.is_neox, l, stream);
   }

@@ -1252,13 +1252,14 @@ def test_small_kernel_options(pool, dtype):
     of any value), a QK-norm of q, k or both (weights float32 or q's dtype,
     contiguous or strided), NeoX or interleaved pairs, with or without a
     table. It takes a QK-norm for heads of 8 to 256 (1 to 32 lanes, a power
-    of two); the others of SMALL_SHAPES (24, 80, 96, 512, 1024), and T = 513,
-    go to the options kernel; in place for some."""
+    of two); the others of SMALL_SHAPES (24, 80, 96, 512, 1024), and past 256
+    tokens calls with any of these options, go to the options kernel; in
+    place for some."""
     dt = DTYPES[dtype]
     g = np.random.default_rng(len(pool) + 7 * len(dtype))
     norms = [(None, None), (torch.float32, None), (None, dt), (dt, torch.float32)]
     for i, (Hq, Hk, D) in enumerate(SMALL_SHAPES):
-        for j, T in enumerate((1, 40, 513)):
+        for j, T in enumerate((1, 40, 257)):
             qn, kn = norms[(i + j) % 4]
             ks, vs = float(g.uniform(0.01, 2.0)), float(g.uniform(0.01, 2.0))
             scales = dict(k_scale=ks, v_scale=vs) if pool.startswith("fp8") else {}
