@@ -12,9 +12,9 @@
 // rows, which runs the plain kernel built for a table (table_kernel). Small
 // calls of 16-bit data with full rotary run the small kernel (small_kernel:
 // one token's heads per block, 8-byte vectors), plain or with interleaved
-// pairs, a cos_sin_cache, float32 or fp8 pools, or a QK-norm (heads of up to
-// 256); other small plain calls of 16-bit data (partial
-// rotary) run the options kernel's one-step build (faster at decode than
+// pairs, a cos_sin_cache, or a QK-norm (heads of up to 256, pools of any
+// format); other small plain calls of 16-bit data (partial rotary) run the
+// options kernel's one-step build (faster at decode than
 // the plain kernel's two steps per team), a token's teams spread over
 // several blocks while the grid is small.
 //
@@ -258,17 +258,16 @@ void launch_as(const Params& prm, const Launch& l, cudaStream_t stream) {
         "launching the rope_pool kernel");
 }
 
-// P: Params (plain, or a cos_sin_cache), or OptParams (the options builds,
-// with or without the QK-norm code).
-template <class T, class P, bool kNorm = false>
+// P: Params (plain, or a cos_sin_cache), or OptParams (the QK-norm build).
+template <class T, class P>
 void launch_small_as(const P& prm, bool interleaved, const Launch& l, cudaStream_t stream) {
   LaunchConfig lc(l, stream);
   using detail::rope_pool_small_kernel;
   const bool table = prm.cos_sin != nullptr;
-  const auto kernel = table ? (interleaved ? rope_pool_small_kernel<T, true, true, P, kNorm>
-                                           : rope_pool_small_kernel<T, true, false, P, kNorm>)
-                            : (interleaved ? rope_pool_small_kernel<T, false, true, P, kNorm>
-                                           : rope_pool_small_kernel<T, false, false, P, kNorm>);
+  const auto kernel = table ? (interleaved ? rope_pool_small_kernel<T, true, true, P>
+                                           : rope_pool_small_kernel<T, true, false, P>)
+                            : (interleaved ? rope_pool_small_kernel<T, false, true, P>
+                                           : rope_pool_small_kernel<T, false, false, P>);
   check(cudaLaunchKernelEx(&lc.cfg, kernel, prm), "launching the rope_pool small kernel");
 }
 
@@ -394,7 +393,7 @@ int64_t split_grid_limit(int sms) {
 
 // Tokens up to which a call takes the small kernel (small_kernel): 512 for
 // plain calls (interleaved pairs and rope scaling included), 256 with a
-// cos_sin_cache, a QK-norm or pools of another format. Against the kernels
+// cos_sin_cache or a QK-norm. Against the kernels
 // it replaced (H200, cold L2, four shapes): faster up to T = 256 for every
 // shape, and at T = 512 for Qwen2.5-7B, Gemma-2-9B and Phi-3-mini (2-13 %)
 // but 3 % slower for Llama-3.1-8B; with a table 13-22 % slower at T = 512
@@ -481,11 +480,13 @@ detail::Options options_of(const Problem& p, int steps) {
 
 // Whether a call runs the small kernel (detail::rope_pool_small_kernel): at
 // most small_tokens() tokens of 16-bit data with full rotary, vectors of
-// kSmallVec elements in every array (pools of any format), NeoX or
-// interleaved pairs, a QK-norm only for heads of 1 to 32 lanes (a power of
-// two: the sums of squares stay within a warp), and a cos_sin_cache, if
-// any, whose rows allow kSmallVec-value loads (16-byte aligned for float32,
-// 8 for 16-bit).
+// kSmallVec elements in every array, NeoX or interleaved pairs, a QK-norm
+// only for heads of 1 to 32 lanes (a power of two: the sums of squares stay
+// within a warp), pools of q's dtype or, with a QK-norm, of any format, and
+// a cos_sin_cache, if any, whose rows allow kSmallVec-value loads (16-byte
+// aligned for float32, 8 for 16-bit). Without a QK-norm, float32 and fp8
+// pools stay on the options kernel: the small kernel's build for them was
+// 0.1-0.3 us slower at T = 1 and 32 (H200, Llama-3.1-8B and Qwen3-8B).
 bool small_kernel(const Problem& p, int64_t esize) {
   const int64_t lanes = p.rotary_dim / 2 / detail::kSmallVec;
   const CosSinCache& cs = p.cos_sin_cache;
@@ -495,6 +496,7 @@ bool small_kernel(const Problem& p, int64_t esize) {
       forced_unroll() != 0 || lanes < 1 || lanes > 128 ||
       p.num_qo_heads + p.num_kv_heads > 65535 ||
       (norm && (lanes > 32 || (lanes & (lanes - 1)) != 0)) ||
+      (!norm && p.pool_type != pool_type_of(p.dtype)) ||
       !vector_ok(p, detail::kSmallVec, esize, element_size(p.pool_type)))
     return false;
   if (cs.data == nullptr) return true;
@@ -522,15 +524,10 @@ void launch_small(Params& prm, const Problem& p, const DeviceState& st, cudaStre
   // kernel was measured so at every size it takes (T <= 512).
   prm.early_params = 1;
   const bool f16 = p.dtype == FloatType::kF16;
-  if (p.pool_type != pool_type_of(p.dtype) || p.q_norm.data != nullptr ||
-      p.k_norm.data != nullptr) {
+  if (p.q_norm.data != nullptr || p.k_norm.data != nullptr) {
     OptParams op{};
     static_cast<Params&>(op) = prm;
     op.o = options_of(p, 1);
-    if (op.o.q_norm != nullptr || op.o.k_norm != nullptr) {
-      if (f16) return launch_small_as<__half, OptParams, true>(op, !p.is_neox, l, stream);
-      return launch_small_as<__nv_bfloat16, OptParams, true>(op, !p.is_neox, l, stream);
-    }
     if (f16) return launch_small_as<__half>(op, !p.is_neox, l, stream);
     return launch_small_as<__nv_bfloat16>(op, !p.is_neox, l, stream);
   }

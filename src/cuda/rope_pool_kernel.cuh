@@ -1347,9 +1347,9 @@ __device__ __forceinline__ void rotate_normed(Vec<T, N>& a, Vec<T, N>& b, const 
 // The kernel of small calls of 16-bit data (decode), full rotary; kTable:
 // cos/sin read from a cos_sin_cache; kInterleaved: GPT-J pairs (2i, 2i+1)
 // instead of NeoX (i, i + half). P = Params: pools of q's dtype; P =
-// OptParams (the options builds): pools of any format (float32, fp8 with
-// its scales) and, with kNorm, a QK-norm (heads of L = 1..32 lanes, a
-// power of two: the launcher's rule). Block (L, HB): HB heads
+// OptParams (the QK-norm build): a QK-norm (heads of L = 1..32 lanes, a
+// power of two: the launcher's rule) and pools of any format (float32, fp8
+// with its scales). Block (L, HB): HB heads
 // of one token, each q head or kv head (with its v) taken by L = half /
 // kSmallVec lanes; a lane loads the vectors of kSmallVec elements at 4l and
 // half + 4l (NeoX: pairs 4l.. with half + 4l..; interleaved: the pairs 2l,
@@ -1370,12 +1370,11 @@ __device__ __forceinline__ void rotate_normed(Vec<T, N>& a, Vec<T, N>& b, const 
 // float32 table, Llama-3.1-8B T = 1 2.11 -> 1.99, T = 32 2.52 -> 2.15
 // (docs/performance.md, *Small calls*; bench/cuda_decode_probe.cu headpar
 // has the shapes it was chosen from).
-template <class T, bool kTable, bool kInterleaved, class P, bool kNorm>
+template <class T, bool kTable, bool kInterleaved, class P>
 __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
     const __grid_constant__ P p) {
   extern __shared__ float cs_smem[];  // cos[half], then sin[half]
-  constexpr bool kOpt = std::is_same<P, OptParams>::value;
-  static_assert(kOpt || !kNorm, "a QK-norm is an option");
+  constexpr bool kNorm = std::is_same<P, OptParams>::value;
   constexpr int N = kSmallVec;
   static_assert(N == 4, "the interleaved lanes take two pairs of each vector");
   const int lane = threadIdx.x, threads = blockDim.x * blockDim.y;
@@ -1497,19 +1496,16 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
   store_vec<T, N, true>(dst, a);
   store_vec<T, N, true>(dst + p.half, b);
   if (is_q || slot < 0 || slot >= p.pool_size) return;
-  if constexpr (kOpt) {
-    // One copy of the store code, four times (k_rot's two vectors, then v's):
-    // a decode call fetches its instructions cold, and the fp8 quotient
-    // is long code.
+  if constexpr (kNorm) {
+    // (Unrolled: a loop over the four stores made a call with fp8 pools
+    // 0.5 us slower at T = 1.)
     const Options& o = p.o;
-#pragma unroll 1
-    for (int i = 0; i < 4; ++i) {
-      const bool is_k = i < 2, hi = (i & 1) != 0;
-      store_pool<T, N, true, kPoolsAny>(is_k ? p.k_pool : p.v_pool, o, slot, h,
-                                        (hi ? p.half : 0) + lane * N,
-                                        is_k ? (hi ? b : a) : (hi ? vb : va),
-                                        is_k ? o.k_scale : o.v_scale, is_k ? o.k_mul : o.v_mul);
-    }
+    store_pool<T, N, true, kPoolsAny>(p.k_pool, o, slot, h, lane * N, a, o.k_scale, o.k_mul);
+    store_pool<T, N, true, kPoolsAny>(p.k_pool, o, slot, h, p.half + lane * N, b, o.k_scale,
+                                      o.k_mul);
+    store_pool<T, N, true, kPoolsAny>(p.v_pool, o, slot, h, lane * N, va, o.v_scale, o.v_mul);
+    store_pool<T, N, true, kPoolsAny>(p.v_pool, o, slot, h, p.half + lane * N, vb, o.v_scale,
+                                      o.v_mul);
   } else {
     T* kz = at<T>(p.k_pool, slot, h) + lane * N;
     store_vec<T, N, true>(kz, a);

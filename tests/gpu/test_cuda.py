@@ -1248,13 +1248,13 @@ def test_small_kernel_shapes(dtype, table, pairs):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("pool", ["auto", "float32", "fp8_e4m3", "fp8_e5m2"])
 def test_small_kernel_options(pool, dtype):
-    """The small kernel's options build: float32 and fp8 pools (fp8 scales
-    of any value), a QK-norm of q, k or both (weights float32 or q's dtype,
-    contiguous or strided), NeoX or interleaved pairs, with or without a
+    """The small kernel's QK-norm build: a QK-norm of q, k or both (weights
+    float32 or q's dtype, contiguous or strided) with pools of any format
+    (fp8 scales of any value), NeoX or interleaved pairs, with or without a
     table. It takes a QK-norm for heads of 8 to 256 (1 to 32 lanes, a power
-    of two); the others of SMALL_SHAPES (24, 80, 96, 512, 1024), and past 256
-    tokens calls with any of these options, go to the options kernel; in
-    place for some."""
+    of two); the others of SMALL_SHAPES (24, 80, 96, 512, 1024), calls past
+    256 tokens, and float32 or fp8 pools without a QK-norm go to the options
+    kernel; in place for some."""
     dt = DTYPES[dtype]
     g = np.random.default_rng(len(pool) + 7 * len(dtype))
     norms = [(None, None), (torch.float32, None), (None, dt), (dt, torch.float32)]
