@@ -14,9 +14,9 @@
 // one token's heads per block, 8-byte vectors), plain or with interleaved
 // pairs, a cos_sin_cache, or a QK-norm (heads of up to 256, pools of any
 // format); other small plain calls of 16-bit data (partial rotary) run the
-// options kernel's one-step build (faster at decode than
-// the plain kernel's two steps per team), a token's teams spread over
-// several blocks while the grid is small.
+// options kernel's one-step build (faster at decode than the plain kernel's
+// two steps per team), a token's teams spread over several blocks while the
+// grid is small.
 //
 // Device memory it owns, made once and kept for the process: a per-device
 // error flag (out-of-range slots) and one inv_freq table per (device,
@@ -393,13 +393,13 @@ int64_t split_grid_limit(int sms) {
 
 // Tokens up to which a call takes the small kernel (small_kernel): 512 for
 // plain calls (interleaved pairs and rope scaling included), 256 with a
-// cos_sin_cache or a QK-norm. Against the kernels
-// it replaced (H200, cold L2, four shapes): faster up to T = 256 for every
-// shape, and at T = 512 for Qwen2.5-7B, Gemma-2-9B and Phi-3-mini (2-13 %)
-// but 3 % slower for Llama-3.1-8B; with a table 13-22 % slower at T = 512
-// for three shapes; with a QK-norm and fp8 pools (Llama) 27 % slower at
-// T = 512, 18 % faster at 256. For tuning (read once):
-// ROPEKV_CUDA_SMALL_TOKENS=N sets both limits (0: never).
+// cos_sin_cache or a QK-norm. Against the kernels it replaced (H200, cold
+// L2, four shapes): faster up to T = 256 for every shape, and at T = 512
+// for Qwen2.5-7B, Gemma-2-9B and Phi-3-mini (2-13 %) but 3 % slower for
+// Llama-3.1-8B; with a table 13-22 % slower at T = 512 for three shapes;
+// with a QK-norm and fp8 pools (Llama) 19 % faster at T = 256 and 27 %
+// slower at 512. For tuning (read once): ROPEKV_CUDA_SMALL_TOKENS=N sets
+// both limits (0: never).
 int64_t small_tokens(bool plain) {
   static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_TOKENS", -1);
   return forced >= 0 ? forced : (plain ? 512 : 256);
@@ -534,7 +534,6 @@ void launch_small(Params& prm, const Problem& p, const DeviceState& st, cudaStre
   if (f16) return launch_small_as<__half>(prm, !p.is_neox, l, stream);
   return launch_small_as<__nv_bfloat16>(prm, !p.is_neox, l, stream);
 }
-
 
 const char* kTensorNames[] = {"q",      "k",      "v",     "positions",     "slots",
                               "k_pool", "v_pool", "q_rot", "k_rot",         "cos_sin_cache",

@@ -1497,8 +1497,8 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
   store_vec<T, N, true>(dst + p.half, b);
   if (is_q || slot < 0 || slot >= p.pool_size) return;
   if constexpr (kNorm) {
-    // (Unrolled: a loop over the four stores made a call with fp8 pools
-    // 0.5 us slower at T = 1.)
+    // (Unrolled: the four stores as one copy in a loop made a call with fp8
+    // pools 0.6 us slower at T = 1; docs/performance.md, *Options*.)
     const Options& o = p.o;
     store_pool<T, N, true, kPoolsAny>(p.k_pool, o, slot, h, lane * N, a, o.k_scale, o.k_mul);
     store_pool<T, N, true, kPoolsAny>(p.k_pool, o, slot, h, p.half + lane * N, b, o.k_scale,
