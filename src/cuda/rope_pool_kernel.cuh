@@ -46,6 +46,15 @@
 // (and, for teams wider than a warp, through shared memory at the cos/sin
 // barrier) before any lane writes; a position outside the cos_sin_cache
 // skips the whole token (the block's threads agree: one token per block).
+//
+// Small calls of 16-bit data with full rotary (up to 512 tokens, 256 with a
+// table or a QK-norm) run rope_pool_small_kernel instead (end of this file):
+// plain, interleaved, with a cos_sin_cache, or with a QK-norm on heads of up
+// to 256 and pools of any format. Its QK-norm sums a head's squares in
+// another order than the options kernel (4-element lane chunks, a butterfly
+// of shuffles), so a QK-norm result can differ by one rounding between a
+// call of at most 256 tokens and a larger one; either is within the
+// contract's bound, and each is reproducible.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -682,6 +682,8 @@ int main(int argc, char** argv) {
                    false);
   run_options_case("small kernel bf16 norm fp8, interleaved", 3, 8, 2, 64, bf16, 1, true,
                    KV::kFp8E4M3, false);
+  run_options_case("small kernel bf16 norm fp8 (Qwen3 decode)", 2, 32, 8, 128, bf16, 1, false,
+                   KV::kFp8E4M3, false);
   // The table alone: up to 256 tokens of 16-bit data the small kernel (NeoX
   // or interleaved pairs, 128 lanes per head at D = 1024); beyond, or for
   // float32, the plain kernel reading the table, U = 2 and (past 6144 team
@@ -695,8 +697,9 @@ int main(int argc, char** argv) {
   run_options_case("table kernel bf16 D=1024 (two-warp teams)", 300, 8, 2, 1024, bf16, 1, false,
                    KV::kAuto);
   run_options_case("table kernel f32", 6, 8, 2, 64, f32, 1, false, KV::kAuto);
-  // Past 2048 team steps the kOptSteps options kernel: 2 steps with QK-norm.
-  run_options_case("opt bf16 norm fp8, 2 of 4 steps", 200, 32, 8, 128, bf16, 1, false,
+  // Past 2048 team steps (and past the small kernel's 256 tokens) the
+  // kOptSteps options kernel: 2 steps with QK-norm.
+  run_options_case("opt bf16 norm fp8, 2 of 4 steps", 300, 32, 8, 128, bf16, 1, false,
                    KV::kFp8E4M3);
   run_options_case("opt f16 strided table alone", 5, 4, 2, 64, f16, 2, false, KV::kAuto);
   run_options_case("opt f16 interleaved f32 pools", 5, 8, 2, 96, f16, 1, true, KV::kFloat32);

@@ -1169,15 +1169,17 @@ def test_options_out_of_table_token_with_several_blocks_per_token(norm):
     check_skipped(t, kw, snap, q_out, k_out, (1,))
 
 
-# Small calls of the one-step build (here: with a QK-norm and fp8 pools, or
-# interleaved pairs) spread a token over as many blocks (of at least 4 warps)
-# as keep the grid within half the SMs: on an H200 (132 SMs) the Llama shape
-# runs 3 blocks per token at T = 1, 7 and 16 and 2 at T = 32, Qwen 3 (of 3
-# warps) at T <= 16, Phi-3 5 at T <= 13 and 4 at T = 16; T = 40 is not split.
-# Each block makes the token's cos/sin and reads its QK-norm weights; a bad
-# index is reported from the token's first block only. Plain calls and those
-# with a cos_sin_cache run the small kernel instead (4 to 7 blocks per token
-# for these shapes; see test_small_kernel_shapes).
+# Small calls of the one-step build (here: fp8 pools without a QK-norm, and
+# Phi-3's heads of 96 with a QK-norm) spread a token over as many blocks (of
+# at least 4 warps) as keep the grid within half the SMs: on an H200 (132
+# SMs) the Llama shape runs 3 blocks per token at T = 1, 7 and 16 and 2 at
+# T = 32, Qwen 3 (of 3 warps) at T <= 16, Phi-3 5 at T <= 13 and 4 at
+# T = 16; T = 40 is not split. Each block makes the token's cos/sin and
+# reads its QK-norm weights; a bad index is reported from the token's first
+# block only. Plain calls, interleaved ones, those with a cos_sin_cache and
+# those with a QK-norm on heads of 128 run the small kernel instead (4 to 7
+# blocks per token for these shapes; see test_small_kernel_shapes and
+# test_small_kernel_options).
 SPLIT_SHAPES = {"llama": (32, 8, 128), "qwen": (28, 4, 128), "phi3": (32, 32, 96)}
 SPLIT_OPTIONS = {
     "plain": {},
@@ -1185,6 +1187,7 @@ SPLIT_OPTIONS = {
     "cos_sin_cache bf16": dict(table_dtype=torch.bfloat16),
     "qk-norm fp8": dict(kv_cache_dtype="fp8_e4m3", k_scale=0.5, q_norm=torch.float32,
                         k_norm=torch.bfloat16),
+    "fp8": dict(kv_cache_dtype="fp8_e4m3", k_scale=0.5),
     "interleaved": dict(is_neox=False),
 }
 
@@ -1258,16 +1261,60 @@ def test_small_kernel_options(pool, dtype):
     dt = DTYPES[dtype]
     g = np.random.default_rng(len(pool) + 7 * len(dtype))
     norms = [(None, None), (torch.float32, None), (None, dt), (dt, torch.float32)]
+
+    def scales():
+        ks, vs = float(g.uniform(0.01, 2.0)), float(g.uniform(0.01, 2.0))
+        return dict(k_scale=ks, v_scale=vs) if pool.startswith("fp8") else {}
+
     for i, (Hq, Hk, D) in enumerate(SMALL_SHAPES):
         for j, T in enumerate((1, 40, 257)):
             qn, kn = norms[(i + j) % 4]
-            ks, vs = float(g.uniform(0.01, 2.0)), float(g.uniform(0.01, 2.0))
-            scales = dict(k_scale=ks, v_scale=vs) if pool.startswith("fp8") else {}
             run_options(T, Hq, Hk, D, dt, seed=T + D, kv_cache_dtype=pool, q_norm=qn,
                         k_norm=kn, is_neox=(i + j) % 2 == 0, norm_strided=j == 1,
                         table_dtype=(None, torch.float32, dt)[(i + 2 * j) % 3],
                         inplace=(i + j) % 5 == 0, idx=torch.int32 if i % 2 else torch.int64,
-                        what=f"small {pool} {Hq}/{Hk}/{D} T={T} norms {qn} {kn}", **scales)
+                        what=f"small {pool} {Hq}/{Hk}/{D} T={T} norms {qn} {kn}", **scales())
+    # Every build of the QK-norm kernel (table or not, NeoX or interleaved) on
+    # heads of 16 to 256 (2 to 32 lanes; blocks ending in part of a warp), with
+    # a norm_eps large enough to move r by far more than the tolerance.
+    for k, (Hq, Hk, D) in enumerate(((3, 2, 16), (9, 2, 32), (10, 3, 64), (28, 4, 128),
+                                     (8, 4, 256))):
+        for table in (None, torch.float32):
+            for neox in (True, False):
+                run_options(k + 2, Hq, Hk, D, dt, seed=D + k, kv_cache_dtype=pool,
+                            q_norm=dt, k_norm=torch.float32, is_neox=neox, table_dtype=table,
+                            norm_eps=0.5 if neox else 1e-6,
+                            what=f"small norm {pool} {Hq}/{Hk}/{D} table {table} neox {neox}",
+                            **scales())
+
+
+@cuda_only
+def test_small_kernel_routing():
+    """Which kernel a Llama-shaped decode call runs (names from the PyTorch
+    profiler): a QK-norm with fp8 pools, the small kernel's QK-norm build
+    (OptParams); fp8 pools alone, the options kernel; the plain call, the
+    small kernel's plain build; a QK-norm past 256 tokens, the options
+    kernel. Every other test passes on either kernel."""
+    import re
+    from torch.profiler import ProfilerActivity, profile
+    norm = dict(q_norm=torch.float32, k_norm=torch.bfloat16)
+    # (The small kernel's builds differ in their last template argument.)
+    cases = [(1, dict(kv_cache_dtype="fp8_e4m3", **norm), "rope_pool_small_kernel", True),
+             (1, dict(kv_cache_dtype="fp8_e4m3"), "rope_pool_options_kernel", None),
+             (1, {}, "rope_pool_small_kernel", False),
+             (257, norm, "rope_pool_options_kernel", None)]
+    for T, opts, want, opt_params in cases:
+        t, kw = options_case(T, 32, 8, 128, torch.bfloat16, **opts)
+        options_call(t, kw)  # (the first call makes the library's tables)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            options_call(t, kw)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if re.search(r"rope_pool_\w*kernel", e.name)]
+        assert len(names) == 1, f"T={T} {opts}: ropekv kernels seen: {names}"
+        assert want in names[0], f"T={T} {opts}: ran {names[0]}, want {want}"
+        if opt_params is not None:
+            assert ("OptParams" in names[0]) == opt_params, f"T={T} {opts}: ran {names[0]}"
 
 
 @pytest.mark.parametrize("table", ["none", "float32"])
