@@ -1417,7 +1417,7 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
       vb = load_vec<T, N, true>(vsrc + p.half);
     }
   }
-  // The head's QK-norm weights (options build), as raw bits: converted
+  // The head's QK-norm weights (QK-norm build), as raw bits: converted
   // where used, so that the index loads below are not held back.
   const void* w = nullptr;
   int wdt = 0;
