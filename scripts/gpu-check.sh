@@ -109,12 +109,12 @@ ARCH=$($PY -c "import torch; p = torch.cuda.get_device_capability(); print(f'{p[
 } | tee -a "$LOG"
 
 do_build() {
-  # With AVX2 as the CPU baseline Highway compiles only its AVX2 and AVX-512
-  # kernels (the CPU backend's two Highway files are most of this build);
-  # -march=haswell needs -maes for that (Highway's AVX2 target requires AES).
-  local cpu=()
-  grep -qw avx2 /proc/cpuinfo && grep -qw aes /proc/cpuinfo &&
-    cpu=(-C "cmake.define.CMAKE_CXX_FLAGS=-march=haswell -maes")
+  # With AVX2 as the CPU baseline (scripts/cpu-baseline.sh) Highway compiles
+  # only its AVX2 and AVX-512 kernels (the CPU backend's two Highway files are
+  # most of this build).
+  local cpu=() flags
+  flags=$(scripts/cpu-baseline.sh)
+  [ -n "$flags" ] && cpu=(-C "cmake.define.CMAKE_CXX_FLAGS=$flags")
   timeout 420 $PY -m pip install --no-build-isolation --no-deps --force-reinstall -v . \
     -C build-dir="$BUILD_DIR" -C cmake.define.CMAKE_CUDA_ARCHITECTURES="$ARCH" \
     "${CMAKE_DEFS[@]}" "${cpu[@]}" || return 1

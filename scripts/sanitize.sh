@@ -9,19 +9,17 @@
 # Called by scripts/test.sh; needs what scripts/setup.sh installed (clang, its
 # runtime libraries and LLVM OpenMP included).
 #
-# Sanitizer builds are clang at -O1 and, on a CPU with AVX2 and AES, with
-# AVX2 as the baseline: Highway then compiles its AVX2 and AVX-512 kernels only
-# (the regular build and its tests cover every target). -march=haswell alone
-# does not enable AES, without which Highway's baseline stays at SSSE3 and its
-# SSE4 and SSSE3 kernels are compiled and tested too. This keeps the three
-# builds and their tests within a few minutes each on two cores.
+# Sanitizer builds are clang at -O1 and, on a CPU with AVX2, with AVX2 as the
+# baseline (scripts/cpu-baseline.sh): Highway then compiles and tests its AVX2
+# and AVX-512 kernels only (the regular build and its tests cover every
+# target). This keeps the three builds and their tests within a few minutes
+# each on two cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FUZZ_SECONDS=${FUZZ_SECONDS:-60}
 jobs=$(nproc)
 
-flags="-gline-tables-only"
-grep -qw avx2 /proc/cpuinfo && grep -qw aes /proc/cpuinfo && flags="$flags -march=haswell -maes"
+flags="-gline-tables-only $(scripts/cpu-baseline.sh)"
 common=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS=$flags"
         "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -DNDEBUG"
         -DROPEKV_CUDA=OFF -DROPEKV_BUILD_BENCH=OFF)

@@ -32,14 +32,13 @@ fi
 # kernels for every x86 target (ctest runs each); the package is built for
 # this machine: with the CUDA backend only where a GPU can run it
 # (nvidia-smi lists one), and with AVX2 as the baseline where the CPU has it
-# (Highway then compiles its AVX2 and AVX-512 kernels only; -march=haswell
-# needs -maes for that, or Highway's baseline stays at SSSE3), which saves
-# most of its four minutes on two cores. scripts/gpu-check.sh builds
+# (scripts/cpu-baseline.sh: Highway then compiles its AVX2 and AVX-512
+# kernels only), which saves most of its four minutes on two cores. scripts/gpu-check.sh builds
 # the package with CUDA.
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build build -j"$(nproc)"
 py_opts=(-C cmake.define.ROPEKV_CUDA=OFF)
 nvidia-smi -L >/dev/null 2>&1 && py_opts=(-C cmake.define.ROPEKV_CUDA=ON)
-grep -qw avx2 /proc/cpuinfo && grep -qw aes /proc/cpuinfo &&
-  py_opts+=(-C "cmake.define.CMAKE_CXX_FLAGS=-march=haswell -maes")
+cpu=$(scripts/cpu-baseline.sh)
+[ -n "$cpu" ] && py_opts+=(-C "cmake.define.CMAKE_CXX_FLAGS=$cpu")
 .venv/bin/python -m pip install -q --no-build-isolation "${py_opts[@]}" .
