@@ -29,7 +29,9 @@
 // The "warm" family (T = 1 and 16) is the decode case: q, k, v and the
 // outputs reused (in cache, as right after the QKV projection), the pool rows
 // still cold. The "hot" family (T = 1) has everything in cache: compute and
-// call overhead alone. Their memcpy reference copies one hot buffer.
+// call overhead, and the pool rows written back to memory (ropekv stores the
+// rows of a pool this large non-temporally, in cache or not). Their memcpy
+// reference copies one hot buffer.
 //
 // The "options" family times every option of the call (Llama-3.1-8B, bf16,
 // cold) next to the plain call; its bytes count the pools at their real

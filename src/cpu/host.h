@@ -44,7 +44,9 @@ constexpr int64_t kMinBytesPerThread = 64 * 1024;
 // From this many bytes written per call on, outputs are stored non-temporally
 // (as glibc's memcpy does above a fraction of the last-level cache): they
 // would evict each other before use, and streaming skips reading every
-// output line before writing it.
+// output line before writing it. The plain path also streams the rows of a
+// pool of at least this many bytes at any T: such a pool is taken as not in
+// cache.
 constexpr int64_t kStreamMinBytes = 8 << 20;
 
 // Largest vector of any compiled target, in fp32 lanes (AVX-512): scratch is

@@ -80,17 +80,15 @@ HWY_INLINE void RotateRow(const typename Ops::T* HWY_RESTRICT x, typename Ops::T
   }
 }
 
-// Copies one contiguous row of `count` elements with non-temporal stores
-// (count a whole number of vectors, dst aligned).
-template <class Ops>
-HWY_INLINE void StreamCopy(const typename Ops::T* HWY_RESTRICT src, typename Ops::T* dst,
-                           int64_t count) {
-  using T = typename Ops::T;
-  const hn::ScalableTag<uint8_t> d8;
-  const int64_t bytes = count * static_cast<int64_t>(sizeof(T));
+// Copies `bytes` contiguous bytes with non-temporal 16-byte stores (bytes a
+// multiple of 16, dst 16-byte aligned): no read of the destination lines
+// before they are written. 16-byte vectors on every target, so that a pool
+// row needs only 16-byte alignment (numpy's large arrays have no more).
+HWY_INLINE void StreamCopy(const void* HWY_RESTRICT src, void* dst, int64_t bytes) {
+  const hn::CappedTag<uint8_t, 16> d8;
   const int64_t n = static_cast<int64_t>(hn::Lanes(d8));
-  const uint8_t* s = reinterpret_cast<const uint8_t*>(src);
-  uint8_t* d = reinterpret_cast<uint8_t*>(dst);
+  const uint8_t* s = static_cast<const uint8_t*>(src);
+  uint8_t* d = static_cast<uint8_t*>(dst);
   for (int64_t i = 0; i < bytes; i += n) hn::Stream(hn::LoadU(d8, s + i), d8, d + i);
 }
 
@@ -110,29 +108,43 @@ HWY_NOINLINE void RotateHeadStrided(const View3& in, const View3& out, const Vie
   if (pool) Scatter(b, D, Row<T>(*pool, slot, h), pool->stride[2]);
 }
 
+// Where a call's stores go. kCached: ordinary stores. kStreamPools: the pool
+// rows (k_pool, v_pool) non-temporal, q_rot and k_rot cached: a pool row is
+// a random row of a pool far larger than any cache, so an ordinary store
+// would first read its lines from memory (a decode step's longest wait),
+// while q_rot and k_rot are read by attention next. kStreamAll: every store
+// non-temporal (large calls, whose outputs would evict each other anyway).
+enum class Stores { kCached, kStreamPools, kStreamAll };
+
 // Heads [h_begin, h_end) of token t (q heads first, then k/v heads), with
 // the token's cos/sin in c/s.
-template <class Ops, bool kStream>
+template <class Ops, Stores kStores>
 HWY_INLINE void TokenHeads(const Problem& p, int64_t t, int64_t h_begin, int64_t h_end,
                            const float* HWY_RESTRICT c, const float* HWY_RESTRICT s,
                            bool contiguous, const Scratch& sc) {
   using T = typename Ops::T;
+  constexpr bool kAll = kStores == Stores::kStreamAll;
+  constexpr bool kPools = kStores != Stores::kCached;
   const int64_t D = p.head_dim, R = p.rotary_dim, half = R / 2;
   const int64_t Hq = p.num_qo_heads;
   const int64_t slot = load_index(p.slots, p.slot_type, t);
   const int64_t hq_end = std::min(h_end, Hq);
   for (int64_t h = h_begin; h < hq_end; ++h) {
     if (contiguous) {
-      RotateRow<Ops, kStream>(Row<T>(p.q, t, h), Row<T>(p.q_rot, t, h), nullptr, c, s, half, R, D);
+      RotateRow<Ops, kAll>(Row<T>(p.q, t, h), Row<T>(p.q_rot, t, h), nullptr, c, s, half, R, D);
     } else {
       RotateHeadStrided<Ops>(p.q, p.q_rot, nullptr, t, h, 0, p, c, s, sc);
     }
   }
   for (int64_t hk = std::max(h_begin, Hq) - Hq; hk < h_end - Hq; ++hk) {
     T* pool_row = slot >= 0 ? Row<T>(p.k_pool, slot, hk) : nullptr;
-    if (contiguous) {
-      RotateRow<Ops, kStream>(Row<T>(p.k, t, hk), Row<T>(p.k_rot, t, hk), pool_row, c, s, half,
-                              R, D);
+    T* k_rot_row = Row<T>(p.k_rot, t, hk);
+    if (kStores == Stores::kStreamPools) {
+      // The pool row is copied from k_rot, just stored and still in L1.
+      RotateRow<Ops, false>(Row<T>(p.k, t, hk), k_rot_row, nullptr, c, s, half, R, D);
+      if (pool_row) StreamCopy(k_rot_row, pool_row, D * static_cast<int64_t>(sizeof(T)));
+    } else if (contiguous) {
+      RotateRow<Ops, kAll>(Row<T>(p.k, t, hk), k_rot_row, pool_row, c, s, half, R, D);
     } else {
       RotateHeadStrided<Ops>(p.k, p.k_rot, slot >= 0 ? &p.k_pool : nullptr, t, hk, slot, p, c, s,
                              sc);
@@ -140,12 +152,10 @@ HWY_INLINE void TokenHeads(const Problem& p, int64_t t, int64_t h_begin, int64_t
     if (slot < 0) continue;
     const T* vs = Row<T>(p.v, t, hk);
     T* vd = Row<T>(p.v_pool, slot, hk);
-    if (p.v.stride[2] == 1 && p.v_pool.stride[2] == 1) {
-      if (kStream) {
-        StreamCopy<Ops>(vs, vd, D);
-      } else {
-        std::memcpy(vd, vs, D * sizeof(T));
-      }
+    if (kPools) {
+      StreamCopy(vs, vd, D * static_cast<int64_t>(sizeof(T)));
+    } else if (p.v.stride[2] == 1 && p.v_pool.stride[2] == 1) {
+      std::memcpy(vd, vs, D * sizeof(T));
     } else {
       for (int64_t d = 0; d < D; ++d) vd[d * p.v_pool.stride[2]] = vs[d * p.v.stride[2]];
     }
@@ -174,65 +184,79 @@ HWY_INLINE void TokenSinCos(const Problem& p, const float* inv_freq, int64_t t, 
   }
 }
 
-// Whether every store of a call can be a non-temporal vector store: rows
-// contiguous and whole vectors, every output row aligned to the vector.
-template <class Ops>
-bool CanStream(const Problem& p) {
-  using T = typename Ops::T;
-  const int64_t vec_bytes = static_cast<int64_t>(hn::Lanes(DF()) * sizeof(T));
-  // A packed vector narrower than 16 bytes (16-bit types on 128-bit targets,
-  // SCALAR) cannot be streamed: Highway's Stream writes a whole 16-byte
-  // register (and needs 16-byte alignment) whatever the lane count.
-  if (vec_bytes < 16) return false;
-  const int64_t half = p.rotary_dim / 2;
-  if (p.rotary_dim != p.head_dim || (half * static_cast<int64_t>(sizeof(T))) % vec_bytes != 0)
-    return false;
-  auto aligned = [&](const View3& a) {
-    if (a.stride[2] != 1) return false;
-    if (reinterpret_cast<uintptr_t>(a.data) % vec_bytes != 0) return false;
-    for (int i = 0; i < 2; ++i)
-      if ((a.stride[i] * static_cast<int64_t>(sizeof(T))) % vec_bytes != 0) return false;
-    return true;
-  };
-  return aligned(p.q_rot) && aligned(p.k_rot) && aligned(p.k_pool) && aligned(p.v_pool) &&
-         p.q.stride[2] == 1 && p.k.stride[2] == 1 && p.v.stride[2] == 1;
-}
-
 bool Contiguous(const Problem& p) {
   return p.q.stride[2] == 1 && p.k.stride[2] == 1 && p.q_rot.stride[2] == 1 &&
          p.k_rot.stride[2] == 1 && p.k_pool.stride[2] == 1;
 }
 
+// Whether the rows of `a` are contiguous and each starts on a multiple of
+// `align` bytes.
+bool RowsAligned(const View3& a, int64_t elem_bytes, int64_t align) {
+  if (a.stride[2] != 1 || reinterpret_cast<uintptr_t>(a.data) % align != 0) return false;
+  for (int i = 0; i < 2; ++i)
+    if ((a.stride[i] * elem_bytes) % align != 0) return false;
+  return true;
+}
+
+// The stores a call takes (see Stores). kStreamAll: a large call, every
+// output row aligned to the vector and made of whole vectors. kStreamPools:
+// a large pool, contiguous rows of whole 16-byte blocks (StreamCopy), pool
+// rows 16-byte aligned.
+template <class Ops>
+Stores PickStores(const Problem& p, bool large) {
+  using T = typename Ops::T;
+  const int64_t e = static_cast<int64_t>(sizeof(T));
+  const int64_t vec_bytes = static_cast<int64_t>(hn::Lanes(DF())) * e;
+  const bool inputs = p.q.stride[2] == 1 && p.k.stride[2] == 1 && p.v.stride[2] == 1;
+  // A pool smaller than kStreamMinBytes may be in cache (a test, a toy
+  // model); its rows are stored there.
+  const bool pools = Contiguous(p) && inputs && (p.head_dim * e) % 16 == 0 &&
+                     p.pool_size * p.k_pool.stride[0] * e >= host::kStreamMinBytes &&
+                     RowsAligned(p.k_pool, e, 16) && RowsAligned(p.v_pool, e, 16);
+  // A packed vector narrower than 16 bytes (16-bit types on 128-bit targets,
+  // SCALAR) cannot be streamed by RotateRow: Highway's Stream writes a whole
+  // 16-byte register (and needs 16-byte alignment) whatever the lane count.
+  if (large && vec_bytes >= 16 && p.rotary_dim == p.head_dim &&
+      (p.rotary_dim / 2 * e) % vec_bytes == 0 && inputs && RowsAligned(p.q_rot, e, vec_bytes) &&
+      RowsAligned(p.k_rot, e, vec_bytes) && RowsAligned(p.k_pool, e, vec_bytes) &&
+      RowsAligned(p.v_pool, e, vec_bytes))
+    return Stores::kStreamAll;
+  return pools ? Stores::kStreamPools : Stores::kCached;
+}
+
 // Whole tokens [t0, t1): the cos/sin of each token computed once, reused by
 // all its heads.
-template <class Ops, bool kStream>
+template <class Ops, Stores kStores>
 void TokensT(const Problem& p, const float* inv_freq, int64_t t0, int64_t t1, const Scratch& sc) {
   const bool contiguous = Contiguous(p);
   const int64_t heads = p.num_qo_heads + p.num_kv_heads;
   for (int64_t t = t0; t < t1; ++t) {
     TokenSinCos(p, inv_freq, t, sc.cos, sc.sin, sc.theta);
-    TokenHeads<Ops, kStream>(p, t, 0, heads, sc.cos, sc.sin, contiguous, sc);
+    TokenHeads<Ops, kStores>(p, t, 0, heads, sc.cos, sc.sin, contiguous, sc);
   }
-  if (kStream) hwy::FlushStream();
+  if (kStores != Stores::kCached) hwy::FlushStream();
 }
 
 template <class Ops>
-void TokensDtype(const Problem& p, const float* inv_freq, int64_t t0, int64_t t1, bool stream,
+void TokensDtype(const Problem& p, const float* inv_freq, int64_t t0, int64_t t1, bool large,
                  const Scratch& sc) {
-  if (stream && CanStream<Ops>(p)) return TokensT<Ops, true>(p, inv_freq, t0, t1, sc);
-  TokensT<Ops, false>(p, inv_freq, t0, t1, sc);
+  switch (PickStores<Ops>(p, large)) {
+    case Stores::kStreamAll: return TokensT<Ops, Stores::kStreamAll>(p, inv_freq, t0, t1, sc);
+    case Stores::kStreamPools: return TokensT<Ops, Stores::kStreamPools>(p, inv_freq, t0, t1, sc);
+    case Stores::kCached: return TokensT<Ops, Stores::kCached>(p, inv_freq, t0, t1, sc);
+  }
 }
 
-void ProcessTokens(const Problem& p, const float* inv_freq, int64_t t0, int64_t t1, bool stream,
+void ProcessTokens(const Problem& p, const float* inv_freq, int64_t t0, int64_t t1, bool large,
                    const Scratch& sc) {
   switch (p.dtype) {
-    case FloatType::kF32: return TokensDtype<F32>(p, inv_freq, t0, t1, stream, sc);
-    case FloatType::kF16: return TokensDtype<F16>(p, inv_freq, t0, t1, stream, sc);
+    case FloatType::kF32: return TokensDtype<F32>(p, inv_freq, t0, t1, large, sc);
+    case FloatType::kF16: return TokensDtype<F16>(p, inv_freq, t0, t1, large, sc);
     case FloatType::kBF16:
 #if defined(ROPEKV_HAVE_BF16_NATIVE)
-      if (host::cpu_has_avx512_bf16()) return TokensDtype<BF16Native>(p, inv_freq, t0, t1, stream, sc);
+      if (host::cpu_has_avx512_bf16()) return TokensDtype<BF16Native>(p, inv_freq, t0, t1, large, sc);
 #endif
-      return TokensDtype<BF16>(p, inv_freq, t0, t1, stream, sc);
+      return TokensDtype<BF16>(p, inv_freq, t0, t1, large, sc);
   }
 }
 
@@ -244,18 +268,29 @@ void SinCosTable(const Problem& p, const float* inv_freq, float* table, int64_t 
     TokenSinCos(p, inv_freq, t, table + t * stride, table + t * stride + stride / 2, theta);
 }
 
+template <class Ops>
+void HeadsDtype(const Problem& p, const float* c, const float* s, int64_t t, int64_t h0,
+                int64_t h1, const Scratch& sc) {
+  // Few large tokens: the pools may stream, the rest stays cached.
+  if (PickStores<Ops>(p, false) == Stores::kStreamPools) {
+    TokenHeads<Ops, Stores::kStreamPools>(p, t, h0, h1, c, s, true, sc);
+    hwy::FlushStream();
+    return;
+  }
+  TokenHeads<Ops, Stores::kCached>(p, t, h0, h1, c, s, Contiguous(p), sc);
+}
+
 // Heads [h0, h1) of token t, its cos/sin given.
 void ProcessHeads(const Problem& p, const float* c, const float* s, int64_t t, int64_t h0,
                   int64_t h1, const Scratch& sc) {
-  const bool contiguous = Contiguous(p);
   switch (p.dtype) {
-    case FloatType::kF32: return TokenHeads<F32, false>(p, t, h0, h1, c, s, contiguous, sc);
-    case FloatType::kF16: return TokenHeads<F16, false>(p, t, h0, h1, c, s, contiguous, sc);
+    case FloatType::kF32: return HeadsDtype<F32>(p, c, s, t, h0, h1, sc);
+    case FloatType::kF16: return HeadsDtype<F16>(p, c, s, t, h0, h1, sc);
     case FloatType::kBF16:
 #if defined(ROPEKV_HAVE_BF16_NATIVE)
-      if (host::cpu_has_avx512_bf16()) return TokenHeads<BF16Native, false>(p, t, h0, h1, c, s, contiguous, sc);
+      if (host::cpu_has_avx512_bf16()) return HeadsDtype<BF16Native>(p, c, s, t, h0, h1, sc);
 #endif
-      return TokenHeads<BF16, false>(p, t, h0, h1, c, s, contiguous, sc);
+      return HeadsDtype<BF16>(p, c, s, t, h0, h1, sc);
   }
 }
 
@@ -295,7 +330,7 @@ void run(const Problem& p, const ExecOptions& options) {
   const float* inv_freq = inv_freq_table(p.freq);
   const int64_t T = p.num_tokens;
   const int64_t heads = p.num_qo_heads + p.num_kv_heads;
-  const bool stream = bytes_written(p) >= kStreamMinBytes;
+  const bool large = bytes_written(p) >= kStreamMinBytes;
 
   // Few large tokens: their cos/sin once, in the caller's table (see
   // run_planned); the threads read it through `tab` (a thread_local named in
@@ -306,7 +341,7 @@ void run(const Problem& p, const ExecOptions& options) {
   run_planned(
       T, heads, plan_threads(options, bytes_moved(p)),
       [&](int64_t t0, int64_t t1) {
-        HWY_DYNAMIC_DISPATCH(ProcessTokens)(p, inv_freq, t0, t1, stream, thread_scratch(p));
+        HWY_DYNAMIC_DISPATCH(ProcessTokens)(p, inv_freq, t0, t1, large, thread_scratch(p));
       },
       [&] {
         if (table.size() < static_cast<size_t>(T * stride)) table.resize(T * stride);

@@ -473,6 +473,39 @@ TEST(Cpu, ThreadCountsGiveBitIdenticalResults) {
     }
 }
 
+// Small calls into pools of at least 8 MiB, whose rows the plain path stores
+// non-temporally when they are 16-byte aligned (lead 0) and with ordinary
+// stores when not (lead 1): decode and small prefill shapes, the token and
+// the (token, head-group) thread plans, every target.
+TEST(Cpu, SmallCallsIntoLargePools) {
+  std::mt19937_64 rng(test_seed());
+  const struct {
+    int64_t T, Hq, Hk, D;
+    int threads;
+  } shapes[] = {{1, 32, 8, 128, 1}, {16, 32, 8, 128, 2}, {3, 64, 8, 256, 2}};
+  for (DType dt : kFloatTypes)
+    for (const auto& sh : shapes)
+      for (int64_t lead : {0, 1}) {
+        if (lead == 1 && sh.T != 1) continue;  // one unaligned case per dtype
+        CaseSpec s;
+        s.T = sh.T;
+        s.Hq = sh.Hq;
+        s.Hk = sh.Hk;
+        s.D = sh.D;
+        s.P = (int64_t{8} << 20) / (sh.Hk * sh.D * dtype_size(dt)) + sh.T;
+        s.base = 500000.0;
+        s.dtype = dt;
+        s.layout.lead = lead;
+        Case c = make_case(s, rng);
+        const Expected e = expect(c);
+        SCOPED_TRACE(describe(s) + " lead=" + std::to_string(lead) +
+                     " threads=" + std::to_string(sh.threads));
+        ropekv::ExecOptions opt;
+        opt.num_threads = sh.threads;
+        check_on_all_targets(c, e, opt);
+      }
+}
+
 // Calls from several user threads at once, each with its own head_dim and
 // base, alternating, with and without OpenMP threads of their own: per-thread
 // caches (inv_freq table, scratch) must never leak between calls.
