@@ -34,8 +34,9 @@
 // reference copies one hot buffer.
 //
 // The "options" family times every option of the call (Llama-3.1-8B, bf16,
-// cold) next to the plain call; its bytes count the pools at their real
-// element size and the cos_sin_cache rows read.
+// cold) next to the plain call, "options-warm" the same at T = 1 warm; their
+// bytes count the pools at their real element size and the cos_sin_cache
+// rows read.
 //
 // Run:  build-bench/bench/ropekv_cpu_bench --benchmark_counters_tabular=true
 #include <benchmark/benchmark.h>
@@ -403,6 +404,14 @@ void register_all() {
       b->ArgName("T")->UseRealTime()->Unit(benchmark::kMicrosecond);
       b->Arg(1)->Arg(128)->Arg(1024)->Arg(8192);
     }
+  }
+  // The decode case of each option (T = 1, one thread, warm as the "warm"
+  // family).
+  for (int o = kPlain; o <= kQwen3Like; ++o) {
+    const std::string name = std::string("options-warm/") + kOptionNames[o] + "/threads:1";
+    auto* b = benchmark::RegisterBenchmark(name.c_str(), BM_RopePool, kModels[0], true, 1, kWarm,
+                                           static_cast<Option>(o));
+    b->ArgName("T")->UseRealTime()->Unit(benchmark::kMicrosecond)->Arg(1);
   }
 }
 

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -48,6 +50,17 @@ constexpr int64_t kMinBytesPerThread = 64 * 1024;
 // pool of at least this many bytes at any T: such a pool is taken as not in
 // cache.
 constexpr int64_t kStreamMinBytes = 8 << 20;
+
+// Whether the rows of a large pool are stored non-temporally at any T (see
+// LargePool). For tuning and A/B measurements, read once:
+// ROPEKV_CPU_STREAM_POOLS=0 turns it off.
+inline bool stream_pools_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("ROPEKV_CPU_STREAM_POOLS");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  return on;
+}
 
 // Largest vector of any compiled target, in fp32 lanes (AVX-512): scratch is
 // padded to it (checked per target in rope_options-inl.h).

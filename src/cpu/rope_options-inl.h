@@ -620,9 +620,10 @@ HWY_INLINE PT* PoolRow(const View3& pool, int64_t slot, int64_t hk) {
 // Where v and the pool rows are contiguous (every large aligned call, and
 // every contiguous one), the pool rows are written from the registers
 // through the writer W (k: the packed k_rot vectors as they are stored; v:
-// its vectors as loaded), non-temporally with kStream. Otherwise through
-// scratch rows (PutPoolRow).
-template <class Ops, class W, bool kInterleaved, bool kNorm, bool kStream>
+// its vectors as loaded), non-temporally with kStream or kPoolStream (the
+// pool rows alone, CanStreamPoolsOpt). Otherwise through scratch rows
+// (PutPoolRow).
+template <class Ops, class W, bool kInterleaved, bool kNorm, bool kStream, bool kPoolStream>
 HWY_NOINLINE void KHeadsOpt(const Problem& p, const OptionData& od, int64_t t, int64_t h0,
                             int64_t h1, const float* c, const float* s, RowMode mode,
                             const Scratch& sc) {
@@ -633,15 +634,16 @@ HWY_NOINLINE void KHeadsOpt(const Problem& p, const OptionData& od, int64_t t, i
   const bool regs = mode != RowMode::kStrided && p.v.stride[2] == 1 &&
                     p.k_pool.stride[2] == 1 && p.v_pool.stride[2] == 1 &&
                     (!kStream || W::kCanStream);
+  constexpr bool kPools = (kStream || kPoolStream) && W::kCanStream;
   const W wk(p.k_scale), wv(p.v_scale);
   if (regs) {
     auto head = [&](int64_t hk, float rms) HWY_ATTR __attribute__((always_inline)) {
       PT* const k_dst = PoolRow<PT>(p.k_pool, slot, hk);
       PT* const v_dst = PoolRow<PT>(p.v_pool, slot, hk);
       RotateRowOpt<Ops, kInterleaved, kNorm, kStream>(
-          Row<T>(p.k, t, hk), Row<T>(p.k_rot, t, hk), PoolSink<Ops, W, kStream>{k_dst, &wk}, c, s,
+          Row<T>(p.k, t, hk), Row<T>(p.k_rot, t, hk), PoolSink<Ops, W, kPools>{k_dst, &wk}, c, s,
           od.k_norm, rms, p.rotary_dim, D);
-      if (slot >= 0) PutVRow<Ops, W, kStream>(Row<T>(p.v, t, hk), v_dst, D, wv);
+      if (slot >= 0) PutVRow<Ops, W, kPools>(Row<T>(p.v, t, hk), v_dst, D, wv);
     };
     if constexpr (kNorm) {
       RmsPipelined<Ops>(p.k, t, h0, h1, D, p.norm_eps, head);
@@ -684,7 +686,7 @@ HWY_NOINLINE void KHeadsOpt(const Problem& p, const OptionData& od, int64_t t, i
 }
 
 // Heads [h_begin, h_end) of token t (q heads first, then k/v heads).
-template <class Ops, class W, bool kInterleaved, bool kStream>
+template <class Ops, class W, bool kInterleaved, bool kStream, bool kPoolStream>
 HWY_INLINE void TokenHeadsOpt(const Problem& p, const OptionData& od, int64_t t, int64_t h_begin,
                               int64_t h_end, const float* c, const float* s, RowMode mode,
                               const Scratch& sc) {
@@ -700,9 +702,11 @@ HWY_INLINE void TokenHeadsOpt(const Problem& p, const OptionData& od, int64_t t,
   const int64_t k0 = std::max(h_begin, Hq) - Hq, k1 = h_end - Hq;
   if (k0 < k1) {
     if (od.k_norm) {
-      KHeadsOpt<Ops, W, kInterleaved, true, kStream>(p, od, t, k0, k1, c, s, mode, sc);
+      KHeadsOpt<Ops, W, kInterleaved, true, kStream, kPoolStream>(p, od, t, k0, k1, c, s, mode,
+                                                                  sc);
     } else {
-      KHeadsOpt<Ops, W, kInterleaved, false, kStream>(p, od, t, k0, k1, c, s, mode, sc);
+      KHeadsOpt<Ops, W, kInterleaved, false, kStream, kPoolStream>(p, od, t, k0, k1, c, s, mode,
+                                                                   sc);
     }
   }
 }
@@ -816,12 +820,30 @@ HWY_INLINE bool CanStreamOpt(const Problem& p) {
   return true;
 }
 
-template <class Ops, class W, bool kInterleaved, bool kStream>
+// Whether the pool rows alone can take whole non-temporal vector stores of
+// the writer W (KHeadsOpt's register path) in a call that is not large:
+// pools of at least kStreamMinBytes (LargePool), contiguous rows aligned to
+// W's vector, every store position a whole vector (R = D, half a whole
+// number of lanes), and rows of q, k, v, q_rot and k_rot contiguous.
+template <class Ops, class W>
+HWY_INLINE bool CanStreamPoolsOpt(const Problem& p) {
+  if (!W::kCanStream) return false;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(DF()));
+  const int64_t pe = static_cast<int64_t>(sizeof(typename W::PT));
+  if (p.rotary_dim != p.head_dim || (p.rotary_dim / 2) % n != 0) return false;
+  if (p.q.stride[2] != 1 || p.k.stride[2] != 1 || p.v.stride[2] != 1 || p.q_rot.stride[2] != 1 ||
+      p.k_rot.stride[2] != 1)
+    return false;
+  return LargePool(p, pe) && RowsAligned(p.k_pool, pe, n * pe) && RowsAligned(p.v_pool, pe, n * pe);
+}
+
+template <class Ops, class W, bool kInterleaved, bool kStream, bool kPoolStream = false>
 HWY_INLINE void RunOptT(const OptWork& w, RowMode mode) {
   const Problem& p = *w.p;
   const Scratch& sc = *w.sc;
   if (w.heads) {
-    TokenHeadsOpt<Ops, W, kInterleaved, kStream>(p, *w.od, w.t0, w.h0, w.h1, w.c, w.s, mode, sc);
+    TokenHeadsOpt<Ops, W, kInterleaved, kStream, kPoolStream>(p, *w.od, w.t0, w.h0, w.h1, w.c, w.s,
+                                                              mode, sc);
   } else {
     // Each token's cos/sin just before its heads (as the plain path): their
     // compute overlaps the memory traffic of the heads around them. (Made
@@ -830,11 +852,11 @@ HWY_INLINE void RunOptT(const OptWork& w, RowMode mode) {
     const int64_t heads = p.num_qo_heads + p.num_kv_heads;
     for (int64_t t = w.t0; t < w.t1; ++t) {
       TokenCosSinOpt(p, w.od->inv_freq, t, sc.cos, sc.sin, sc);
-      TokenHeadsOpt<Ops, W, kInterleaved, kStream>(p, *w.od, t, 0, heads, sc.cos, sc.sin, mode,
-                                                   sc);
+      TokenHeadsOpt<Ops, W, kInterleaved, kStream, kPoolStream>(p, *w.od, t, 0, heads, sc.cos,
+                                                                sc.sin, mode, sc);
     }
   }
-  if (kStream) hwy::FlushStream();
+  if (kStream || kPoolStream) hwy::FlushStream();
 }
 
 template <class Ops, class W, bool kInterleaved>
@@ -842,6 +864,8 @@ HWY_INLINE void RunOptW(const OptWork& w) {
   const Problem& p = *w.p;
   if (w.stream && CanStreamOpt<Ops>(p))
     return RunOptT<Ops, W, kInterleaved, true>(w, RowMode::kStream);
+  if (CanStreamPoolsOpt<Ops, W>(p))
+    return RunOptT<Ops, W, kInterleaved, false, true>(w, RowMode::kDirect);
   const bool contiguous =
       p.q.stride[2] == 1 && p.k.stride[2] == 1 && p.q_rot.stride[2] == 1 && p.k_rot.stride[2] == 1;
   RunOptT<Ops, W, kInterleaved, false>(w, contiguous ? RowMode::kDirect : RowMode::kStrided);

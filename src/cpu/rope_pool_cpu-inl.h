@@ -16,6 +16,7 @@
 
 #include "common/fp8.h"
 #include "common/sincos.h"
+#include "cpu/host.h"
 #include "problem.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -38,6 +39,24 @@ using VU16 = hn::Vec<DU16>;
 template <class T>
 HWY_INLINE T* Row(const View3& a, int64_t r, int64_t h) {
   return static_cast<T*>(a.data) + r * a.stride[0] + h * a.stride[1];
+}
+
+// Whether the rows of `a` are contiguous and each starts on a multiple of
+// `align` bytes.
+HWY_INLINE bool RowsAligned(const View3& a, int64_t elem_bytes, int64_t align) {
+  if (a.stride[2] != 1 || reinterpret_cast<uintptr_t>(a.data) % align != 0) return false;
+  for (int i = 0; i < 2; ++i)
+    if ((a.stride[i] * elem_bytes) % align != 0) return false;
+  return true;
+}
+
+// Whether the pools are large enough (kStreamMinBytes each, by k_pool's row
+// stride) to be taken as not in cache: their rows are then stored
+// non-temporally at any T (unless ROPEKV_CPU_STREAM_POOLS=0). A smaller
+// pool may be in cache (a test, a toy model); its rows are stored there.
+HWY_INLINE bool LargePool(const Problem& p, int64_t pool_elem_bytes) {
+  return p.pool_size * p.k_pool.stride[0] * pool_elem_bytes >= host::kStreamMinBytes &&
+         host::stream_pools_enabled();
 }
 
 template <class T>

@@ -189,15 +189,6 @@ bool Contiguous(const Problem& p) {
          p.k_rot.stride[2] == 1 && p.k_pool.stride[2] == 1;
 }
 
-// Whether the rows of `a` are contiguous and each starts on a multiple of
-// `align` bytes.
-bool RowsAligned(const View3& a, int64_t elem_bytes, int64_t align) {
-  if (a.stride[2] != 1 || reinterpret_cast<uintptr_t>(a.data) % align != 0) return false;
-  for (int i = 0; i < 2; ++i)
-    if ((a.stride[i] * elem_bytes) % align != 0) return false;
-  return true;
-}
-
 // The stores a call takes (see Stores). kStreamAll: a large call, every
 // output row aligned to the vector and made of whole vectors. kStreamPools:
 // a large pool, contiguous rows of whole 16-byte blocks (StreamCopy), pool
@@ -208,10 +199,8 @@ Stores PickStores(const Problem& p, bool large) {
   const int64_t e = static_cast<int64_t>(sizeof(T));
   const int64_t vec_bytes = static_cast<int64_t>(hn::Lanes(DF())) * e;
   const bool inputs = p.q.stride[2] == 1 && p.k.stride[2] == 1 && p.v.stride[2] == 1;
-  // A pool smaller than kStreamMinBytes may be in cache (a test, a toy
-  // model); its rows are stored there.
   const bool pools = Contiguous(p) && inputs && (p.head_dim * e) % 16 == 0 &&
-                     p.pool_size * p.k_pool.stride[0] * e >= host::kStreamMinBytes &&
+                     LargePool(p, e) &&
                      RowsAligned(p.k_pool, e, 16) && RowsAligned(p.v_pool, e, 16);
   // A packed vector narrower than 16 bytes (16-bit types on 128-bit targets,
   // SCALAR) cannot be streamed by RotateRow: Highway's Stream writes a whole

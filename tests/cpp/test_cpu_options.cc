@@ -928,6 +928,41 @@ TEST(CpuOptions, LargeAlignedCallsOnEveryTarget) {
   }
 }
 
+// Small calls into pools of at least 8 MiB, 64-byte aligned, whose rows the
+// options path stores non-temporally (from the registers, in the pool's
+// format) while q_rot and k_rot stay in cache: each option, T = 1, 3 and 16
+// in turn, every target; 1 and 2 threads give the same bytes (T = 3 takes
+// the (token, head-group) plan on two threads, T = 16 splits the tokens).
+TEST(CpuOptions, SmallCallsIntoLargePools) {
+  std::mt19937_64 rng(test_seed());
+  int n = 0;
+  for (const Option& op : kOptions) {
+    OptSpec s;
+    s.T = n % 3 == 0 ? 1 : n % 3 == 1 ? 3 : 16;
+    s.Hq = s.T == 3 ? 64 : 32;
+    s.Hk = 8;
+    s.D = s.T == 3 ? 256 : 128;
+    s.base = 500000.0;
+    s.dtype = kFloatTypes[(n / 3) % 3];
+    s.align64 = true;
+    s.cache_rows = 2048;
+    ++n;
+    op.apply(&s);
+    const int64_t pool_elem = s.pool == PoolKind::kE4M3 || s.pool == PoolKind::kE5M2 ? 1
+                              : s.pool == PoolKind::kF32                          ? 4
+                                                                                  : dtype_size(s.dtype);
+    s.P = (int64_t{8} << 20) / (s.Hk * s.D * pool_elem) + s.T;
+    OptCase c = make_opt_case(s, rng);
+    const OptExpected e = expect_opt(c);
+    SCOPED_TRACE(std::string(op.name) + ": " + describe(s));
+    check_opt_on_all_targets(c, e);
+    run_and_check_opt(c, e, 1);
+    const std::vector<uint8_t> one = opt_result_bytes(c);
+    run_and_check_opt(c, e, 2);
+    EXPECT_TRUE(opt_result_bytes(c) == one) << "2 threads differ from 1";
+  }
+}
+
 // The vector fp8 encoder against the table oracle, bit for bit, on every
 // target: v (v_scale 1, then others) holds every sign and exponent with
 // mantissas at and around each rounding boundary, the special values, and
