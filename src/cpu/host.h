@@ -165,5 +165,9 @@ void run_planned(int64_t T, int64_t heads, int threads, const Tokens& tokens, co
 /// The options path (rope_options_cpu.cc): every call that is not is_plain.
 void run_options(const Problem& p, const ExecOptions& options);
 
+/// One unit of the options path with interleaved pairs
+/// (rope_options_interleaved_cpu.cc).
+void process_options_interleaved(const OptWork& w);
+
 }  // namespace cpu
 }  // namespace ropekv

@@ -891,14 +891,6 @@ HWY_NOINLINE void RunOpt(const OptWork& w) {
   }
 }
 
-/// The options path for one storage type (the pair layout picked here, once
-/// per call).
-template <class Ops>
-HWY_INLINE void RunOptions(const OptWork& w) {
-  if (w.p->is_neox) return RunOpt<Ops, false>(w);
-  RunOpt<Ops, true>(w);
-}
-
 /// cos/sin of tokens [0, T) into `table` for the (token, head-group) units:
 /// token t's c at t * stride, its s at t * stride + stride / 2.
 HWY_INLINE void CosSinTableOpt(const Problem& p, const OptionData& od, float* table, int64_t stride,

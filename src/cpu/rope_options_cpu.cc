@@ -2,8 +2,10 @@
 // pairs, a cos_sin_cache, QK-norm, float32 and fp8 pools, in place; yarn's
 // attention factor alone takes the plain path), on the same thread plan as the plain path
 // (rope_pool_cpu.cc). The kernels are in rope_options-inl.h; this file holds
-// their dispatch and the per-call setup. A translation unit of its own: its
-// many instantiations compile in parallel with the plain path's.
+// their NeoX-pair instantiations and the per-call setup, and
+// rope_options_interleaved_cpu.cc the interleaved ones: translation units of
+// their own, whose many instantiations compile in parallel with each other
+// and with the plain path.
 
 #include <algorithm>
 #include <cstring>
@@ -27,18 +29,18 @@ namespace ropekv {
 namespace cpu {
 namespace HWY_NAMESPACE {
 
-// The options path (every call that is not is_plain): see rope_options-inl.h.
-void ProcessOptions(const OptWork& w) {
+// The options path with NeoX pairs: see rope_options-inl.h.
+void ProcessOptionsNeox(const OptWork& w) {
   switch (w.p->dtype) {
     case FloatType::kF32:
-      return RunOptions<F32>(w);
+      return RunOpt<F32, false>(w);
     case FloatType::kF16:
-      return RunOptions<F16>(w);
+      return RunOpt<F16, false>(w);
     case FloatType::kBF16:
 #if defined(ROPEKV_HAVE_BF16_NATIVE)
-      if (host::cpu_has_avx512_bf16()) return RunOptions<BF16Native>(w);
+      if (host::cpu_has_avx512_bf16()) return RunOpt<BF16Native, false>(w);
 #endif
-      return RunOptions<BF16>(w);
+      return RunOpt<BF16, false>(w);
   }
 }
 
@@ -56,11 +58,17 @@ HWY_AFTER_NAMESPACE();
 namespace ropekv {
 namespace cpu {
 
-HWY_EXPORT(ProcessOptions);
+HWY_EXPORT(ProcessOptionsNeox);
 HWY_EXPORT(OptionsCosSinTable);
 
 namespace {
 using namespace host;
+
+// A unit of the options path, through the pair layout's kernels.
+void process(const OptWork& w) {
+  if (w.p->is_neox) return HWY_DYNAMIC_DISPATCH(ProcessOptionsNeox)(w);
+  process_options_interleaved(w);
+}
 
 // Element i of the float array `data` of `dtype`, widened exactly to fp32.
 float widen(const void* data, FloatType dtype, int64_t i) {
@@ -137,8 +145,7 @@ void run_options(const Problem& p, const ExecOptions& options) {
       T, heads, plan_threads(options, option_bytes_moved(p)),
       [&](int64_t t0, int64_t t1) {
         const Scratch sc = thread_scratch(p);
-        HWY_DYNAMIC_DISPATCH(ProcessOptions)
-        (OptWork{&p, &od, &sc, t0, t1, false, stream, nullptr, nullptr, 0, 0});
+        process(OptWork{&p, &od, &sc, t0, t1, false, stream, nullptr, nullptr, 0, 0});
       },
       [&] {
         if (table.size() < static_cast<size_t>(T * stride)) table.resize(T * stride);
@@ -149,8 +156,7 @@ void run_options(const Problem& p, const ExecOptions& options) {
       [&](int64_t t, int64_t h0, int64_t h1) {
         const float* row = tab + t * stride;
         const Scratch sc = thread_scratch(p);
-        HWY_DYNAMIC_DISPATCH(ProcessOptions)
-        (OptWork{&p, &od, &sc, t, t + 1, true, stream, row, row + part, h0, h1});
+        process(OptWork{&p, &od, &sc, t, t + 1, true, stream, row, row + part, h0, h1});
       });
 }
 
