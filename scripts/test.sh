@@ -8,5 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 ctest --test-dir build --output-on-failure -j"$(nproc)"
+# The frameworks the Python suite tests where they install (its tests skip
+# without them, as on a GPU machine without network): here they must be.
+.venv/bin/python -c "import mlx.core, jax, torch, transformers"
 .venv/bin/python -m pytest tests/python -q
 scripts/sanitize.sh
