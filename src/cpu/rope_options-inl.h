@@ -891,6 +891,24 @@ HWY_NOINLINE void RunOpt(const OptWork& w) {
   }
 }
 
+/// The options path for one pair layout: the storage type picked here, once
+/// per call (rope_options_cpu.cc instantiates the NeoX layout,
+/// rope_options_interleaved_cpu.cc the interleaved one).
+template <bool kInterleaved>
+HWY_INLINE void RunOptionsLayout(const OptWork& w) {
+  switch (w.p->dtype) {
+    case FloatType::kF32:
+      return RunOpt<F32, kInterleaved>(w);
+    case FloatType::kF16:
+      return RunOpt<F16, kInterleaved>(w);
+    case FloatType::kBF16:
+#if defined(ROPEKV_HAVE_BF16_NATIVE)
+      if (host::cpu_has_avx512_bf16()) return RunOpt<BF16Native, kInterleaved>(w);
+#endif
+      return RunOpt<BF16, kInterleaved>(w);
+  }
+}
+
 /// cos/sin of tokens [0, T) into `table` for the (token, head-group) units:
 /// token t's c at t * stride, its s at t * stride + stride / 2.
 HWY_INLINE void CosSinTableOpt(const Problem& p, const OptionData& od, float* table, int64_t stride,

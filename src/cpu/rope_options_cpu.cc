@@ -30,19 +30,7 @@ namespace cpu {
 namespace HWY_NAMESPACE {
 
 // The options path with NeoX pairs: see rope_options-inl.h.
-void ProcessOptionsNeox(const OptWork& w) {
-  switch (w.p->dtype) {
-    case FloatType::kF32:
-      return RunOpt<F32, false>(w);
-    case FloatType::kF16:
-      return RunOpt<F16, false>(w);
-    case FloatType::kBF16:
-#if defined(ROPEKV_HAVE_BF16_NATIVE)
-      if (host::cpu_has_avx512_bf16()) return RunOpt<BF16Native, false>(w);
-#endif
-      return RunOpt<BF16, false>(w);
-  }
-}
+void ProcessOptionsNeox(const OptWork& w) { RunOptionsLayout<false>(w); }
 
 void OptionsCosSinTable(const Problem& p, const OptionData& od, float* table, int64_t stride,
                         const Scratch& sc) {

@@ -21,19 +21,7 @@ namespace ropekv {
 namespace cpu {
 namespace HWY_NAMESPACE {
 
-void ProcessOptionsInterleaved(const OptWork& w) {
-  switch (w.p->dtype) {
-    case FloatType::kF32:
-      return RunOpt<F32, true>(w);
-    case FloatType::kF16:
-      return RunOpt<F16, true>(w);
-    case FloatType::kBF16:
-#if defined(ROPEKV_HAVE_BF16_NATIVE)
-      if (host::cpu_has_avx512_bf16()) return RunOpt<BF16Native, true>(w);
-#endif
-      return RunOpt<BF16, true>(w);
-  }
-}
+void ProcessOptionsInterleaved(const OptWork& w) { RunOptionsLayout<true>(w); }
 
 }  // namespace HWY_NAMESPACE
 }  // namespace cpu

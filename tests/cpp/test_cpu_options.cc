@@ -894,6 +894,16 @@ TEST(CpuOptions, ThreadCountsGiveBitIdenticalResults) {
     }
 }
 
+// Checks the call on every target, then on 1 and 2 threads, which must give
+// the same bytes.
+void check_targets_and_two_threads(OptCase& c, const OptExpected& e) {
+  check_opt_on_all_targets(c, e);
+  run_and_check_opt(c, e, 1);
+  const std::vector<uint8_t> one = opt_result_bytes(c);
+  run_and_check_opt(c, e, 2);
+  EXPECT_TRUE(opt_result_bytes(c) == one) << "2 threads differ from 1";
+}
+
 // Calls large enough (8 MiB written) for non-temporal stores, with aligned
 // rows, so that they take them: each option, and the plain call; 1 and 2
 // threads give the same bytes.
@@ -920,11 +930,7 @@ TEST(CpuOptions, LargeAlignedCallsOnEveryTarget) {
     OptCase c = make_opt_case(s, rng);
     const OptExpected e = expect_opt(c);
     SCOPED_TRACE(std::string(op.name) + ": " + describe(s));
-    check_opt_on_all_targets(c, e);
-    run_and_check_opt(c, e, 1);
-    const std::vector<uint8_t> one = opt_result_bytes(c);
-    run_and_check_opt(c, e, 2);
-    EXPECT_TRUE(opt_result_bytes(c) == one) << "2 threads differ from 1";
+    check_targets_and_two_threads(c, e);
   }
 }
 
@@ -955,11 +961,7 @@ TEST(CpuOptions, SmallCallsIntoLargePools) {
     OptCase c = make_opt_case(s, rng);
     const OptExpected e = expect_opt(c);
     SCOPED_TRACE(std::string(op.name) + ": " + describe(s));
-    check_opt_on_all_targets(c, e);
-    run_and_check_opt(c, e, 1);
-    const std::vector<uint8_t> one = opt_result_bytes(c);
-    run_and_check_opt(c, e, 2);
-    EXPECT_TRUE(opt_result_bytes(c) == one) << "2 threads differ from 1";
+    check_targets_and_two_threads(c, e);
   }
 }
 
