@@ -20,7 +20,7 @@ run_side() {  # side label
   if [[ $side == *=* ]]; then env=("$side"); elif [ "$side" != - ]; then bin=$side; fi
   env "${env[@]}" "$bin" --benchmark_filter="$filter" --benchmark_min_time=0.2 \
       --benchmark_format=csv 2>/dev/null |
-    awk -F, -v s="$2" '/real_time/ {gsub(/"/, "", $1); print s, $1, $4}'
+    awk -F, -v s="$2" '$1 ~ /real_time/ {gsub(/"/, "", $1); print s, $1, $4}'
 }
 for _ in $(seq "$rounds"); do
   run_side "$side_a" A
