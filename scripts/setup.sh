@@ -20,6 +20,15 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 PY=${PYTHON:-python3}
+# PyPI's PyTorch wheel for Linux brings its CUDA libraries: the environment
+# takes about 6.5 GB, and pip briefly holds the downloaded wheels (about
+# 4 GB) besides. Its cache would keep a third copy that a fresh machine
+# never reuses, so it is off; a short disk is named before pip starts.
+export PIP_NO_CACHE_DIR=1
+free_kb=$(df -Pk . | awk 'NR == 2 { print $4 }')
+if [ ! -x .venv/bin/python ] && [ "${free_kb:-0}" -lt $((12 * 1024 * 1024)) ]; then
+  echo "setup.sh: $((free_kb / 1024)) MiB free here; the Python environment needs about 12 GiB while it installs" >&2
+fi
 if [ ! -x .venv/bin/python ]; then
   $PY -m venv .venv
 fi
