@@ -5,8 +5,10 @@ call with Llama 3.1's rope_scaling, with interleaved pairs, with a QK-norm
 (weights in the input dtype, as Qwen3 has them), with a float32
 cos_sin_cache, with fp8 pools, with q_out / k_out given and in place, each
 through the binding's fast path (the default) and through the general path
-(stream=0, which CPU arrays otherwise ignore). Best of 5 timeit runs of 5000
-calls each.
+(stream=0, which CPU arrays otherwise ignore). Where PyTorch has the DLPack C
+exchange API (2.10 and later), which the fast path reads tensors through,
+also the fast path reading them through their attributes instead, as with
+an older PyTorch. Best of 5 timeit runs of 5000 calls each.
 
 With --cuda (on a GPU machine): the same calls with CUDA tensors, the host
 time per call of a stream of 5000 asynchronous calls (the kernels run
@@ -62,8 +64,12 @@ def main() -> None:
     # The paths timed: the default call (the binding's fast path), the general
     # path (an explicit stream: on the CPU stream=0, which CPU arrays ignore)
     # and, with --ops or --cuda, torch.ops.ropekv.
-    paths = ["fast", "general"] + (["ops"] if ops else [])
-    heads = {"fast": "fast path us", "general": "general path us", "ops": "torch.ops us"}
+    ropekv._torch_fast()  # registers torch with the fast path
+    exchange = hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
+    paths = ["fast"] + (["fast-attributes"] if exchange else []) + ["general"] + (
+        ["ops"] if ops else [])
+    heads = {"fast": "fast path us", "fast-attributes": "fast, attributes", "general":
+             "general path us", "ops": "torch.ops us"}
     print(f"{'dtype':9s} {'call':20s}" + "".join(f" {heads[p]:>16s}" for p in paths))
     profiled = []
     for dt in (torch.bfloat16, torch.float32):
@@ -90,7 +96,7 @@ def main() -> None:
                             q, k, v, pos, slots, k_pool, v_pool, head_dim=D, num_qo_heads=HQ,
                             num_kv_heads=HK, rope_base=500000.0, **kw)
                 else:
-                    stream = None if path == "fast" else (
+                    stream = None if path.startswith("fast") else (
                         torch.cuda.current_stream() if cuda else 0)
 
                     def call(stream=stream, kw=kw):
@@ -103,8 +109,12 @@ def main() -> None:
                         call()
                     if cuda:
                         torch.cuda.synchronize()
+                if path == "fast-attributes":
+                    ropekv._register_fast_torch(torch, exchange_api=False)
                 batch()  # warm up (CUDA: the first calls make the device state)
                 us.append(min(timeit.repeat(batch, number=1, repeat=5)) / 5000 * 1e6)
+                if path == "fast-attributes":
+                    ropekv._register_fast_torch(torch)
                 if "--profile" in sys.argv[1:] and name == "plain" and dt is torch.bfloat16:
                     profiled.append((path, batch))
             print(f"{str(dt).split('.')[1]:9s} {name:20s}" + "".join(f" {u:16.2f}" for u in us))

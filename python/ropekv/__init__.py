@@ -225,15 +225,24 @@ def _torch_fast() -> Optional[Tuple[Any, ...]]:
             return None
         _TORCH_FAST = (torch.Tensor, torch.bfloat16, torch.int16,
                        (torch.float32, torch.float16, torch.int32, torch.int64), torch.strided)
-        fp8 = [(getattr(torch, name), _DL_UINT, 8, _KV_CACHE_DTYPES[kind])
-               for name, kind in _FP8_NAMES.items() if hasattr(torch, name)]
-        _ext.fast_path_types("torch", torch.Tensor, [
-            (torch.float32, _DL_FLOAT, 32), (torch.float16, _DL_FLOAT, 16),
-            (torch.bfloat16, _DL_BFLOAT, 16), (torch.int32, _DL_INT, 32),
-            (torch.int64, _DL_INT, 64), (torch.uint8, _DL_UINT, 8)] + fp8,
-            torch.empty_like, torch.contiguous_format, _torch_current_stream(torch))
+        _register_fast_torch(torch)
         _FAST_TENSOR = torch.Tensor
     return _TORCH_FAST
+
+
+def _register_fast_torch(torch: Any, exchange_api: bool = True) -> bool:
+    """Tells _ext.run_fast torch.Tensor and the dtypes it reads, and (unless
+    exchange_api is False: the tests run both ways) the type's DLPack C
+    exchange API where torch has one (2.10 and later). Returns whether the
+    fast path reads tensors through that API."""
+    fp8 = [(getattr(torch, name), _DL_UINT, 8, _KV_CACHE_DTYPES[kind])
+           for name, kind in _FP8_NAMES.items() if hasattr(torch, name)]
+    return _ext.fast_path_types("torch", torch.Tensor, [
+        (torch.float32, _DL_FLOAT, 32), (torch.float16, _DL_FLOAT, 16),
+        (torch.bfloat16, _DL_BFLOAT, 16), (torch.int32, _DL_INT, 32),
+        (torch.int64, _DL_INT, 64), (torch.uint8, _DL_UINT, 8)] + fp8,
+        torch.empty_like, torch.contiguous_format, _torch_current_stream(torch),
+        getattr(torch.Tensor, "__dlpack_c_exchange_api__", None) if exchange_api else None)
 
 
 def _torch_current_stream(torch: Any) -> Optional[Any]:

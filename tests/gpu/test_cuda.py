@@ -32,6 +32,7 @@ cuda_only = pytest.mark.skipif(DEV != "cuda", reason="CUDA-specific behaviour")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 import reference  # noqa: E402  (tests/python/reference.py)
+from torch_readers import torch_reader  # noqa: E402,F401  (a fixture: both ways of reading tensors)
 
 ref_rope = reference.rope
 MODELS = reference.MODELS
@@ -549,6 +550,7 @@ def general_path():
     return {"stream": torch.cuda.current_stream() if DEV == "cuda" else 0}
 
 
+@pytest.mark.usefixtures("torch_reader")
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("opts", list(FAST_OPTIONS))
 @pytest.mark.parametrize("T", [1, 37])
@@ -599,6 +601,7 @@ def test_fast_path_equals_general_path(dtype, opts, T):
             assert_close(got, ref, mag, f"fast path {dtype} T={T}")
 
 
+@pytest.mark.usefixtures("torch_reader")
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "fp8_e4m3 as uint8", "float32"])
 @pytest.mark.parametrize("T", [1, 37])
 def test_fast_path_pool_formats_equal_general_path(fmt, T):
@@ -640,6 +643,7 @@ def test_fast_path_pool_formats_equal_general_path(fmt, T):
         assert torch.equal(got, want) if got.dtype == torch.uint8 else same_bits(got, want), fmt
 
 
+@pytest.mark.usefixtures("torch_reader")
 @cuda_only
 def test_fast_path_made_outputs_and_side_stream():
     """Outputs made by the fast path are new contiguous CUDA tensors, and the
@@ -663,6 +667,7 @@ def test_fast_path_made_outputs_and_side_stream():
     assert_close(q_rot, ref, mag, "q_rot made by the fast path on a side stream")
 
 
+@pytest.mark.usefixtures("torch_reader")
 @pytest.mark.parametrize("bad", ["positions on the other device", "dtype",
                                  "slot >= P checked", "rank", "odd head_dim"])
 def test_fast_path_errors_are_the_general_paths(bad):

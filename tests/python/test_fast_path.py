@@ -22,6 +22,9 @@ import torch
 import ropekv
 from ropekv import _ext
 from reference import BF16, assert_close, bits, poison, rope
+from torch_readers import torch_reader  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.usefixtures("torch_reader")
 
 RNG = np.random.default_rng()
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -282,6 +285,14 @@ def d_zero_tensor_view(c):
     c["k"] = z
 
 
+def d_empty_zero_tensor(c):
+    # No tokens and k an empty ZeroTensor: with no elements there is no
+    # address to compare with the offset, so the tensor's flag decides.
+    for n in ("q", "v", "positions", "slots", "q_out", "k_out"):
+        c[n] = c[n][:0]
+    c["k"] = torch._efficientzerotensor((0, HK, D), dtype=c["k"].dtype)
+
+
 def d_zero_tensor_pool(c):
     c["v_pool"] = torch._efficientzerotensor((P + 1, HK, D), dtype=c["v_pool"].dtype)[1:]
 
@@ -350,7 +361,8 @@ def d_float_head_dim(c):
     c["kw"] = dict(KW, head_dim=float(D))
 
 
-TORCH_DECLINED = [d_negative_bit, d_zero_tensor_view, d_zero_tensor_pool, d_meta_pool, d_none_pool, d_none_head_dim, d_float64,
+TORCH_DECLINED = [d_negative_bit, d_zero_tensor_view, d_zero_tensor_pool, d_empty_zero_tensor,
+                  d_meta_pool, d_none_pool, d_none_head_dim, d_float64,
                   d_int16_slots, d_parameter, d_sparse_positions, d_four_dims, d_bool_head_dim,
                   d_numpy_int_head_dim, d_huge_head_dim, d_float_head_dim]
 NUMPY_DECLINED = [d_byte_swapped, d_unaligned, d_read_only_pool, d_read_only_output,
