@@ -237,10 +237,12 @@ def _register_fast_torch(torch: Any, exchange_api: bool = True) -> bool:
     fast path reads tensors through that API."""
     fp8 = [(getattr(torch, name), _DL_UINT, 8, _KV_CACHE_DTYPES[kind])
            for name, kind in _FP8_NAMES.items() if hasattr(torch, name)]
-    return _ext.fast_path_types("torch", torch.Tensor, [
-        (torch.float32, _DL_FLOAT, 32), (torch.float16, _DL_FLOAT, 16),
-        (torch.bfloat16, _DL_BFLOAT, 16), (torch.int32, _DL_INT, 32),
-        (torch.int64, _DL_INT, 64), (torch.uint8, _DL_UINT, 8)] + fp8,
+    table = [(torch.float32, _DL_FLOAT, 32, 0), (torch.float16, _DL_FLOAT, 16, 0),
+             (torch.bfloat16, _DL_BFLOAT, 16, 0), (torch.int32, _DL_INT, 32, 0),
+             (torch.int64, _DL_INT, 64, 0), (torch.uint8, _DL_UINT, 8, 0)] + fp8
+    # each with an empty tensor of it: the API names dtypes by their DLPack type
+    return _ext.fast_path_types("torch", torch.Tensor,
+        [entry + (torch.empty(0, dtype=entry[0]),) for entry in table],
         torch.empty_like, torch.contiguous_format, _torch_current_stream(torch),
         getattr(torch.Tensor, "__dlpack_c_exchange_api__", None) if exchange_api else None)
 

@@ -174,6 +174,9 @@ struct FastDtype {
   // An fp8 dtype: the KvCacheDtype its values are (read as uint8, as the
   // core takes fp8 pools); 0 for every other dtype.
   int fp8 = 0;
+  // torch with the DLPack C exchange API: the type the API gives a tensor of
+  // this dtype, which identifies the dtype there (no dtype attribute read).
+  DLDataType exported{};
 };
 
 // An attribute (or a method called without arguments) of the registered
@@ -295,14 +298,18 @@ Member member(PyTypeObject* type, const char* name, bool call) {
 }
 
 // Looks o.dtype up in the framework's table.
+void set_dtype(const FastDtype& d, FastView& v) {
+  v.t.dtype = d.code;
+  v.dtype = d.dtype;
+  v.fp8 = d.fp8;
+}
+
 bool dtype_of(PyObject* o, const FastFramework& fw, FastView& v) {
   PyObject* dtype = attr(o, fw.members[kDtype]);
   if (!dtype) return false;
   for (const FastDtype& d : fw.dtypes)
     if (d.dtype == dtype) {
-      v.t.dtype = d.code;
-      v.dtype = d.dtype;
-      v.fp8 = d.fp8;
+      set_dtype(d, v);
       break;
     }
   Py_DECREF(dtype);
@@ -370,16 +377,21 @@ bool torch_device(const FastTypes& f, DLDevice d, FastView& v) {
   return true;
 }
 
-// Device, shape, strides and address through DLPack's exchange API.
+// Dtype, device, shape, strides and address through DLPack's exchange API.
 bool torch_fields_exchange(PyObject* o, const FastTypes& f, FastView& v, int& n) {
   DLTensor d{};
   if (f.torch.exchange->dltensor_from_py_object_no_sync(o, &d) != 0) {
     PyErr_Clear();  // sparse, MKL-DNN and other tensors DLPack cannot describe
     return false;
   }
-  if (!torch_device(f, d.device, v) || d.ndim < 0 || d.ndim > kFastMaxDims ||
-      d.dtype.bits != v.t.dtype.bits || d.dtype.lanes != 1)
-    return false;
+  if (!torch_device(f, d.device, v) || d.ndim < 0 || d.ndim > kFastMaxDims) return false;
+  for (const FastDtype& t : f.torch.dtypes)
+    if (t.exported.code == d.dtype.code && t.exported.bits == d.dtype.bits &&
+        t.exported.lanes == d.dtype.lanes) {
+      set_dtype(t, v);
+      break;
+    }
+  if (!v.dtype) return false;
   n = d.ndim;
   int64_t row_major = 1;  // (null strides: row-major)
   for (int i = n - 1; i >= 0; --i) {
@@ -436,9 +448,9 @@ bool torch_fields_attributes(PyObject* o, const FastTypes& f, FastView& v, int& 
 
 bool torch_view(PyObject* o, const FastTypes& f, FastView& v) {
   const FastFramework& fw = f.torch;
-  if (!dtype_of(o, fw, v)) return false;
   int n = -1;
-  if (!(fw.exchange ? torch_fields_exchange(o, f, v, n) : torch_fields_attributes(o, f, v, n)))
+  if (!(fw.exchange ? torch_fields_exchange(o, f, v, n)
+                    : dtype_of(o, fw, v) && torch_fields_attributes(o, f, v, n)))
     return false;
   // A tensor with the negative bit (e.g. z.conj().imag) holds its values
   // negated: the general path raises for it. (A tensor that requires grad
@@ -578,10 +590,10 @@ bool fast_float(PyObject* o, double& out) {
 // Registers numpy.ndarray (with numpy.empty) or torch.Tensor (with
 // torch.empty_like, torch.contiguous_format and, where torch has CUDA, its
 // current raw stream of a device index) and the dtypes run_fast reads for
-// it: (dtype, DLPack type code, bits) each, and for fp8 dtypes the
-// KvCacheDtype of their values as a fourth entry; for torch also the type's
-// DLPack C exchange API capsule, or None. Returns whether torch tensors are
-// read through that API.
+// it: (dtype, DLPack type code, bits) each, for fp8 dtypes the KvCacheDtype
+// of their values as a fourth entry (else 0), and for torch an empty tensor
+// of the dtype as a fifth; for torch also the type's DLPack C exchange API
+// capsule, or None. Returns whether torch tensors are read through that API.
 bool fast_path_types(const std::string& framework, nb::handle type, nb::list dtypes,
                      nb::handle empty, nb::handle contiguous_format,
                      nb::handle current_stream, nb::handle exchange_api) {
@@ -590,11 +602,13 @@ bool fast_path_types(const std::string& framework, nb::handle type, nb::list dty
   if (!PyType_Check(type.ptr()) || !PyCallable_Check(empty.ptr()))
     throw nb::type_error("fast_path_types: a type and a callable");
   FastFramework fw;
+  std::vector<nb::handle> samples;  // (torch) an empty tensor of each dtype
   for (nb::handle item : dtypes) {
     nb::tuple t = nb::cast<nb::tuple>(item);
     fw.dtypes.push_back(FastDtype{
         t[0].inc_ref().ptr(), DLDataType{nb::cast<uint8_t>(t[1]), nb::cast<uint8_t>(t[2]), 1},
         t.size() > 3 ? nb::cast<int>(t[3]) : 0});
+    samples.push_back(t.size() > 4 ? t[4] : nb::none());
   }
   fw.type = reinterpret_cast<PyTypeObject*>(type.inc_ref().ptr());
   const std::pair<const char*, bool> names[kMembers] = {
@@ -625,6 +639,23 @@ bool fast_path_types(const std::string& framework, nb::handle type, nb::list dty
         fw.exchange = api;
       }
     }
+    // The type the API gives each dtype, from an empty tensor of it (a dtype
+    // whose sample it cannot describe keeps bits 0, which no tensor has).
+    if (fw.exchange)
+      for (size_t i = 0; i < samples.size(); ++i) {
+        DLTensor d{};
+        if (samples[i].is_none() || fw.exchange->dltensor_from_py_object_no_sync(samples[i].ptr(), &d) != 0)
+          PyErr_Clear();
+        else
+          fw.dtypes[i].exported = d.dtype;
+      }
+    // Two dtypes given one type could not be told apart: the attributes then.
+    for (size_t i = 0; fw.exchange && i < fw.dtypes.size(); ++i)
+      for (size_t j = 0; j < i; ++j) {
+        const DLDataType a = fw.dtypes[i].exported, b = fw.dtypes[j].exported;
+        if (a.bits != 0 && a.code == b.code && a.bits == b.bits && a.lanes == b.lanes)
+          fw.exchange = nullptr;
+      }
     f.torch = std::move(fw);
     return f.torch.exchange != nullptr;
   } else {
