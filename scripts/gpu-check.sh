@@ -28,6 +28,9 @@
 #             each drop one part of the critical path (not a default step; PROBE_ARGS
 #             picks a mode: onestep, headpar)
 #   cputest   the CPU Python suite tests/python
+#   pyover    bench/py_overhead.py --cuda, twice: host time per call from Python
+#             with CUDA tensors (fast path, its attribute reader, general path,
+#             torch.ops; not a default step)
 #   bench     bench/gpu_bench.py (ropekv vs PyTorch eager, torch.compile, copy)
 #   options   bench/gpu_bench.py --options (each option's cost vs the plain call)
 #   ncuopt    Nsight Compute on each option's kernel next to the plain one
@@ -222,6 +225,11 @@ do_probe() {
     -o "$ROOT/build/decode-probe" && timeout 120 "$ROOT/build/decode-probe" ${PROBE_ARGS:-}
 }
 
+do_pyover() {
+  local i
+  for i in 1 2; do timeout 240 $PY bench/py_overhead.py --cuda || return 1; done
+}
+
 do_cputest() {
   (cd /tmp && timeout 180 $PY -m pytest -q -p no:cacheprovider --continue-on-collection-errors \
      "$ROOT/tests/python")
@@ -289,6 +297,7 @@ for s in "${STEPS[@]}"; do
     small) step small do_small ;;
     probe) step probe do_probe ;;
     cputest) step cputest do_cputest ;;
+    pyover) step pyover do_pyover ;;
     bench) step bench do_bench ;;
     options) step options do_options ;;
     ncuopt) step ncuopt do_ncuopt ;;
