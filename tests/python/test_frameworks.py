@@ -149,7 +149,13 @@ def test_jax_arrays():
     """JAX arrays (CPU) as inputs, bf16 included; they are immutable, so the
     pools are numpy arrays and the rotated q and k come back as JAX arrays."""
     jax = pytest.importorskip("jax")
-    jnp = jax.numpy
+    # On the CPU device even where JAX also has a GPU (its default there):
+    # the pools are numpy arrays, on the CPU.
+    cpu = jax.devices("cpu")[0]
+
+    def put(a):
+        return jax.device_put(a, cpu)
+
     T, Hq, Hk, D, P = 6, 4, 2, 64, 9
     rng = np.random.default_rng()
     qn = rng.standard_normal((T, Hq, D)).astype(np.float32).astype(BF16)
@@ -160,9 +166,9 @@ def test_jax_arrays():
     k_pool, v_pool = np.zeros((P, Hk, D), BF16), np.zeros((P, Hk, D), BF16)
     w = (1 + rng.random(D)).astype(np.float32)
     q_rot, k_rot, kp, vp = ropekv.rope_pool_fused(
-        jnp.asarray(qn), jnp.asarray(kn), jnp.asarray(vn), jnp.asarray(pos), jnp.asarray(slots),
+        put(qn), put(kn), put(vn), put(pos), put(slots),
         k_pool, v_pool, head_dim=D, num_qo_heads=Hq, num_kv_heads=Hk, rope_base=1e4,
-        q_norm_weight=jnp.asarray(w))
+        q_norm_weight=put(w))
     assert isinstance(q_rot, jax.Array) and isinstance(k_rot, jax.Array) and kp is k_pool
     ref, mag = rope(qn, pos, 1e4, norm_weight=w)
     assert_close(np.asarray(q_rot), ref, mag, "q_rot", rel=4 + D / 2 + 6)
@@ -170,8 +176,8 @@ def test_jax_arrays():
     assert_close(np.asarray(k_rot), ref, mag, "k_rot")
     assert bits(k_pool[slots]) == bits(np.asarray(k_rot)) and bits(v_pool[slots]) == bits(vn)
     with pytest.raises(ValueError, match="k_pool is a JAX array, which is immutable"):
-        ropekv.rope_pool_fused(jnp.asarray(qn), jnp.asarray(kn), jnp.asarray(vn),
-                               jnp.asarray(pos), jnp.asarray(slots), jnp.asarray(k_pool), v_pool,
+        ropekv.rope_pool_fused(put(qn), put(kn), put(vn),
+                               put(pos), put(slots), put(k_pool), v_pool,
                                head_dim=D, num_qo_heads=Hq, num_kv_heads=Hk, rope_base=1e4)
 
 
