@@ -202,11 +202,14 @@ enum Cache { kCold, kWarm, kHot };
 
 // The options of the call, for the "options/" family: each timed against the
 // plain call of the same shape.
+// fp8_pools has scale 0.5 (a power of two: the writer multiplies by 2);
+// fp8_pools_0.37 a scale whose reciprocal is not exact, as calibrated scales
+// are.
 enum Option { kPlain, kInterleaved, kLlama3, kYarn, kCosSinCache, kQkNorm, kF32Pools, kFp8Pools,
-              kQwen3Like };
+              kQwen3Like, kFp8AnyScale };
 constexpr const char* kOptionNames[] = {"plain",  "interleaved", "llama3",      "yarn",
                                         "cos_sin_cache", "qk_norm", "f32_pools", "fp8_pools",
-                                        "qknorm+fp8+yarn"};
+                                        "qknorm+fp8+yarn", "fp8_pools_0.37"};
 constexpr int64_t kCacheRows = 131072;  // positions are below 128k
 
 void BM_RopePool(benchmark::State& state, Model m, bool bf16, int threads, Cache cache,
@@ -216,7 +219,9 @@ void BM_RopePool(benchmark::State& state, Model m, bool bf16, int threads, Cache
   const int64_t E = bf16 ? 2 : 4;
   const DLDataType dt = bf16 ? DLDataType{kDLBfloat, 16, 1} : DLDataType{kDLFloat, 32, 1};
   const int64_t llc = llc_bytes();
-  const int64_t EP = option == kF32Pools ? 4 : (option == kFp8Pools || option == kQwen3Like) ? 1 : E;
+  const int64_t EP = option == kF32Pools                                              ? 4
+                     : option == kFp8Pools || option == kQwen3Like || option == kFp8AnyScale ? 1
+                                                                                         : E;
   const DLDataType pool_dt = EP == E ? dt
                              : EP == 4 ? DLDataType{kDLFloat, 32, 1}
                                        : DLDataType{kDLUInt, 8, 1};
@@ -335,6 +340,10 @@ void BM_RopePool(benchmark::State& state, Model m, bool bf16, int threads, Cache
       cfg.kv_cache_dtype = ropekv::KvCacheDtype::kFp8E4M3;
       cfg.k_scale = cfg.v_scale = 0.5;
       break;
+    case kFp8AnyScale:
+      cfg.kv_cache_dtype = ropekv::KvCacheDtype::kFp8E4M3;
+      cfg.k_scale = cfg.v_scale = 0.37;
+      break;
     case kQwen3Like:
       cfg.rope_scaling = yarn;
       cfg.kv_cache_dtype = ropekv::KvCacheDtype::kFp8E4M3;
@@ -396,7 +405,7 @@ void register_all() {
   }
   // Each option next to the plain call: Llama-3.1-8B, bf16, cold caches.
   for (int threads : {1, 2}) {
-    for (int o = kPlain; o <= kQwen3Like; ++o) {
+    for (int o = kPlain; o <= kFp8AnyScale; ++o) {
       const std::string name = std::string("options/") + kOptionNames[o] + "/threads:" +
                                std::to_string(threads);
       auto* b = benchmark::RegisterBenchmark(name.c_str(), BM_RopePool, kModels[0], true,
@@ -407,7 +416,7 @@ void register_all() {
   }
   // The decode case of each option (T = 1, one thread, warm as the "warm"
   // family).
-  for (int o = kPlain; o <= kQwen3Like; ++o) {
+  for (int o = kPlain; o <= kFp8AnyScale; ++o) {
     const std::string name = std::string("options-warm/") + kOptionNames[o] + "/threads:1";
     auto* b = benchmark::RegisterBenchmark(name.c_str(), BM_RopePool, kModels[0], true, 1, kWarm,
                                            static_cast<Option>(o));

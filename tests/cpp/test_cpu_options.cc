@@ -1065,5 +1065,49 @@ TEST(CpuOptions, Fp8FromEveryBf16PatternOnEveryTarget) {
     }
 }
 
+// fp32(v / scale) for scales whose reciprocal is not exact (the pool writer
+// corrects the product v * (1 / scale) with fused multiply-adds where that is
+// exact, else divides): v chosen so that the quotient lands on and around
+// the rounding boundaries of both fp8 formats (fp32 values a few ulps from
+// each midpoint, at every exponent an fp8 code distinguishes), with random
+// patterns, bit for bit against the IEEE division, on every target. The
+// scales run from 2^-40 to 2^40: those outside [2^-32, 2^32] divide.
+TEST(CpuOptions, Fp8QuotientsAtRoundingBoundariesOnEveryTarget) {
+  std::mt19937_64 rng(test_seed());
+  std::vector<double> scales = {0.37, 0.0213, 3.0, 1e-3, 7.1, std::ldexp(1.3, 31),
+                                std::ldexp(1.7, -32), std::ldexp(1.3, -40), std::ldexp(1.7, 40)};
+  for (int i = 0; i < 3; ++i)  // random, in [2^-32, 2^32]
+    scales.push_back(std::ldexp(1.0 + static_cast<double>(rng() % (1u << 23)) / (1u << 23),
+                                static_cast<int>(rng() % 64) - 32));
+  const int64_t D = 256;
+  for (PoolKind kind : {PoolKind::kE4M3, PoolKind::kE5M2})
+    for (double scale : scales) {
+      const float sf = static_cast<float>(scale);
+      std::vector<uint32_t> bits;
+      for (uint32_t sign : {0u, 1u})
+        for (int e = -22; e <= 17; ++e)
+          for (uint32_t top = 0; top < 8; ++top)
+            for (uint32_t low : {0x80000u, 0x7FFFFu, 0x100000u, 0xFFFFFu, 0x180000u, 0u}) {
+              const uint32_t q_bits =
+                  (sign << 31) | (static_cast<uint32_t>(127 + e) << 23) | (top << 20) | low;
+              const uint32_t x = f32_bits(f32_from_bits(q_bits) * sf);
+              for (int32_t dx = -2; dx <= 2; ++dx) bits.push_back(x + dx);
+            }
+      for (int i = 0; i < 4096; ++i) bits.push_back(static_cast<uint32_t>(rng()));
+      OptSpec s;
+      s.T = static_cast<int64_t>((bits.size() + D - 1) / D);
+      s.Hq = 1;
+      s.Hk = 1;
+      s.D = D;
+      s.P = s.T;
+      s.pool = kind;
+      s.v_scale = scale;
+      s.k_scale = scale;
+      check_fp8_codes(
+          s, rng, [&](int64_t i) { return bits[static_cast<size_t>(i) % bits.size()]; },
+          [](uint64_t b) { return f32_from_bits(static_cast<uint32_t>(b)); });
+    }
+}
+
 }  // namespace
 }  // namespace ropekv_test
