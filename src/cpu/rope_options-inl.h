@@ -79,33 +79,6 @@ HWY_INLINE bool ExactReciprocal(float scale) {
   return std::frexp(scale, &e) == 0.5f && e >= -124 && e <= 126;
 }
 
-// Whether CorrectedQuotient gives fp32(x / scale) on this target: fused
-// multiply-add in hardware, and a scale in [2^-32, 2^32], so that no
-// residual that matters to an fp8 code underflows.
-HWY_INLINE bool CorrectedQuotientExact(float scale) {
-  return HWY_NATIVE_FMA && scale >= 0x1p-32f && scale <= 0x1p32f;
-}
-
-// fp32(x / scale), correctly rounded, from r = fp32(1 / scale): the product
-// x * r corrected twice by its residual x - q * scale, which a fused
-// multiply-add gives exactly; after the first correction q is within an ulp
-// of x / scale, and the second then rounds correctly (P. Markstein, IBM J.
-// Res. Dev. 34(1), 1990; Muller et al., Handbook of Floating-Point
-// Arithmetic). Checked against the IEEE division for every fp32 x
-// (tests/cpp/fp8_quotient_check.cc; the scales run are in
-// docs/guarantees.md). Where
-// |x * r| >= 2^64 or is not finite (x Inf or NaN, or an overflow) the
-// product itself: its fp8 code is then the saturated one, or NaN's, as the
-// quotient's. Four multiply-adds and a multiply: a fraction of a vector
-// division's throughput.
-HWY_INLINE VF CorrectedQuotient(VF x, VF scale, VF r) {
-  const VF q0 = hn::Mul(x, r);
-  const VF q1 = hn::MulAdd(hn::NegMulAdd(q0, scale, x), r, q0);
-  const VF q2 = hn::MulAdd(hn::NegMulAdd(q1, scale, x), r, q1);
-  // CopySign: for x = -0 the corrections' sums are +0; the quotient is -0.
-  return hn::IfThenElse(hn::Lt(hn::Abs(q0), hn::Set(DF(), 0x1p64f)), hn::CopySign(q2, q0), q0);
-}
-
 // The packed (storage) vector of Ops at p, bits unchanged.
 template <class Ops>
 HWY_INLINE typename Ops::V LoadPacked(const typename Ops::T* p) {
@@ -175,20 +148,14 @@ struct WriteFp8 {
   using PT = uint8_t;
   static constexpr bool kSame = false;
   static constexpr bool kCanStream = hn::MaxLanes(DF()) * sizeof(PT) >= 16;
-  // x / scale: x * (1 / scale) where that is exact (a power-of-two scale),
-  // else CorrectedQuotient where it is exact, else an IEEE division.
-  bool mul, corrected;
-  VF s, r;
+  bool div;
+  VF s;
   explicit WriteFp8(float scale)
-      : mul(ExactReciprocal(scale)),
-        corrected(!mul && CorrectedQuotientExact(scale)),
-        s(hn::Set(DF(), scale)),
-        r(hn::Set(DF(), 1.0f / scale)) {}
+      : div(!ExactReciprocal(scale)), s(hn::Set(DF(), div ? scale : 1.0f / scale)) {}
   template <bool kStream>
   HWY_INLINE void Put(typename Ops::V o, PT* dst) const {
     const VF v = Widen<Ops>(o);
-    const VF q = mul ? hn::Mul(v, r) : corrected ? CorrectedQuotient(v, s, r) : hn::Div(v, s);
-    const auto code = EncodeFp8<kKind>(q);
+    const auto code = EncodeFp8<kKind>(div ? hn::Div(v, s) : hn::Mul(v, s));
     if constexpr (kStream && kCanStream) {
       hn::Stream(code, DU8(), dst);
     } else {

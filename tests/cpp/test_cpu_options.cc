@@ -1066,12 +1066,11 @@ TEST(CpuOptions, Fp8FromEveryBf16PatternOnEveryTarget) {
 }
 
 // fp32(v / scale) for scales whose reciprocal is not exact (the pool writer
-// corrects the product v * (1 / scale) with fused multiply-adds where that is
-// exact, else divides): v chosen so that the quotient lands on and around
-// the rounding boundaries of both fp8 formats (fp32 values a few ulps from
-// each midpoint, at every exponent an fp8 code distinguishes), with random
-// patterns, bit for bit against the IEEE division, on every target. The
-// scales run from 2^-40 to 2^40: those outside [2^-32, 2^32] divide.
+// divides): v chosen so that the quotient lands on and around the rounding
+// boundaries of both fp8 formats (fp32 values a few ulps from each midpoint,
+// at every exponent an fp8 code distinguishes), with random patterns, bit
+// for bit against the IEEE division, on every target; scales from 2^-40 to
+// 2^40.
 TEST(CpuOptions, Fp8QuotientsAtRoundingBoundariesOnEveryTarget) {
   std::mt19937_64 rng(test_seed());
   std::vector<double> scales = {0.37, 0.0213, 3.0, 1e-3, 7.1, std::ldexp(1.3, 31),
