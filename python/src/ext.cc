@@ -644,10 +644,11 @@ bool fast_path_types(const std::string& framework, nb::handle type, nb::list dty
     if (fw.exchange)
       for (size_t i = 0; i < samples.size(); ++i) {
         DLTensor d{};
-        if (samples[i].is_none() || fw.exchange->dltensor_from_py_object_no_sync(samples[i].ptr(), &d) != 0)
-          PyErr_Clear();
-        else
+        if (samples[i].is_none()) continue;
+        if (fw.exchange->dltensor_from_py_object_no_sync(samples[i].ptr(), &d) == 0)
           fw.dtypes[i].exported = d.dtype;
+        else
+          PyErr_Clear();
       }
     // Two dtypes given one type could not be told apart: the attributes then.
     for (size_t i = 0; fw.exchange && i < fw.dtypes.size(); ++i)

@@ -1075,7 +1075,7 @@ TEST(CpuOptions, Fp8QuotientsAtRoundingBoundariesOnEveryTarget) {
   std::mt19937_64 rng(test_seed());
   std::vector<double> scales = {0.37, 0.0213, 3.0, 1e-3, 7.1, std::ldexp(1.3, 31),
                                 std::ldexp(1.7, -32), std::ldexp(1.3, -40), std::ldexp(1.7, 40)};
-  for (int i = 0; i < 3; ++i)  // random, in [2^-32, 2^32]
+  for (int i = 0; i < 3; ++i)  // random ones, 2^-32 to 2^32
     scales.push_back(std::ldexp(1.0 + static_cast<double>(rng() % (1u << 23)) / (1u << 23),
                                 static_cast<int>(rng() % 64) - 32));
   const int64_t D = 256;
