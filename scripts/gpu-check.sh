@@ -35,6 +35,11 @@
 #   options   bench/gpu_bench.py --options (each option's cost vs the plain call)
 #   ncuopt    Nsight Compute on each option's kernel next to the plain one
 #             (bench/gpu_options_calls.py; not a default step)
+#   ab        alternating runs of two carried drivers built elsewhere against two
+#             versions of the library (scripts/driver-build.sh): AB_DRIVERS (paths,
+#             default build/ab/base/driver build/ab/new/driver), AB_RUNS
+#             alternations (2), AB_CASES (driver arguments, "ENV=VALUE+...:mode"
+#             items; not a default step)
 #   peers     .peers/tools/build.sh, then bench/gpu_peers.py: ropekv next to vLLM,
 #             FlashInfer and SGLang kernels built from .peers/ (git-ignored, carried;
 #             not a default step; about 8 minutes, PEERS_BUDGET seconds)
@@ -263,6 +268,21 @@ do_bench() {
   (cd /tmp && timeout "${BENCH_TIMEOUT:-560}" $PY "$ROOT/bench/gpu_bench.py" --out "$OUT" ${BENCH_ARGS:-})
 }
 
+do_ab() {
+  local i d case envs mode rc=0
+  for i in $(seq "${AB_RUNS:-2}"); do
+    for case in ${AB_CASES:---cold}; do
+      envs=; mode=$case
+      if [[ $case == *:* ]]; then envs=${case%%:*}; mode=${case#*:}; fi
+      for d in ${AB_DRIVERS:-build/ab/base/driver build/ab/new/driver}; do
+        echo "== $d run $i ${envs:+$envs }$mode"
+        env ${envs//+/ } timeout 60 "$d" $mode || rc=1
+      done
+    done
+  done
+  return $rc
+}
+
 do_peers() {
   # The serving engines' own kernels next to ropekv, on the same inputs: built
   # from .peers/ (filled by .peers/tools/fetch_sources.sh on a machine with
@@ -301,6 +321,7 @@ for s in "${STEPS[@]}"; do
     bench) step bench do_bench ;;
     options) step options do_options ;;
     ncuopt) step ncuopt do_ncuopt ;;
+    ab) step ab do_ab ;;
     peers) step peers do_peers ;;
     *) log "unknown step $s"; exit 2 ;;
   esac

@@ -11,9 +11,10 @@
 // its strided form, except a cos_sin_cache alone with 16-byte vectors and
 // rows, which runs the plain kernel built for a table (table_kernel). Small
 // calls of 16-bit data with full rotary run the small kernel (small_kernel:
-// one token's heads per block, 8-byte vectors), plain or with interleaved
-// pairs, a cos_sin_cache, or a QK-norm (heads of up to 256, pools of any
-// format); other small plain calls of 16-bit data (partial rotary) run the
+// one token's heads per block, 8-byte vectors; one build per QK-norm or not
+// and pool format), plain or with interleaved pairs, a cos_sin_cache, a
+// QK-norm (heads of up to 256), float32 or fp8 pools (fp8 alone only with
+// power-of-two scales); other small plain calls of 16-bit data (partial rotary) run the
 // options kernel's one-step build (faster at decode than the plain kernel's
 // two steps per team), a token's teams spread over several blocks while the
 // grid is small.
@@ -258,17 +259,28 @@ void launch_as(const Params& prm, const Launch& l, cudaStream_t stream) {
         "launching the rope_pool kernel");
 }
 
-// P: Params (plain, or a cos_sin_cache), or OptParams (the QK-norm build).
-template <class T, class P>
-void launch_small_as(const P& prm, bool interleaved, const Launch& l, cudaStream_t stream) {
+// The small kernel's build for a QK-norm or not (kNorm) and a pool format
+// (kPools); prm: detail::SmallParams<kNorm, kPools>.
+template <class T, bool kNorm, int kPools>
+void launch_small_as(const detail::SmallParams<kNorm, kPools>& prm, bool interleaved,
+                     const Launch& l, cudaStream_t stream) {
   LaunchConfig lc(l, stream);
   using detail::rope_pool_small_kernel;
   const bool table = prm.cos_sin != nullptr;
-  const auto kernel = table ? (interleaved ? rope_pool_small_kernel<T, true, true, P>
-                                           : rope_pool_small_kernel<T, true, false, P>)
-                            : (interleaved ? rope_pool_small_kernel<T, false, true, P>
-                                           : rope_pool_small_kernel<T, false, false, P>);
+  const auto kernel = table ? (interleaved ? rope_pool_small_kernel<T, true, true, kNorm, kPools>
+                                           : rope_pool_small_kernel<T, true, false, kNorm, kPools>)
+                            : (interleaved ? rope_pool_small_kernel<T, false, true, kNorm, kPools>
+                                           : rope_pool_small_kernel<T, false, false, kNorm, kPools>);
   check(cudaLaunchKernelEx(&lc.cfg, kernel, prm), "launching the rope_pool small kernel");
+}
+template <class T, bool kNorm>
+void launch_small_pools(const OptParams& op, bool interleaved, const Launch& l,
+                        cudaStream_t stream) {
+  if (op.o.pool_mode == detail::kPoolFp8)
+    return launch_small_as<T, kNorm, detail::kPoolsFp8>(op, interleaved, l, stream);
+  if (op.o.pool_mode == detail::kPoolF32)
+    return launch_small_as<T, kNorm, detail::kPoolsF32>(op, interleaved, l, stream);
+  if constexpr (kNorm) return launch_small_as<T, true, detail::kPoolsSame>(op, interleaved, l, stream);
 }
 
 template <class T, int N, bool kContig, int U, int kPools, bool kNorm>
@@ -393,7 +405,8 @@ int64_t split_grid_limit(int sms) {
 
 // Tokens up to which a call takes the small kernel (small_kernel): 512 for
 // plain calls (interleaved pairs and rope scaling included), 256 with a
-// cos_sin_cache or a QK-norm. Against the kernels it replaced (H200, cold
+// cos_sin_cache, a QK-norm or float32 / fp8 pools (alone: 0.4-0.5 us faster
+// than the options kernel at T = 256, Llama-3.1-8B). Against the kernels it replaced (H200, cold
 // L2, four shapes): faster up to T = 256 for every shape, and at T = 512
 // for Qwen2.5-7B, Gemma-2-9B and Phi-3-mini (2-13 %) but 3 % slower for
 // Llama-3.1-8B; with a table 13-22 % slower at T = 512 for three shapes;
@@ -478,15 +491,23 @@ detail::Options options_of(const Problem& p, int steps) {
   return o;
 }
 
+// Whether a QK-norm weight (absent, or [head_dim]) allows the small
+// kernel's loads of kSmallVec weights: contiguous and aligned to them.
+bool small_weights_ok(const Weight& w) {
+  if (w.data == nullptr) return true;
+  const int64_t bytes = (w.dtype == FloatType::kF32 ? 4 : 2) * detail::kSmallVec;
+  return w.stride == 1 && reinterpret_cast<uintptr_t>(w.data) % bytes == 0;
+}
+
 // Whether a call runs the small kernel (detail::rope_pool_small_kernel): at
 // most small_tokens() tokens of 16-bit data with full rotary, vectors of
 // kSmallVec elements in every array, NeoX or interleaved pairs, a QK-norm
 // only for heads of 1 to 32 lanes (a power of two: the sums of squares stay
-// within a warp), pools of q's dtype or, with a QK-norm, of any format, and
-// a cos_sin_cache, if any, whose rows allow kSmallVec-value loads (16-byte
-// aligned for float32, 8 for 16-bit). Without a QK-norm, float32 and fp8
-// pools stay on the options kernel: the small kernel's build for them was
-// 0.1-0.3 us slower at T = 1 and 32 (H200, Llama-3.1-8B and Qwen3-8B).
+// within a warp) with contiguous weights, pools of any format (but fp8 pools
+// whose scales divide, i.e. a reciprocal that is not exact, only with a
+// QK-norm: alone they ran 0.1-0.3 us faster on the options kernel at
+// T <= 128), and a cos_sin_cache, if any, whose rows allow kSmallVec-value
+// loads (16-byte aligned for float32, 8 for 16-bit).
 bool small_kernel(const Problem& p, int64_t esize) {
   const int64_t lanes = p.rotary_dim / 2 / detail::kSmallVec;
   const CosSinCache& cs = p.cos_sin_cache;
@@ -495,8 +516,10 @@ bool small_kernel(const Problem& p, int64_t esize) {
   if (esize != 2 || p.rotary_dim != p.head_dim || p.num_tokens > small_tokens(plain) ||
       forced_unroll() != 0 || lanes < 1 || lanes > 128 ||
       p.num_qo_heads + p.num_kv_heads > 65535 ||
-      (norm && (lanes > 32 || (lanes & (lanes - 1)) != 0)) ||
-      (!norm && p.pool_type != pool_type_of(p.dtype)) ||
+      (norm && (lanes > 32 || (lanes & (lanes - 1)) != 0 || !small_weights_ok(p.q_norm) ||
+                !small_weights_ok(p.k_norm))) ||
+      (!norm && is_fp8(p.pool_type) &&
+       !(exact_reciprocal(p.k_scale) && exact_reciprocal(p.v_scale))) ||
       !vector_ok(p, detail::kSmallVec, esize, element_size(p.pool_type)))
     return false;
   if (cs.data == nullptr) return true;
@@ -524,15 +547,20 @@ void launch_small(Params& prm, const Problem& p, const DeviceState& st, cudaStre
   // kernel was measured so at every size it takes (T <= 512).
   prm.early_params = 1;
   const bool f16 = p.dtype == FloatType::kF16;
-  if (p.q_norm.data != nullptr || p.k_norm.data != nullptr) {
+  const bool norm = p.q_norm.data != nullptr || p.k_norm.data != nullptr;
+  if (norm || p.pool_type != pool_type_of(p.dtype)) {
     OptParams op{};
     static_cast<Params&>(op) = prm;
     op.o = options_of(p, 1);
-    if (f16) return launch_small_as<__half>(op, !p.is_neox, l, stream);
-    return launch_small_as<__nv_bfloat16>(op, !p.is_neox, l, stream);
+    if (norm) {
+      if (f16) return launch_small_pools<__half, true>(op, !p.is_neox, l, stream);
+      return launch_small_pools<__nv_bfloat16, true>(op, !p.is_neox, l, stream);
+    }
+    if (f16) return launch_small_pools<__half, false>(op, !p.is_neox, l, stream);
+    return launch_small_pools<__nv_bfloat16, false>(op, !p.is_neox, l, stream);
   }
-  if (f16) return launch_small_as<__half>(prm, !p.is_neox, l, stream);
-  return launch_small_as<__nv_bfloat16>(prm, !p.is_neox, l, stream);
+  if (f16) return launch_small_as<__half, false, detail::kPoolsSame>(prm, !p.is_neox, l, stream);
+  return launch_small_as<__nv_bfloat16, false, detail::kPoolsSame>(prm, !p.is_neox, l, stream);
 }
 
 const char* kTensorNames[] = {"q",      "k",      "v",     "positions",     "slots",

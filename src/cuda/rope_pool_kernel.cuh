@@ -48,9 +48,10 @@
 // skips the whole token (the block's threads agree: one token per block).
 //
 // Small calls of 16-bit data with full rotary (up to 512 tokens, 256 with a
-// table or a QK-norm) run rope_pool_small_kernel instead (end of this file):
-// plain, interleaved, with a cos_sin_cache, or with a QK-norm on heads of up
-// to 256 and pools of any format. Its QK-norm sums a head's squares in
+// table, a QK-norm or another pool format) run rope_pool_small_kernel
+// instead (end of this file): plain, interleaved, with a cos_sin_cache, a
+// QK-norm on heads of up to 256, float32 or fp8 pools, one build for each
+// QK-norm or not and pool format. Its QK-norm sums a head's squares in
 // another order than the options kernel (4-element lane chunks, a butterfly
 // of shuffles), so a QK-norm result can differ by one rounding between a
 // call of at most 256 tokens and a larger one; either is within the
@@ -141,6 +142,8 @@ enum PoolCode : int {
   kPoolsAny = 0,   // every format, o.pool_mode at run time (the strided kernel)
   kPoolsWide = 1,  // kPoolSame or kPoolF32 (exact: the values as they are)
   kPoolsFp8 = 2,   // kPoolFp8
+  kPoolsSame = 3,  // kPoolSame only (the small kernel's builds: one format each)
+  kPoolsF32 = 4,   // kPoolF32 only
 };
 
 /// Steps per team of the 16-byte options kernels: the most a batch takes;
@@ -896,9 +899,9 @@ __device__ __forceinline__ void store_pool(const Tensor3& y, const Options& o, l
   // (A float32 pool of float32 inputs is kPoolSame.)
   const int mode = kPools == kPoolsFp8    ? kPoolFp8
                    : kPools == kPoolsAny  ? o.pool_mode
-                   : sizeof(T) == 4       ? kPoolSame
-                   : o.pool_mode == kPoolF32 ? kPoolF32
-                                             : kPoolSame;
+                   : kPools == kPoolsSame || sizeof(T) == 4 ? kPoolSame
+                   : kPools == kPoolsF32 || o.pool_mode == kPoolF32 ? kPoolF32
+                                                                     : kPoolSame;
   if (mode == kPoolSame) {
     store_vec<T, N, kContig>(at<T>(y, row, h) + (kContig ? off : off * y.s2), v);
     return;
@@ -1353,12 +1356,43 @@ __device__ __forceinline__ void rotate_normed(Vec<T, N>& a, Vec<T, N>& b, const 
   b = from_floats<T, N>(xb);
 }
 
+// The parameters of a small-kernel build: Params for the plain builds (no
+// QK-norm, pools of q's dtype), OptParams for the others.
+template <bool kNorm, int kPools>
+using SmallParams =
+    typename std::conditional<kNorm || kPools != kPoolsSame, OptParams, Params>::type;
+
+// The raw bits of kSmallVec QK-norm weights at element e of w (dtype code
+// wdt: 0 float32, else 16-bit), in one load: the launcher takes only
+// contiguous weights aligned to it (small_kernel in rope_pool_cuda.cu).
+__device__ __forceinline__ void weight_bits(const void* w, int e, int wdt,
+                                            unsigned int (&x)[kSmallVec]) {
+  static_assert(kSmallVec == 4, "one 16- or 8-byte load");
+  if (wdt == 0) {
+    const uint4 u = __ldg(reinterpret_cast<const uint4*>(static_cast<const float*>(w) + e));
+    x[0] = u.x;
+    x[1] = u.y;
+    x[2] = u.z;
+    x[3] = u.w;
+  } else {
+    const uint2 u =
+        __ldg(reinterpret_cast<const uint2*>(static_cast<const unsigned short*>(w) + e));
+    x[0] = u.x & 0xFFFFu;
+    x[1] = u.x >> 16;
+    x[2] = u.y & 0xFFFFu;
+    x[3] = u.y >> 16;
+  }
+}
+
 // The kernel of small calls of 16-bit data (decode), full rotary; kTable:
 // cos/sin read from a cos_sin_cache; kInterleaved: GPT-J pairs (2i, 2i+1)
-// instead of NeoX (i, i + half). P = Params: pools of q's dtype; P =
-// OptParams (the QK-norm build): a QK-norm (heads of L = 1..32 lanes, a
-// power of two: the launcher's rule) and pools of any format (float32, fp8
-// with its scales). Block (L, HB): HB heads
+// instead of NeoX (i, i + half); kNorm: a QK-norm (heads of L = 1..32 lanes,
+// a power of two: the launcher's rule); kPools: the pool format, one per
+// build (kPoolsSame: q's dtype, kPoolsF32, kPoolsFp8 with the scales in
+// p.o). The plain builds take Params, the others OptParams (SmallParams).
+// Each build holds only its own code: a decode call fetches its
+// instructions cold, and a build with every pool format in it (the QK-norm
+// build before) was twice the plain one's length. Block (L, HB): HB heads
 // of one token, each q head or kv head (with its v) taken by L = half /
 // kSmallVec lanes; a lane loads the vectors of kSmallVec elements at 4l and
 // half + 4l (NeoX: pairs 4l.. with half + 4l..; interleaved: the pairs 2l,
@@ -1379,11 +1413,14 @@ __device__ __forceinline__ void rotate_normed(Vec<T, N>& a, Vec<T, N>& b, const 
 // float32 table, Llama-3.1-8B T = 1 2.11 -> 1.99, T = 32 2.52 -> 2.15
 // (docs/performance.md, *Small calls*; bench/cuda_decode_probe.cu headpar
 // has the shapes it was chosen from).
-template <class T, bool kTable, bool kInterleaved, class P>
+template <class T, bool kTable, bool kInterleaved, bool kNorm = false, int kPools = kPoolsSame,
+          class P = SmallParams<kNorm, kPools>>
 __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
     const __grid_constant__ P p) {
+  static_assert(std::is_same<P, SmallParams<kNorm, kPools>>::value, "the build's parameters");
   extern __shared__ float cs_smem[];  // cos[half], then sin[half]
-  constexpr bool kNorm = std::is_same<P, OptParams>::value;
+  static_assert(kPools == kPoolsSame || kPools == kPoolsF32 || kPools == kPoolsFp8,
+                "one pool format per build");
   constexpr int N = kSmallVec;
   static_assert(N == 4, "the interleaved lanes take two pairs of each vector");
   const int lane = threadIdx.x, threads = blockDim.x * blockDim.y;
@@ -1418,20 +1455,23 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
     }
   }
   // The head's QK-norm weights (QK-norm build), as raw bits: converted
-  // where used, so that the index loads below are not held back.
+  // where used, so that the index loads below are not held back. A head
+  // without a norm (only one of q_norm_weight, k_norm_weight given) takes
+  // weights of 1 and r = 1, whose products are exact: one rotation path.
   const void* w = nullptr;
   int wdt = 0;
   unsigned int wa[N], wb[N];
   if constexpr (kNorm) {
     w = is_q ? p.o.q_norm : p.o.k_norm;
-    wdt = is_q ? p.o.qn_dtype : p.o.kn_dtype;
-    const long long ws = is_q ? p.o.qn_stride : p.o.kn_stride;
-    if (active && w != nullptr) {
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        wa[j] = load_bits(w, (lane * N + j) * ws, wdt);
-        wb[j] = load_bits(w, (p.half + lane * N + j) * ws, wdt);
+    if (w != nullptr) {
+      wdt = is_q ? p.o.qn_dtype : p.o.kn_dtype;
+      if (active) {
+        weight_bits(w, lane * N, wdt, wa);
+        weight_bits(w, p.half + lane * N, wdt, wb);
       }
+    } else {
+#pragma unroll
+      for (int j = 0; j < N; ++j) wa[j] = wb[j] = 0x3F800000u;  // 1.0f, dtype code 0
     }
   }
   const long long position = load_index_at(pos_at, p.pos64);
@@ -1477,9 +1517,11 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
         threads - first >= 32 ? 0xFFFFFFFFu : (1u << (threads - first)) - 1u;
 #pragma unroll 1
     for (int d = blockDim.x / 2; d > 0; d >>= 1) ss2 += __shfl_xor_sync(mask, ss2, d, blockDim.x);
+    // ss2 / D as ss2 * 2^-log2(D): D is a power of two here (the launcher's
+    // rule), so the product is the same correctly rounded quotient.
+    const float inv_d = __int_as_float((127 - (__ffs(2 * p.half) - 1)) << 23);
     if (w != nullptr)
-      r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss2, static_cast<float>(2 * p.half)),
-                                               p.o.norm_eps)));
+      r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fmul_rn(ss2, inv_d), p.o.norm_eps)));
   }
   if constexpr (!kTable) {
     __syncthreads();
@@ -1495,7 +1537,7 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
     }
   }
   if (!active) return;
-  if (kNorm && w != nullptr)
+  if constexpr (kNorm)
     rotate_normed<T, N, kInterleaved>(a, b, cc, ss, r, wa, wb, wdt);
   else if constexpr (kInterleaved)
     rotate_interleaved<T, N>(a, b, cc, ss);
@@ -1505,16 +1547,16 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
   store_vec<T, N, true>(dst, a);
   store_vec<T, N, true>(dst + p.half, b);
   if (is_q || slot < 0 || slot >= p.pool_size) return;
-  if constexpr (kNorm) {
+  if constexpr (kPools != kPoolsSame) {
     // (Unrolled: the four stores as one copy in a loop made a call with fp8
     // pools 0.6 us slower at T = 1; docs/performance.md, *Options*.)
     const Options& o = p.o;
-    store_pool<T, N, true, kPoolsAny>(p.k_pool, o, slot, h, lane * N, a, o.k_scale, o.k_mul);
-    store_pool<T, N, true, kPoolsAny>(p.k_pool, o, slot, h, p.half + lane * N, b, o.k_scale,
-                                      o.k_mul);
-    store_pool<T, N, true, kPoolsAny>(p.v_pool, o, slot, h, lane * N, va, o.v_scale, o.v_mul);
-    store_pool<T, N, true, kPoolsAny>(p.v_pool, o, slot, h, p.half + lane * N, vb, o.v_scale,
-                                      o.v_mul);
+    store_pool<T, N, true, kPools>(p.k_pool, o, slot, h, lane * N, a, o.k_scale, o.k_mul);
+    store_pool<T, N, true, kPools>(p.k_pool, o, slot, h, p.half + lane * N, b, o.k_scale,
+                                   o.k_mul);
+    store_pool<T, N, true, kPools>(p.v_pool, o, slot, h, lane * N, va, o.v_scale, o.v_mul);
+    store_pool<T, N, true, kPools>(p.v_pool, o, slot, h, p.half + lane * N, vb, o.v_scale,
+                                   o.v_mul);
   } else {
     T* kz = at<T>(p.k_pool, slot, h) + lane * N;
     store_vec<T, N, true>(kz, a);

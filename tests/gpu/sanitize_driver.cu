@@ -8,6 +8,8 @@
 //   sanitize_driver --profile-decode  T = 1, plain and options kernels (for ncu)
 //   sanitize_driver --cold     per-call time of four model shapes, cold L2 (T = 1..8192)
 //   sanitize_driver --cold-options  the same for Llama with QK-norm and fp8 pools
+//                              (ROPEKV_DRIVER_OPTIONS: other options, see cold)
+//                              (ROPEKV_DRIVER_TOKENS: other T, e.g. 1,8,64)
 //   sanitize_driver --cold-inplace  the same in place (q_rot, k_rot = q, k)
 //   sanitize_driver --cold-table    the same with a float32 cos_sin_cache (2^17 rows)
 //   sanitize_driver --cold-interleaved  the same with interleaved pairs (is_neox=False)
@@ -226,7 +228,7 @@ void run_case(const char* name, int T, int Hq, int Hk, int D, DLDataType dt, boo
 // token names. The math is the pytest suite's job.
 void run_options_case(const char* name, int T, int Hq, int Hk, int D, DLDataType dt,
                       int64_t last_stride, bool interleaved, ropekv::KvCacheDtype pool_type,
-                      bool table = true) {
+                      bool table = true, bool norm = true) {
   const int esize = dt.bits / 8;
   const bool fp8 = pool_type == ropekv::KvCacheDtype::kFp8E4M3;
   const bool table_only = pool_type == ropekv::KvCacheDtype::kAuto;
@@ -290,7 +292,7 @@ void run_options_case(const char* name, int T, int Hq, int Hk, int D, DLDataType
                             view(vp.ptr, pt, 3, sp, nullptr), view(qr.ptr, dt, 3, sq, stq),
                             view(kr.ptr, dt, 3, sk, stk),    view(cs.ptr, f32, 2, scs, nullptr),
                             view(w.ptr, f32, 1, sw, nullptr), view(w.ptr, f32, 1, sw, nullptr)};
-  if (table_only) t.q_norm_weight = t.k_norm_weight = DLTensor{};
+  if (table_only || !norm) t.q_norm_weight = t.k_norm_weight = DLTensor{};
   if (!table) t.cos_sin_cache = DLTensor{};  // cos/sin from rope_base: token 1 is written too
   ropekv::RopeConfig cfg;
   cfg.head_dim = D;
@@ -342,8 +344,15 @@ void run_options_case(const char* name, int T, int Hq, int Hk, int D, DLDataType
 }
 
 // bf16 buffers of one call for T tokens of a model shape (Llama-3.1-8B by
-// default; a pool of 2^19 rows, scattered slots). With `options`: Qwen3's
-// QK-norm (bf16 weights) and fp8_e4m3 pools, the options kernel.
+// default; a pool of 2^19 rows, scattered slots). `options` (OptionSet
+// bits): Qwen3's QK-norm (bf16 weights), fp8_e4m3 pools (k_scale 0.5, or
+// 0.37: a scale whose reciprocal is not exact, which divides) or float32
+// pools.
+enum OptionSet : int { kOptNorm = 1, kOptFp8 = 2, kOptF32Pools = 4, kOptFp8Div = 8 };
+constexpr int kNormFp8 = kOptNorm | kOptFp8;  // --cold-options' default
+int pool_esize_of(int options) {
+  return options & (kOptFp8 | kOptFp8Div) ? 1 : options & kOptF32Pools ? 4 : 2;
+}
 struct Shape {
   const char* name;
   int Hq, Hk, D;
@@ -360,9 +369,9 @@ struct ModelCall {
   ropekv::RopePoolTensors t;
   ropekv::RopeConfig cfg;
   // pool_rows: P, or fewer for a call whose pools are never used.
-  ModelCall(int T_, Shape m, bool options = false, int64_t pool_rows = P)
-      : T(T_), Hq(m.Hq), Hk(m.Hk), D(m.D), pool_esize(options ? 1 : 2), q(size_t(T_) * Hq * D * 2), k(size_t(T_) * Hk * D * 2),
-        v(k.bytes), qr(q.bytes), kr(k.bytes), kp(size_t(pool_rows) * Hk * D * (options ? 1 : 2)),
+  ModelCall(int T_, Shape m, int options = 0, int64_t pool_rows = P)
+      : T(T_), Hq(m.Hq), Hk(m.Hk), D(m.D), pool_esize(pool_esize_of(options)), q(size_t(T_) * Hq * D * 2), k(size_t(T_) * Hk * D * 2),
+        v(k.bytes), qr(q.bytes), kr(k.bytes), kp(size_t(pool_rows) * Hk * D * pool_esize),
         vp(kp.bytes), dpos(T_ * 4), dslot(T_ * 4), w(D * 2), sq{T_, Hq, D}, sk{T_, Hk, D},
         sp{P, Hk, D}, s1{T_}, sw{D} {
     CK(cudaMemset(q.ptr, 0x3c, q.bytes));
@@ -385,15 +394,22 @@ struct ModelCall {
     cfg.num_qo_heads = Hq;
     cfg.num_kv_heads = Hk;
     cfg.rope_base = 500000.0;
-    if (options) {
+    if (options & kOptNorm) {
       CK(cudaMemset(w.ptr, 0x3f, w.bytes));
+      t.q_norm_weight = view(w.ptr, dt, 1, sw, nullptr);
+      t.k_norm_weight = view(w.ptr, dt, 1, sw, nullptr);
+    }
+    if (options & (kOptFp8 | kOptFp8Div)) {
       const DLDataType u8{kDLUInt, 8, 1};
       t.k_pool.dtype = u8;
       t.v_pool.dtype = u8;
-      t.q_norm_weight = view(w.ptr, dt, 1, sw, nullptr);
-      t.k_norm_weight = view(w.ptr, dt, 1, sw, nullptr);
       cfg.kv_cache_dtype = ropekv::KvCacheDtype::kFp8E4M3;
-      cfg.k_scale = 0.5;
+      cfg.k_scale = options & kOptFp8Div ? 0.37 : 0.5;
+      cfg.v_scale = options & kOptFp8Div ? 0.37 : 1.0;
+    } else if (options & kOptF32Pools) {
+      t.k_pool.dtype = DLDataType{kDLFloat, 32, 1};
+      t.v_pool.dtype = DLDataType{kDLFloat, 32, 1};
+      cfg.kv_cache_dtype = ropekv::KvCacheDtype::kFloat32;
     }
     // The uploads above ran on the legacy stream (a pageable cudaMemcpy may
     // return before its DMA lands): finish them before a non-blocking stream
@@ -412,7 +428,7 @@ struct ModelCall {
   }
 };
 struct LlamaCall : ModelCall {
-  explicit LlamaCall(int T_, bool options = false) : ModelCall(T_, kLlama, options) {}
+  explicit LlamaCall(int T_, int options = 0) : ModelCall(T_, kLlama, options) {}
 };
 
 // For ncu: T = 1, 64 and 8192, two calls each.
@@ -431,7 +447,7 @@ void profile() {
 // the options kernel (QK-norm, fp8 pools) twice.
 void profile_decode() {
   for (bool options : {false, true}) {
-    LlamaCall c(1, options);
+    LlamaCall c(1, options ? kNormFp8 : 0);
     c.run();
     c.run();
     CK(cudaDeviceSynchronize());
@@ -491,13 +507,13 @@ void latency() {
       std::printf("U=%s graph us/call: empty %.2f", u ? u : "auto",
                   time_graph([&] { empty_kernel<<<1, 32, 0, s>>>(0); }));
     for (int T : {1, 8, 64, 512}) {
-      LlamaCall c(T, options);
+      LlamaCall c(T, options ? kNormFp8 : 0);
       c.run(s);
       CK(cudaStreamSynchronize(s));
       std::printf(" | T=%d %.2f", T, time_graph([&] { c.run(s); }));
     }
     for (int T : {2048, 8192, 32768}) {
-      LlamaCall c(T, options);
+      LlamaCall c(T, options ? kNormFp8 : 0);
       for (int i = 0; i < 3; ++i) c.run(s);
       const double us = median_us(
           [&] {
@@ -519,7 +535,47 @@ void latency() {
 // Llama shape with QK-norm and fp8 pools; with `inplace`: q_rot and k_rot are
 // q and k, as with inplace=True); run it with ROPEKV_CUDA_UNROLL=1|2|4|8 to
 // compare the kernel's steps per team.
-void cold(bool options, bool inplace, bool table, bool interleaved) {
+// With --cold-options, ROPEKV_DRIVER_OPTIONS picks the options: a comma
+// list of norm, fp8, fp8div (fp8 pools with scales of inexact reciprocal)
+// and f32 (float32 pools); default norm,fp8.
+int driver_options() {
+  const char* e = std::getenv("ROPEKV_DRIVER_OPTIONS");
+  if (e == nullptr) return kNormFp8;
+  const std::string list = std::string(",") + e + ",";
+  int o = 0;
+  const std::pair<const char*, int> names[] = {
+      {",norm,", kOptNorm}, {",fp8,", kOptFp8}, {",fp8div,", kOptFp8Div}, {",f32,", kOptF32Pools}};
+  for (const auto& [name, bit] : names)
+    if (list.find(name) != std::string::npos) o |= bit;
+  return o;
+}
+
+// The T of --cold*: ROPEKV_DRIVER_TOKENS (a comma list), default 1 to 8192.
+std::vector<int> driver_tokens() {
+  const char* e = std::getenv("ROPEKV_DRIVER_TOKENS");
+  if (e == nullptr) return {1, 8, 16, 32, 64, 128, 256, 512, 2048, 8192};
+  std::vector<int> ts;
+  for (const char* c = e; *c != 0;) {
+    char* end = nullptr;
+    const long t = std::strtol(c, &end, 10);
+    if (end == c) break;
+    if (t > 0) ts.push_back(static_cast<int>(t));
+    c = *end == ',' ? end + 1 : end;
+  }
+  return ts;
+}
+
+const char* options_name(int o) {
+  static std::string s;
+  s.clear();
+  if (o & kOptNorm) s += " QK-norm";
+  if (o & kOptFp8) s += " fp8";
+  if (o & kOptFp8Div) s += " fp8/0.37";
+  if (o & kOptF32Pools) s += " f32-pools";
+  return s.c_str();
+}
+
+void cold(int options, bool inplace, bool table, bool interleaved) {
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cudaEvent_t e0, e1;
@@ -537,20 +593,20 @@ void cold(bool options, bool inplace, bool table, bool interleaved) {
     const char* sb = std::getenv("ROPEKV_CUDA_SMALL_THREADS");
     std::printf("U=%s S=%s/%s small=%s/%s cold %-12s%s%s%s%s", u ? u : "auto",
                 sg ? sg : "auto", st ? st : "auto", sm ? sm : "auto", sb ? sb : "auto", m.name,
-                options ? " QK-norm fp8" : "", inplace ? " in place" : "",
+                options_name(options), inplace ? " in place" : "",
                 table ? " cos_sin_cache f32" : "", interleaved ? " interleaved" : "");
     // A float32 [kRows, D] table (values do not matter for the time).
     Buf tab(table ? size_t(kRows) * m.D * 4 : 4);
     int64_t tab_shape[2] = {kRows, m.D};
     CK(cudaMemset(tab.ptr, 0x3c, tab.bytes));
-    for (int T : {1, 8, 16, 32, 64, 128, 256, 512, 2048, 8192}) {
+    for (int T : driver_tokens()) {
       ModelCall c(T, m, options);
       c.cfg.is_neox = !interleaved;
       const size_t set_bytes = c.q.bytes * 2 + c.k.bytes * 3 + size_t(T) * 8;
       const int n = static_cast<int>(std::clamp<size_t>((size_t(1) << 30) / set_bytes, 1, 50));
       std::vector<std::unique_ptr<ModelCall>> sets;  // inputs and outputs of each call
       for (int i = 0; i < n; ++i) {
-        sets.emplace_back(new ModelCall(T, m, false, /*pool_rows=*/1));
+        sets.emplace_back(new ModelCall(T, m, 0, /*pool_rows=*/1));
         std::vector<int32_t> pos(T), slot(T);
         for (int j = 0; j < T; ++j) pos[j] = static_cast<int32_t>(rng() % (1 << 17));
         // Distinct slots: T draws from disjoint strides of the pool.
@@ -648,7 +704,8 @@ int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "--cold" || mode == "--cold-options" || mode == "--cold-inplace" ||
       mode == "--cold-table" || mode == "--cold-interleaved") {
-    cold(mode == "--cold-options", mode == "--cold-inplace", mode == "--cold-table",
+    cold(mode == "--cold-options" ? driver_options() : 0, mode == "--cold-inplace",
+         mode == "--cold-table",
          mode == "--cold-interleaved");
     return 0;
   }
@@ -684,6 +741,12 @@ int main(int argc, char** argv) {
                    KV::kFp8E4M3, false);
   run_options_case("small kernel bf16 norm fp8 (Qwen3 decode)", 2, 32, 8, 128, bf16, 1, false,
                    KV::kFp8E4M3, false);
+  // Pool formats alone: the small kernel's fp8 (power-of-two scales) and
+  // float32 builds, D = 96 (12 lanes: no QK-norm build has them).
+  run_options_case("small kernel bf16 fp8 pools", 5, 32, 8, 128, bf16, 1, false, KV::kFp8E4M3,
+                   true, false);
+  run_options_case("small kernel f16 f32 pools, interleaved", 4, 8, 4, 96, f16, 1, true,
+                   KV::kFloat32, false, false);
   // The table alone: up to 256 tokens of 16-bit data the small kernel (NeoX
   // or interleaved pairs, 128 lanes per head at D = 1024); beyond, or for
   // float32, the plain kernel reading the table, U = 2 and (past 6144 team

@@ -1256,20 +1256,26 @@ def test_small_kernel_shapes(dtype, table, pairs):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("pool", ["auto", "float32", "fp8_e4m3", "fp8_e5m2"])
 def test_small_kernel_options(pool, dtype):
-    """The small kernel's QK-norm build: a QK-norm of q, k or both (weights
-    float32 or q's dtype, contiguous or strided) with pools of any format
-    (fp8 scales of any value), NeoX or interleaved pairs, with or without a
-    table. It takes a QK-norm for heads of 8 to 256 (1 to 32 lanes, a power
-    of two); the others of SMALL_SHAPES (24, 80, 96, 512, 1024), calls past
-    256 tokens, and float32 or fp8 pools without a QK-norm go to the options
-    kernel; in place for some."""
+    """The small kernel's builds with options: a QK-norm of q, k or both
+    (weights float32 or q's dtype, contiguous or strided), or none, with pools
+    of any format (fp8 scales of any value, powers of two among them), NeoX or
+    interleaved pairs, with or without a table. It takes a QK-norm for heads
+    of 8 to 256 (1 to 32 lanes, a power of two) with contiguous weights, and
+    fp8 pools without a QK-norm for power-of-two scales only; the others of
+    SMALL_SHAPES (24, 80, 96, 512, 1024), strided weights, calls past 256
+    tokens and fp8 pools alone whose scales divide go to the options kernel;
+    in place for some."""
     dt = DTYPES[dtype]
     g = np.random.default_rng(len(pool) + 7 * len(dtype))
     norms = [(None, None), (torch.float32, None), (None, dt), (dt, torch.float32)]
 
     def scales():
-        ks, vs = float(g.uniform(0.01, 2.0)), float(g.uniform(0.01, 2.0))
-        return dict(k_scale=ks, v_scale=vs) if pool.startswith("fp8") else {}
+        if not pool.startswith("fp8"):
+            return {}
+        if g.integers(2):  # powers of two: x * (1 / scale), the same quotient
+            return dict(k_scale=float(2.0 ** g.integers(-4, 4)),
+                        v_scale=float(2.0 ** g.integers(-4, 4)))
+        return dict(k_scale=float(g.uniform(0.01, 2.0)), v_scale=float(g.uniform(0.01, 2.0)))
 
     for i, (Hq, Hk, D) in enumerate(SMALL_SHAPES):
         for j, T in enumerate((1, 40, 257)):
@@ -1296,19 +1302,26 @@ def test_small_kernel_options(pool, dtype):
 @cuda_only
 def test_small_kernel_routing():
     """Which kernel a Llama-shaped decode call runs (names from the PyTorch
-    profiler): a QK-norm with fp8 pools, the small kernel's QK-norm build
-    (OptParams); fp8 pools alone, the options kernel; the plain call, the
-    small kernel's plain build; a QK-norm past 256 tokens, the options
-    kernel. Every other test passes on either kernel."""
+    profiler): the small kernel's build of its QK-norm (or not) and pool
+    format (template arguments kNorm, kPools: 3 q's dtype, 4 float32, 2 fp8)
+    for a QK-norm with any pools, float32 pools, fp8 pools with power-of-two
+    scales and the plain call; the options kernel for fp8 pools alone whose
+    scales divide and for a QK-norm past 256 tokens. Every other test passes
+    on either kernel."""
     import re
     from torch.profiler import ProfilerActivity, profile
     norm = dict(q_norm=torch.float32, k_norm=torch.bfloat16)
-    # (The small kernel's builds differ in their last template argument.)
-    cases = [(1, dict(kv_cache_dtype="fp8_e4m3", **norm), "rope_pool_small_kernel", True),
-             (1, dict(kv_cache_dtype="fp8_e4m3"), "rope_pool_options_kernel", None),
-             (1, {}, "rope_pool_small_kernel", False),
-             (257, norm, "rope_pool_options_kernel", None)]
-    for T, opts, want, opt_params in cases:
+    small, options = "rope_pool_small_kernel", "rope_pool_options_kernel"
+    cases = [(1, dict(kv_cache_dtype="fp8_e4m3", **norm), small, ("true", "2")),
+             (1, dict(kv_cache_dtype="fp8_e4m3", k_scale=0.37, **norm), small, ("true", "2")),
+             (1, norm, small, ("true", "3")),
+             (1, dict(kv_cache_dtype="float32"), small, ("false", "4")),
+             (1, dict(kv_cache_dtype="fp8_e5m2", k_scale=0.25, v_scale=2.0), small,
+              ("false", "2")),
+             (1, dict(kv_cache_dtype="fp8_e4m3", k_scale=0.37), options, None),
+             (1, {}, small, ("false", "3")),
+             (257, norm, options, None)]
+    for T, opts, want, build in cases:
         t, kw = options_case(T, 32, 8, 128, torch.bfloat16, **opts)
         options_call(t, kw)  # (the first call makes the library's tables)
         torch.cuda.synchronize()
@@ -1318,8 +1331,10 @@ def test_small_kernel_routing():
         names = [e.name for e in prof.events() if re.search(r"rope_pool_\w*kernel", e.name)]
         assert len(names) == 1, f"T={T} {opts}: ropekv kernels seen: {names}"
         assert want in names[0], f"T={T} {opts}: ran {names[0]}, want {want}"
-        if opt_params is not None:
-            assert ("OptParams" in names[0]) == opt_params, f"T={T} {opts}: ran {names[0]}"
+        if build is not None:
+            m = re.search(r"rope_pool_small_kernel<[^,]+, \w+, \w+, (\w+), \(?[\w:]*\)?(\d)",
+                          names[0])
+            assert m and m.groups() == build, f"T={T} {opts}: ran {names[0]}, want {build}"
 
 
 @pytest.mark.parametrize("table", ["none", "float32"])
