@@ -1300,6 +1300,51 @@ constexpr int kSmallVec = 4;
 // at 128 or 256 (small_threads in rope_pool_cuda.cu).
 constexpr int kSmallThreads = 256;
 
+// The parameters of a small-kernel build: Params for the plain builds (no
+// QK-norm, pools of q's dtype), OptParams for the others.
+template <bool kNorm, int kPools>
+using SmallParams =
+    typename std::conditional<kNorm || kPools != kPoolsSame, OptParams, Params>::type;
+
+// The raw words of kSmallVec QK-norm weights at element e of w (dtype code
+// wdt: 0 float32, four words; else q's dtype, two words of two), in one
+// load: the launcher takes only contiguous weights aligned to it
+// (small_kernel in rope_pool_cuda.cu).
+__device__ __forceinline__ void weight_words(const void* w, int e, int wdt,
+                                             unsigned int (&x)[kSmallVec]) {
+  static_assert(kSmallVec == 4, "one 16- or 8-byte load");
+  if (wdt == 0) {
+    const uint4 u = __ldg(reinterpret_cast<const uint4*>(static_cast<const float*>(w) + e));
+    x[0] = u.x;
+    x[1] = u.y;
+    x[2] = u.z;
+    x[3] = u.w;
+  } else {
+    const uint2 u =
+        __ldg(reinterpret_cast<const uint2*>(static_cast<const unsigned short*>(w) + e));
+    x[0] = u.x;
+    x[1] = u.y;
+  }
+}
+
+// The weights of weight_words as floats (exact): float32 words as they are,
+// 16-bit ones (q's dtype T) converted in pairs, where they are used (a
+// conversion right after the load would stall the loads issued after it).
+template <class T>
+__device__ __forceinline__ void weight_floats(const unsigned int (&w)[kSmallVec], int wdt,
+                                              float (&x)[kSmallVec]) {
+  if (wdt == 0) {
+#pragma unroll
+    for (int j = 0; j < kSmallVec; ++j) x[j] = __uint_as_float(w[j]);
+  } else {
+    const float2 lo = unpack2(w[0], T()), hi = unpack2(w[1], T());
+    x[0] = lo.x;
+    x[1] = lo.y;
+    x[2] = hi.x;
+    x[3] = hi.y;
+  }
+}
+
 // Interleaved pairs (x[2i], x[2i+1]) of 16-bit vectors: each word of a and
 // b is one pair; c and s hold the frequencies of a's pairs, then b's.
 template <class T, int N>
@@ -1319,20 +1364,22 @@ __device__ __forceinline__ void rotate_interleaved(Vec<T, N>& a, Vec<T, N>& b,
 
 // The QK-norm and the rotation of a lane's two vectors in fp32, then one
 // rounding to T (the order of transform: x * r, times the weight, then the
-// rotation). wa / wb: the weights of a's and b's elements as raw bits of
-// dtype code wdt; c, s as for rotate (NeoX) or rotate_interleaved.
+// rotation). wa / wb: the weights of a's and b's elements as weight_words
+// of dtype code wdt; c, s as for rotate (NeoX) or rotate_interleaved.
 template <class T, int N, bool kInterleaved>
 __device__ __forceinline__ void rotate_normed(Vec<T, N>& a, Vec<T, N>& b, const float (&c)[N],
                                               const float (&s)[N], float r,
                                               const unsigned int (&wa)[N],
                                               const unsigned int (&wb)[N], int wdt) {
-  float xa[N], xb[N];
+  float xa[N], xb[N], fa[N], fb[N];
   to_floats<T, N>(a, xa);
   to_floats<T, N>(b, xb);
+  weight_floats<T>(wa, wdt, fa);
+  weight_floats<T>(wb, wdt, fb);
 #pragma unroll
   for (int j = 0; j < N; ++j) {
-    xa[j] = __fmul_rn(__fmul_rn(xa[j], r), bits_to_float(wa[j], wdt));
-    xb[j] = __fmul_rn(__fmul_rn(xb[j], r), bits_to_float(wb[j], wdt));
+    xa[j] = __fmul_rn(__fmul_rn(xa[j], r), fa[j]);
+    xb[j] = __fmul_rn(__fmul_rn(xb[j], r), fb[j]);
   }
   if constexpr (kInterleaved) {
     constexpr int W = N / 2;
@@ -1354,34 +1401,6 @@ __device__ __forceinline__ void rotate_normed(Vec<T, N>& a, Vec<T, N>& b, const 
   }
   a = from_floats<T, N>(xa);
   b = from_floats<T, N>(xb);
-}
-
-// The parameters of a small-kernel build: Params for the plain builds (no
-// QK-norm, pools of q's dtype), OptParams for the others.
-template <bool kNorm, int kPools>
-using SmallParams =
-    typename std::conditional<kNorm || kPools != kPoolsSame, OptParams, Params>::type;
-
-// The raw bits of kSmallVec QK-norm weights at element e of w (dtype code
-// wdt: 0 float32, else 16-bit), in one load: the launcher takes only
-// contiguous weights aligned to it (small_kernel in rope_pool_cuda.cu).
-__device__ __forceinline__ void weight_bits(const void* w, int e, int wdt,
-                                            unsigned int (&x)[kSmallVec]) {
-  static_assert(kSmallVec == 4, "one 16- or 8-byte load");
-  if (wdt == 0) {
-    const uint4 u = __ldg(reinterpret_cast<const uint4*>(static_cast<const float*>(w) + e));
-    x[0] = u.x;
-    x[1] = u.y;
-    x[2] = u.z;
-    x[3] = u.w;
-  } else {
-    const uint2 u =
-        __ldg(reinterpret_cast<const uint2*>(static_cast<const unsigned short*>(w) + e));
-    x[0] = u.x & 0xFFFFu;
-    x[1] = u.x >> 16;
-    x[2] = u.y & 0xFFFFu;
-    x[3] = u.y >> 16;
-  }
 }
 
 // The kernel of small calls of 16-bit data (decode), full rotary; kTable:
@@ -1454,7 +1473,7 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
       vb = load_vec<T, N, true>(vsrc + p.half);
     }
   }
-  // The head's QK-norm weights (QK-norm build), as raw bits: converted
+  // The head's QK-norm weights (QK-norm build), as raw words: converted
   // where used, so that the index loads below are not held back. A head
   // without a norm (only one of q_norm_weight, k_norm_weight given) takes
   // weights of 1 and r = 1, whose products are exact: one rotation path.
@@ -1466,8 +1485,8 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
     if (w != nullptr) {
       wdt = is_q ? p.o.qn_dtype : p.o.kn_dtype;
       if (active) {
-        weight_bits(w, lane * N, wdt, wa);
-        weight_bits(w, p.half + lane * N, wdt, wb);
+        weight_words(w, lane * N, wdt, wa);
+        weight_words(w, p.half + lane * N, wdt, wb);
       }
     } else {
 #pragma unroll
@@ -1515,8 +1534,11 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
     const int first = tid & ~31;
     const unsigned int mask =
         threads - first >= 32 ? 0xFFFFFFFFu : (1u << (threads - first)) - 1u;
-#pragma unroll 1
-    for (int d = blockDim.x / 2; d > 0; d >>= 1) ss2 += __shfl_xor_sync(mask, ss2, d, blockDim.x);
+    // Unrolled, the steps d < L of 16, 8, .., 1 (L = blockDim.x <= 32, a
+    // power of two, the head's lanes an aligned group: lane ^ d stays in it).
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1)
+      if (d < static_cast<int>(blockDim.x)) ss2 += __shfl_xor_sync(mask, ss2, d);
     // ss2 / D as ss2 * 2^-log2(D): D is a power of two here (the launcher's
     // rule), so the product is the same correctly rounded quotient.
     const float inv_d = __int_as_float((127 - (__ffs(2 * p.half) - 1)) << 23);
