@@ -541,13 +541,16 @@ void launch_small(Params& prm, const Problem& p, const DeviceState& st, cudaStre
   l.blocks_y = static_cast<unsigned int>(ceil_div(heads, per_block));
   l.threads = static_cast<int>(lanes);
   l.threads_y = static_cast<unsigned int>(per_block);
-  l.smem = prm.cos_sin != nullptr ? 0 : static_cast<size_t>(p.rotary_dim) * sizeof(float);
+  const bool norm = p.q_norm.data != nullptr || p.k_norm.data != nullptr;
+  // The cos/sin of the token (not with a table), then with a QK-norm each
+  // thread's sum of squares.
+  l.smem = ((prm.cos_sin != nullptr ? 0 : p.rotary_dim) + (norm ? per_block * lanes : 0)) *
+           sizeof(float);
   l.pdl = st.pdl;
   // Every parameter line before the wait (see param_lines): the small
   // kernel was measured so at every size it takes (T <= 512).
   prm.early_params = 1;
   const bool f16 = p.dtype == FloatType::kF16;
-  const bool norm = p.q_norm.data != nullptr || p.k_norm.data != nullptr;
   if (norm || p.pool_type != pool_type_of(p.dtype)) {
     OptParams op{};
     static_cast<Params&>(op) = prm;

@@ -1437,7 +1437,9 @@ template <class T, bool kTable, bool kInterleaved, bool kNorm = false, int kPool
 __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
     const __grid_constant__ P p) {
   static_assert(std::is_same<P, SmallParams<kNorm, kPools>>::value, "the build's parameters");
-  extern __shared__ float cs_smem[];  // cos[half], then sin[half]
+  // cos[half], then sin[half] (not with a table); then with a QK-norm each
+  // thread's sum of squares.
+  extern __shared__ float cs_smem[];
   static_assert(kPools == kPoolsSame || kPools == kPoolsF32 || kPools == kPoolsFp8,
                 "one pool format per build");
   constexpr int N = kSmallVec;
@@ -1528,25 +1530,44 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
   // QK-norm: the head's sum of squares over its lanes (every lane of the
   // warp takes part), then r = 1 / sqrt(ss / D + eps), each step correctly
   // rounded as in the options kernel.
+  // QK-norm: each lane's sum of squares goes to shared memory (after the
+  // cos/sin) before the block's barrier, and after it every lane of a head
+  // adds the head's L sums (L = blockDim.x <= 32, a power of two) in the same
+  // order, then r = 1 / sqrt(ss / D + eps), each step correctly rounded as in
+  // the options kernel. (A butterfly of shuffles instead cost 0.2 us at
+  // T = 1: four dependent steps on the call's critical path.) The table
+  // build has a barrier for it alone.
+  float* sq_smem = cs_smem + (kTable ? 0 : 2 * p.half);
+  if constexpr (kNorm) sq_smem[tid] = active && w != nullptr ? sum_squares<T, N>(a, b, true) : 0.0f;
+  if constexpr (!kTable || kNorm) __syncthreads();
   float r = 1.0f;
   if constexpr (kNorm) {
-    float ss2 = active && w != nullptr ? sum_squares<T, N>(a, b, true) : 0.0f;
-    const int first = tid & ~31;
-    const unsigned int mask =
-        threads - first >= 32 ? 0xFFFFFFFFu : (1u << (threads - first)) - 1u;
-    // Unrolled, the steps d < L of 16, 8, .., 1 (L = blockDim.x <= 32, a
-    // power of two, the head's lanes an aligned group: lane ^ d stays in it).
+    if (w != nullptr) {
+      const float* hs = sq_smem + threadIdx.y * blockDim.x;
+      float sum = 0.0f;
+      if (blockDim.x >= 4) {  // float4 reads (16-byte aligned: L and 2 * half are multiples of 4)
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-    for (int d = 16; d > 0; d >>= 1)
-      if (d < static_cast<int>(blockDim.x)) ss2 += __shfl_xor_sync(mask, ss2, d);
-    // ss2 / D as ss2 * 2^-log2(D): D is a power of two here (the launcher's
-    // rule), so the product is the same correctly rounded quotient.
-    const float inv_d = __int_as_float((127 - (__ffs(2 * p.half) - 1)) << 23);
-    if (w != nullptr)
-      r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fmul_rn(ss2, inv_d), p.o.norm_eps)));
+        for (int i = 0; i < 32; i += 4) {
+          if (i >= static_cast<int>(blockDim.x)) break;
+          const float4 v = *reinterpret_cast<const float4*>(hs + i);
+          acc.x += v.x;
+          acc.y += v.y;
+          acc.z += v.z;
+          acc.w += v.w;
+        }
+        sum = (acc.x + acc.y) + (acc.z + acc.w);
+      } else {
+        for (int i = 0; i < static_cast<int>(blockDim.x); ++i) sum += hs[i];
+      }
+      // sum / D as sum * 2^-log2(D): D is a power of two here (the
+      // launcher's rule), so the product is the same correctly rounded
+      // quotient.
+      const float inv_d = __int_as_float((127 - (__ffs(2 * p.half) - 1)) << 23);
+      r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fmul_rn(sum, inv_d), p.o.norm_eps)));
+    }
   }
   if constexpr (!kTable) {
-    __syncthreads();
     if constexpr (kInterleaved) {
 #pragma unroll
       for (int j = 0; j < N; ++j) {
