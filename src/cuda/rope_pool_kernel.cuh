@@ -52,8 +52,8 @@
 // instead (end of this file): plain, interleaved, with a cos_sin_cache, a
 // QK-norm on heads of up to 256, float32 or fp8 pools, one build for each
 // QK-norm or not and pool format. Its QK-norm sums a head's squares in
-// another order than the options kernel (4-element lane chunks, a butterfly
-// of shuffles), so a QK-norm result can differ by one rounding between a
+// another order than the options kernel (4-element lane chunks, then the
+// lanes' sums in four strided runs), so a QK-norm result can differ by one rounding between a
 // call of at most 256 tokens and a larger one; either is within the
 // contract's bound, and each is reproducible.
 #pragma once
@@ -1420,8 +1420,8 @@ __device__ __forceinline__ void rotate_normed(Vec<T, N>& a, Vec<T, N>& b, const 
 // cos/sin once into shared memory (one frequency per thread, one barrier),
 // and its heads share them; with a table each lane reads its own from the
 // token's row (no shared memory, no barrier). With a QK-norm, a head's sum
-// of squares goes over its L lanes (an aligned group of one warp) by a
-// butterfly of shuffles, the same sum in every lane.
+// of squares is its L lanes' sums, added through shared memory at a block
+// barrier (the table build has one for it), the same sum in every lane.
 //
 // Why this shape: a decode call is a chain of memory round trips and
 // instruction fetches, not a stream of bytes, and small blocks of one
