@@ -273,11 +273,15 @@ void launch_small_as(const detail::SmallParams<kNorm, kPools>& prm, bool interle
                                            : rope_pool_small_kernel<T, false, false, kNorm, kPools>);
   check(cudaLaunchKernelEx(&lc.cfg, kernel, prm), "launching the rope_pool small kernel");
 }
+// (fp8 scales that divide come here only with a QK-norm: small_kernel.)
 template <class T, bool kNorm>
 void launch_small_pools(const OptParams& op, bool interleaved, const Launch& l,
                         cudaStream_t stream) {
-  if (op.o.pool_mode == detail::kPoolFp8)
-    return launch_small_as<T, kNorm, detail::kPoolsFp8>(op, interleaved, l, stream);
+  if (op.o.pool_mode == detail::kPoolFp8) {
+    if constexpr (kNorm)
+      if (op.o.fp8_div) return launch_small_as<T, true, detail::kPoolsFp8>(op, interleaved, l, stream);
+    return launch_small_as<T, kNorm, detail::kPoolsFp8Mul>(op, interleaved, l, stream);
+  }
   if (op.o.pool_mode == detail::kPoolF32)
     return launch_small_as<T, kNorm, detail::kPoolsF32>(op, interleaved, l, stream);
   if constexpr (kNorm) return launch_small_as<T, true, detail::kPoolsSame>(op, interleaved, l, stream);

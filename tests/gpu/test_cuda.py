@@ -1303,21 +1303,22 @@ def test_small_kernel_options(pool, dtype):
 def test_small_kernel_routing():
     """Which kernel a Llama-shaped decode call runs (names from the PyTorch
     profiler): the small kernel's build of its QK-norm (or not) and pool
-    format (template arguments kNorm, kPools: 3 q's dtype, 4 float32, 2 fp8)
-    for a QK-norm with any pools, float32 pools, fp8 pools with power-of-two
-    scales and the plain call; the options kernel for fp8 pools alone whose
-    scales divide and for a QK-norm past 256 tokens. Every other test passes
-    on either kernel."""
+    format (template arguments kNorm, kPools: 3 q's dtype, 4 float32, 2 fp8
+    whose scales divide, 5 fp8 with power-of-two scales) for a QK-norm with
+    any pools, float32 pools, fp8 pools with power-of-two scales and the
+    plain call; the options kernel for fp8 pools alone whose scales divide
+    and for a QK-norm past 256 tokens. Every other test passes on either
+    kernel."""
     import re
     from torch.profiler import ProfilerActivity, profile
     norm = dict(q_norm=torch.float32, k_norm=torch.bfloat16)
     small, options = "rope_pool_small_kernel", "rope_pool_options_kernel"
-    cases = [(1, dict(kv_cache_dtype="fp8_e4m3", **norm), small, ("true", "2")),
+    cases = [(1, dict(kv_cache_dtype="fp8_e4m3", **norm), small, ("true", "5")),
              (1, dict(kv_cache_dtype="fp8_e4m3", k_scale=0.37, **norm), small, ("true", "2")),
              (1, norm, small, ("true", "3")),
              (1, dict(kv_cache_dtype="float32"), small, ("false", "4")),
              (1, dict(kv_cache_dtype="fp8_e5m2", k_scale=0.25, v_scale=2.0), small,
-              ("false", "2")),
+              ("false", "5")),
              (1, dict(kv_cache_dtype="fp8_e4m3", k_scale=0.37), options, None),
              (1, {}, small, ("false", "3")),
              (257, norm, options, None)]
