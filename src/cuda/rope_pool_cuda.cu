@@ -267,10 +267,11 @@ void launch_small_as(const detail::SmallParams<kNorm, kPools>& prm, bool interle
   LaunchConfig lc(l, stream);
   using detail::rope_pool_small_kernel;
   const bool table = prm.cos_sin != nullptr;
-  const auto kernel = table ? (interleaved ? rope_pool_small_kernel<T, true, true, kNorm, kPools>
-                                           : rope_pool_small_kernel<T, true, false, kNorm, kPools>)
-                            : (interleaved ? rope_pool_small_kernel<T, false, true, kNorm, kPools>
-                                           : rope_pool_small_kernel<T, false, false, kNorm, kPools>);
+  const auto kernel =
+      table ? (interleaved ? rope_pool_small_kernel<T, true, true, kNorm, kPools>
+                           : rope_pool_small_kernel<T, true, false, kNorm, kPools>)
+            : (interleaved ? rope_pool_small_kernel<T, false, true, kNorm, kPools>
+                           : rope_pool_small_kernel<T, false, false, kNorm, kPools>);
   check(cudaLaunchKernelEx(&lc.cfg, kernel, prm), "launching the rope_pool small kernel");
 }
 // (fp8 scales that divide come here only with a QK-norm: small_kernel.)
@@ -278,13 +279,19 @@ template <class T, bool kNorm>
 void launch_small_pools(const OptParams& op, bool interleaved, const Launch& l,
                         cudaStream_t stream) {
   if (op.o.pool_mode == detail::kPoolFp8) {
-    if constexpr (kNorm)
-      if (op.o.fp8_div) return launch_small_as<T, true, detail::kPoolsFp8>(op, interleaved, l, stream);
+    if (op.o.fp8_div) {
+      if constexpr (kNorm)
+        return launch_small_as<T, true, detail::kPoolsFp8>(op, interleaved, l, stream);
+      // (kPoolsFp8Mul would store x * mul where x / scale is due.)
+      throw std::logic_error(
+          "ropekv: fp8 scales that divide reached the small kernel without a QK-norm");
+    }
     return launch_small_as<T, kNorm, detail::kPoolsFp8Mul>(op, interleaved, l, stream);
   }
   if (op.o.pool_mode == detail::kPoolF32)
     return launch_small_as<T, kNorm, detail::kPoolsF32>(op, interleaved, l, stream);
-  if constexpr (kNorm) return launch_small_as<T, true, detail::kPoolsSame>(op, interleaved, l, stream);
+  if constexpr (kNorm)
+    return launch_small_as<T, true, detail::kPoolsSame>(op, interleaved, l, stream);
 }
 
 template <class T, int N, bool kContig, int U, int kPools, bool kNorm>
