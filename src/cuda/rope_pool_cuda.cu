@@ -14,8 +14,8 @@
 // one token's heads per block, 8-byte vectors; one build per QK-norm or not
 // and pool format), plain or with interleaved pairs, a cos_sin_cache, a
 // QK-norm (heads of up to 256), float32 or fp8 pools (fp8 alone only with
-// power-of-two scales); other small plain calls of 16-bit data (partial rotary) run the
-// options kernel's one-step build (faster at decode than the plain kernel's
+// power-of-two scales); other small plain calls of 16-bit data (partial
+// rotary) run the options kernel's one-step build (faster at decode than the plain kernel's
 // two steps per team), a token's teams spread over several blocks while the
 // grid is small.
 //
@@ -416,9 +416,9 @@ int64_t split_grid_limit(int sms) {
 
 // Tokens up to which a call takes the small kernel (small_kernel): 512 for
 // plain calls (interleaved pairs and rope scaling included), 256 with a
-// cos_sin_cache, a QK-norm or float32 / fp8 pools (alone: 0.4-0.5 us faster
-// than the options kernel at T = 256, Llama-3.1-8B). Against the kernels it replaced (H200, cold
-// L2, four shapes): faster up to T = 256 for every shape, and at T = 512
+// cos_sin_cache, a QK-norm or float32 / fp8 pools (alone: 0.4-0.8 us faster
+// than the options kernel at T = 256, Llama-3.1-8B). Against the kernels it
+// replaced (H200, cold L2, four shapes): faster up to T = 256 for every shape, and at T = 512
 // for Qwen2.5-7B, Gemma-2-9B and Phi-3-mini (2-13 %) but 3 % slower for
 // Llama-3.1-8B; with a table 13-22 % slower at T = 512 for three shapes;
 // with a QK-norm and fp8 pools (Llama) 19 % faster at T = 256 and 27 %
@@ -513,8 +513,9 @@ bool small_weights_ok(const Weight& w) {
 // Whether a call runs the small kernel (detail::rope_pool_small_kernel): at
 // most small_tokens() tokens of 16-bit data with full rotary, vectors of
 // kSmallVec elements in every array, NeoX or interleaved pairs, a QK-norm
-// only for heads of 1 to 32 lanes (a power of two: the sums of squares stay
-// within a warp) with contiguous weights, pools of any format (but fp8 pools
+// only for heads of 1 to 32 lanes (a power of two: head_dim a power of two,
+// and the head's sums read as whole float4s) with contiguous weights
+// aligned to kSmallVec of them, pools of any format (but fp8 pools
 // whose scales divide, i.e. a reciprocal that is not exact, only with a
 // QK-norm: alone they ran 0.1-0.3 us faster on the options kernel at
 // T <= 128), and a cos_sin_cache, if any, whose rows allow kSmallVec-value

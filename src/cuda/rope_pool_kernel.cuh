@@ -53,9 +53,9 @@
 // QK-norm on heads of up to 256, float32 or fp8 pools, one build for each
 // QK-norm or not and pool format. Its QK-norm sums a head's squares in
 // another order than the options kernel (4-element lane chunks, then the
-// lanes' sums in four strided runs), so a QK-norm result can differ by one rounding between a
-// call of at most 256 tokens and a larger one; either is within the
-// contract's bound, and each is reproducible.
+// lanes' sums in four strided runs), so a QK-norm result can differ by one
+// rounding between a call of at most 256 tokens and a larger one; either is
+// within the contract's bound, and each is reproducible.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -1531,9 +1531,6 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
     make_cos_sin(p, position, tid, threads, freq0, cs_smem);
   }
   if (slot >= p.pool_size && reporter) report_bad_index(p.err, false, t, slot, p.pool_size);
-  // QK-norm: the head's sum of squares over its lanes (every lane of the
-  // warp takes part), then r = 1 / sqrt(ss / D + eps), each step correctly
-  // rounded as in the options kernel.
   // QK-norm: each lane's sum of squares goes to shared memory (after the
   // cos/sin) before the block's barrier, and after it every lane of a head
   // adds the head's L sums (L = blockDim.x <= 32, a power of two) in the same
