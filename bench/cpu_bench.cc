@@ -22,7 +22,9 @@
 //     positions, slots, q_rot, k_rot), S chosen so that all sets together
 //     are at least 2x the last-level cache: a small T call never finds its
 //     inputs in a cache that a previous iteration warmed;
-//   - the memcpy reference rotates over its buffers the same way.
+//   - the memcpy reference rotates over its buffers the same way;
+//   - every buffer is on ordinary pages unless ROPEKV_BENCH_HUGE_PAGES asks
+//     for transparent huge pages (see huge_pages below).
 // The C++ API allocates nothing per call, so the loop times rope_pool_fused
 // directly (validation included).
 //
@@ -43,11 +45,13 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -93,13 +97,35 @@ int64_t llc_bytes() {
   return best > 0 ? best : int64_t{32} << 20;
 }
 
+// ROPEKV_BENCH_HUGE_PAGES=all (or 1), pools or io: the benchmark's buffers of
+// 2 MiB and more (all of them, the two pools, or the input/output sets) are
+// 2 MiB aligned and asked for transparent huge pages (madvise) before their
+// first touch, to measure what the TLB costs the cold calls: by default, where
+// THP is "madvise", none of them is on huge pages.
+enum class Role { kPool, kIo };
+bool huge_pages(Role role) {
+  static const std::string mode = [] {
+    const char* e = std::getenv("ROPEKV_BENCH_HUGE_PAGES");
+    return std::string(e == nullptr ? "" : e);
+  }();
+  return mode == "all" || mode == "1" || (mode == "pools" && role == Role::kPool) ||
+         (mode == "io" && role == Role::kIo);
+}
+
 // 64-byte aligned, zero-initialised (pages touched) buffer.
 struct Buffer {
   std::unique_ptr<uint8_t, decltype(&std::free)> p{nullptr, &std::free};
   size_t n = 0;
-  explicit Buffer(size_t bytes = 0) {
+  explicit Buffer(size_t bytes = 0, Role role = Role::kIo) {
     n = std::max<size_t>(bytes, 64);
-    p.reset(static_cast<uint8_t*>(std::aligned_alloc(64, (n + 63) / 64 * 64)));
+    constexpr size_t kHuge = size_t{2} << 20;
+    if (huge_pages(role) && n >= kHuge) {
+      const size_t padded = (n + kHuge - 1) / kHuge * kHuge;
+      p.reset(static_cast<uint8_t*>(std::aligned_alloc(kHuge, padded)));
+      madvise(p.get(), padded, MADV_HUGEPAGE);
+    } else {
+      p.reset(static_cast<uint8_t*>(std::aligned_alloc(64, (n + 63) / 64 * 64)));
+    }
     std::memset(p.get(), 0, n);
   }
   uint8_t* get() const { return p.get(); }
@@ -229,7 +255,7 @@ void BM_RopePool(benchmark::State& state, Model m, bool bf16, int threads, Cache
   // Pools: each at least 2x the LLC, and at least 2T rows.
   const int64_t row_bytes = m.hk * m.d * EP;
   const int64_t P = std::max<int64_t>(2 * T, (2 * llc + row_bytes - 1) / row_bytes);
-  Buffer k_pool(P * row_bytes), v_pool(P * row_bytes);
+  Buffer k_pool(P * row_bytes, Role::kPool), v_pool(P * row_bytes, Role::kPool);
 
   // Input/output sets, and slot sets (the pool rows touched by all slot sets
   // together also exceed 2x the LLC).
