@@ -274,26 +274,6 @@ void launch_small_as(const detail::SmallParams<kNorm, kPools>& prm, bool interle
                            : rope_pool_small_kernel<T, false, false, kNorm, kPools>);
   check(cudaLaunchKernelEx(&lc.cfg, kernel, prm), "launching the rope_pool small kernel");
 }
-// (fp8 scales that divide come here only with a QK-norm: small_kernel.)
-template <class T, bool kNorm>
-void launch_small_pools(const OptParams& op, bool interleaved, const Launch& l,
-                        cudaStream_t stream) {
-  if (op.o.pool_mode == detail::kPoolFp8) {
-    if (op.o.fp8_div) {
-      if constexpr (kNorm)
-        return launch_small_as<T, true, detail::kPoolsFp8>(op, interleaved, l, stream);
-      // (kPoolsFp8Mul would store x * mul where x / scale is due.)
-      throw std::logic_error(
-          "ropekv: fp8 scales that divide reached the small kernel without a QK-norm");
-    }
-    return launch_small_as<T, kNorm, detail::kPoolsFp8Mul>(op, interleaved, l, stream);
-  }
-  if (op.o.pool_mode == detail::kPoolF32)
-    return launch_small_as<T, kNorm, detail::kPoolsF32>(op, interleaved, l, stream);
-  if constexpr (kNorm)
-    return launch_small_as<T, true, detail::kPoolsSame>(op, interleaved, l, stream);
-}
-
 template <class T, int N, bool kContig, int U, int kPools, bool kNorm>
 void launch_options_as(const OptParams& prm, const Launch& l, cudaStream_t stream) {
   LaunchConfig lc(l, stream);
@@ -541,6 +521,40 @@ bool small_kernel(const Problem& p, int64_t esize) {
          cs.stride[0] % detail::kSmallVec == 0;
 }
 
+// The small kernel's build for a call of T data that small_kernel took: its
+// QK-norm or not, and its pool format (fp8 scales that divide come only with
+// a QK-norm: small_kernel).
+template <class T>
+void launch_small_build(const Params& prm, const Problem& p, const Launch& l,
+                        cudaStream_t stream) {
+  const bool norm = p.q_norm.data != nullptr || p.k_norm.data != nullptr;
+  const bool interleaved = !p.is_neox;
+  if (!norm && p.pool_type == pool_type_of(p.dtype))
+    return launch_small_as<T, false, detail::kPoolsSame>(prm, interleaved, l, stream);
+  OptParams op{};
+  static_cast<Params&>(op) = prm;
+  op.o = options_of(p, 1);
+  const auto pools = [&](auto norm_tag) {
+    constexpr bool kNorm = decltype(norm_tag)::value;
+    if (op.o.pool_mode == detail::kPoolFp8) {
+      if (!op.o.fp8_div)
+        return launch_small_as<T, kNorm, detail::kPoolsFp8Mul>(op, interleaved, l, stream);
+      if constexpr (kNorm)
+        return launch_small_as<T, true, detail::kPoolsFp8>(op, interleaved, l, stream);
+      // (kPoolsFp8Mul would store x * mul where x / scale is due.)
+      throw std::logic_error(
+          "ropekv: fp8 scales that divide reached the small kernel without a QK-norm");
+    }
+    if (op.o.pool_mode == detail::kPoolF32)
+      return launch_small_as<T, kNorm, detail::kPoolsF32>(op, interleaved, l, stream);
+    if constexpr (kNorm)
+      return launch_small_as<T, true, detail::kPoolsSame>(op, interleaved, l, stream);
+    throw std::logic_error("ropekv: a plain call reached the small kernel's option builds");
+  };
+  if (norm) return pools(std::true_type());
+  return pools(std::false_type());
+}
+
 // The small kernel's launch: HB heads of L lanes per block, up to
 // small_threads(T) threads, grid (T, ceil((Hq + Hk) / HB)).
 void launch_small(Params& prm, const Problem& p, const DeviceState& st, cudaStream_t stream) {
@@ -562,20 +576,8 @@ void launch_small(Params& prm, const Problem& p, const DeviceState& st, cudaStre
   // Every parameter line before the wait (see param_lines): the small
   // kernel was measured so at every size it takes (T <= 512).
   prm.early_params = 1;
-  const bool f16 = p.dtype == FloatType::kF16;
-  if (norm || p.pool_type != pool_type_of(p.dtype)) {
-    OptParams op{};
-    static_cast<Params&>(op) = prm;
-    op.o = options_of(p, 1);
-    if (norm) {
-      if (f16) return launch_small_pools<__half, true>(op, !p.is_neox, l, stream);
-      return launch_small_pools<__nv_bfloat16, true>(op, !p.is_neox, l, stream);
-    }
-    if (f16) return launch_small_pools<__half, false>(op, !p.is_neox, l, stream);
-    return launch_small_pools<__nv_bfloat16, false>(op, !p.is_neox, l, stream);
-  }
-  if (f16) return launch_small_as<__half, false, detail::kPoolsSame>(prm, !p.is_neox, l, stream);
-  return launch_small_as<__nv_bfloat16, false, detail::kPoolsSame>(prm, !p.is_neox, l, stream);
+  if (p.dtype == FloatType::kF16) return launch_small_build<__half>(prm, p, l, stream);
+  return launch_small_build<__nv_bfloat16>(prm, p, l, stream);
 }
 
 const char* kTensorNames[] = {"q",      "k",      "v",     "positions",     "slots",

@@ -8,7 +8,7 @@
 //   sanitize_driver --profile-decode  T = 1, plain and options kernels (for ncu)
 //   sanitize_driver --cold     per-call time of four model shapes, cold L2 (T = 1..8192)
 //   sanitize_driver --cold-options  the same for Llama with QK-norm and fp8 pools
-//                              (ROPEKV_DRIVER_OPTIONS: other options, see cold)
+//                              (ROPEKV_DRIVER_OPTIONS: other options, any --cold*)
 //                              (ROPEKV_DRIVER_TOKENS: other T, e.g. 1,8,64)
 //   sanitize_driver --cold-inplace  the same in place (q_rot, k_rot = q, k)
 //   sanitize_driver --cold-table    the same with a float32 cos_sin_cache (2^17 rows)
@@ -535,9 +535,10 @@ void latency() {
 // Llama shape with QK-norm and fp8 pools; with `inplace`: q_rot and k_rot are
 // q and k, as with inplace=True); run it with ROPEKV_CUDA_UNROLL=1|2|4|8 to
 // compare the kernel's steps per team.
-// With --cold-options, ROPEKV_DRIVER_OPTIONS picks the options: a comma
-// list of norm, fp8, fp8div (fp8 pools with scales of inexact reciprocal)
-// and f32 (float32 pools); default norm,fp8.
+// ROPEKV_DRIVER_OPTIONS picks the options of --cold* calls (with any mode,
+// e.g. a table with a QK-norm: --cold-table): a comma list of norm, fp8,
+// fp8div (fp8 pools with scales of inexact reciprocal) and f32 (float32
+// pools); --cold-options without it: norm,fp8.
 int driver_options() {
   const char* e = std::getenv("ROPEKV_DRIVER_OPTIONS");
   if (e == nullptr) return kNormFp8;
@@ -704,8 +705,10 @@ int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "--cold" || mode == "--cold-options" || mode == "--cold-inplace" ||
       mode == "--cold-table" || mode == "--cold-interleaved") {
-    cold(mode == "--cold-options" ? driver_options() : 0, mode == "--cold-inplace",
-         mode == "--cold-table",
+    // (ROPEKV_DRIVER_OPTIONS applies to every --cold* mode; --cold-options
+    // defaults to a QK-norm with fp8 pools.)
+    const bool opts = mode == "--cold-options" || std::getenv("ROPEKV_DRIVER_OPTIONS") != nullptr;
+    cold(opts ? driver_options() : 0, mode == "--cold-inplace", mode == "--cold-table",
          mode == "--cold-interleaved");
     return 0;
   }
