@@ -285,12 +285,19 @@ void launch_options_as(const OptParams& prm, const Launch& l, cudaStream_t strea
 // The 16-byte options kernels: one for fp8 pools and one for the others,
 // each with or without the QK-norm code, compiled for one step (small calls)
 // or for kOptSteps steps of which o.steps are taken; or the strided one (one
-// step, every option at run time: rare layouts).
+// step, every option at run time: rare layouts). The kOptSteps kernel has
+// a build for pools of q's dtype alone: without the float32 pools' code a
+// call with a QK-norm took 1-2 % less at T = 512-8192 (docs/performance.md,
+// *Options*).
 template <class T, bool kNorm, int U>
 void launch_options_steps(const OptParams& prm, const Launch& l, cudaStream_t stream) {
   constexpr int kVec = static_cast<int>(16 / sizeof(T));
   if (prm.o.pool_mode == detail::kPoolFp8)
     return launch_options_as<T, kVec, true, U, detail::kPoolsFp8, kNorm>(prm, l, stream);
+  if constexpr (U != 1) {
+    if (prm.o.pool_mode == detail::kPoolSame)
+      return launch_options_as<T, kVec, true, U, detail::kPoolsSame, kNorm>(prm, l, stream);
+  }
   return launch_options_as<T, kVec, true, U, detail::kPoolsWide, kNorm>(prm, l, stream);
 }
 template <class T, bool kNorm>

@@ -30,7 +30,8 @@
 // others or with rows the 16-byte loads cannot take, QK-norm, float32 or fp8
 // pools) run rope_pool_options_kernel:
 // the same decomposition and loads, so the plain kernel stays as it is. Its
-// 16-byte form is compiled per pool family (fp8, or q's dtype / float32) and
+// 16-byte form is compiled per pool family (fp8, or q's dtype / float32; the
+// U = 4 form also for q's dtype alone) and
 // with or without the QK-norm code, U = 4 steps of which a call takes 1 to 4
 // (2 for small calls, 4 for large ones, as the plain kernel's U); the other
 // options are uniform run-time branches. Each chunk's cos/sin and weights are
@@ -142,7 +143,7 @@ enum PoolCode : int {
   kPoolsAny = 0,   // every format, o.pool_mode at run time (the strided kernel)
   kPoolsWide = 1,  // kPoolSame or kPoolF32 (exact: the values as they are)
   kPoolsFp8 = 2,   // kPoolFp8
-  kPoolsSame = 3,  // kPoolSame only (the small kernel's builds: one format each)
+  kPoolsSame = 3,  // kPoolSame only (the small kernel's builds, the kOptSteps kernel)
   kPoolsF32 = 4,   // kPoolF32 only
   kPoolsFp8Mul = 5,  // kPoolFp8 whose scales' reciprocals are exact (o.fp8_div == 0):
                      // no division code, which made a decode call 0.35 us slower
@@ -1063,6 +1064,33 @@ __device__ __forceinline__ void transform(Vec<T, N>& a, Vec<T, N>& b, bool pair,
   }
 }
 
+// The QK-norm's r = 1 / sqrt(ss / D + eps), each step correctly rounded (the
+// IEEE division and square root, as on the CPU); ss / D as the product by
+// 2^-log2(D) where D is a power of two (the same correctly rounded quotient).
+// pow2: a compile-time true where the caller knows D is one.
+__device__ __forceinline__ float norm_scale(float ss, int D, float eps, bool pow2) {
+  const float q = pow2 ? __fmul_rn(ss, __int_as_float((127 - (__ffs(D) - 1)) << 23))
+                       : __fdiv_rn(ss, static_cast<float>(D));
+  return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(q, eps)));
+}
+
+// The options kernel's r of step u of a batch (ss: the head sums of its
+// steps): 1 for a step past `steps`, a v head or a head without weights.
+template <int U>
+__device__ __forceinline__ float step_norm_scale(const OptParams& p, int first_vh, int hp, int u,
+                                                 int steps, const float (&ss)[U]) {
+  if (u >= steps) return 1.0f;
+  int h;
+  const int kind = kind_of(first_vh + u * p.heads_par + hp, p.num_qo_heads, p.num_kv_heads, &h);
+  if (kind == 2 || (kind == 0 ? p.o.q_norm : p.o.k_norm) == nullptr) return 1.0f;
+  float x = ss[0];
+#pragma unroll
+  for (int k = 1; k < U; ++k)
+    if (k == u) x = ss[k];
+  const int D = p.o.head_dim;
+  return norm_scale(x, D, p.o.norm_eps, (D & (D - 1)) == 0);
+}
+
 // The options kernel's store of one chunk for each step of the batch: q and
 // k through `transform` into q_rot / k_rot, then k_rot's values and v's into
 // their pool rows in the pool's format; the same order of work as
@@ -1240,14 +1268,33 @@ __global__ void __launch_bounds__(max_block(U))
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) ss[u] = __shfl_sync(0xFFFFFFFFu, ss[u], wl - off);
-      if (TL > 32 && wl == 0) {
+      if (U > 1 && TL == 32) {
+        // r of each step: lane `off` of the head's segment makes step off's
+        // (and off + seg's ... where a segment has fewer lanes than steps)
+        // and the segment's lanes take them by shuffles, instead of each
+        // lane making every step's r in turn (a chain of U divisions and
+        // square roots: 4-7 % of a call at T = 2048-8192; docs/performance.md,
+        // *Options*). One step (U = 1) needs no shuffles.
+        const int base = wl - off;
+#pragma unroll 1
+        for (int u0 = 0; u0 < steps; u0 += seg) {  // one round where seg >= steps
+          const float x = step_norm_scale<U>(p, first_vh, hp, u0 + off, steps, ss);
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            const float y = __shfl_sync(0xFFFFFFFFu, x, base + min(max(u - u0, 0), seg - 1));
+            if (u >= u0 && u < u0 + seg) r[u] = y;
+          }
+        }
+      } else if (TL > 32 && wl == 0) {
 #pragma unroll
         for (int u = 0; u < U; ++u) partial[(tid >> 5) * U + u] = ss[u];
       }
     }
     __syncthreads();
     if (!active || skip) return;
-    if (norm) {
+    if (norm && (U == 1 || TL > 32)) {
+      // One step, or a team wider than a warp (very wide heads; the warps'
+      // sums from shared memory): every step's r in this lane.
       if (TL > 32) {
         const int w0 = (tid - lane) >> 5;  // the team's first warp
 #pragma unroll
@@ -1258,21 +1305,9 @@ __global__ void __launch_bounds__(max_block(U))
           ss[u] = s;
         }
       }
-      // r = 1 / sqrt(ss / D + eps), each step correctly rounded (one copy of
-      // the IEEE division and square root: a loop, the values picked).
-      // A head without weights keeps r = 1.
 #pragma unroll 1
       for (int u = 0; u < steps; ++u) {
-        const int vh = first_vh + u * HP + hp;
-        int h;
-        const int kind = kind_of(vh, p.num_qo_heads, p.num_kv_heads, &h);
-        if (kind == 2 || (kind == 0 ? o.q_norm : o.k_norm) == nullptr) continue;
-        float x = ss[0];
-#pragma unroll
-        for (int k = 1; k < U; ++k)
-          if (k == u) x = ss[k];
-        x = __fdiv_rn(1.0f,
-                      __fsqrt_rn(__fadd_rn(__fdiv_rn(x, static_cast<float>(D)), o.norm_eps)));
+        const float x = step_norm_scale<U>(p, first_vh, hp, u, steps, ss);
 #pragma unroll
         for (int k = 0; k < U; ++k)
           if (k == u) r[k] = x;
@@ -1561,11 +1596,8 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
       } else {
         for (int i = 0; i < static_cast<int>(blockDim.x); ++i) sum += hs[i];
       }
-      // sum / D as sum * 2^-log2(D): D is a power of two here (the
-      // launcher's rule), so the product is the same correctly rounded
-      // quotient.
-      const float inv_d = __int_as_float((127 - (__ffs(2 * p.half) - 1)) << 23);
-      r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fmul_rn(sum, inv_d), p.o.norm_eps)));
+      // (D = 2 * half is a power of two here: the launcher's rule.)
+      r = norm_scale(sum, 2 * p.half, p.o.norm_eps, true);
     }
   }
   if constexpr (!kTable) {

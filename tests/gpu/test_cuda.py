@@ -1307,8 +1307,9 @@ def test_small_kernel_routing():
     whose scales divide, 5 fp8 with power-of-two scales) for a QK-norm with
     any pools, float32 pools, fp8 pools with power-of-two scales and the
     plain call; the options kernel for fp8 pools alone whose scales divide
-    and for a QK-norm past 256 tokens. Every other test passes on either
-    kernel."""
+    and for a QK-norm past 256 tokens, at 4096 tokens its kOptSteps build
+    (U = 4) for pools of q's dtype alone (kPools 3) or with float32 (1).
+    Every other test passes on either kernel."""
     import re
     from torch.profiler import ProfilerActivity, profile
     norm = dict(q_norm=torch.float32, k_norm=torch.bfloat16)
@@ -1321,7 +1322,9 @@ def test_small_kernel_routing():
               ("false", "5")),
              (1, dict(kv_cache_dtype="fp8_e4m3", k_scale=0.37), options, None),
              (1, {}, small, ("false", "3")),
-             (257, norm, options, None)]
+             (257, norm, options, None),
+             (4096, norm, options, ("4", "3", "true")),
+             (4096, dict(kv_cache_dtype="float32", **norm), options, ("4", "1", "true"))]
     for T, opts, want, build in cases:
         t, kw = options_case(T, 32, 8, 128, torch.bfloat16, **opts)
         options_call(t, kw)  # (the first call makes the library's tables)
@@ -1332,9 +1335,13 @@ def test_small_kernel_routing():
         names = [e.name for e in prof.events() if re.search(r"rope_pool_\w*kernel", e.name)]
         assert len(names) == 1, f"T={T} {opts}: ropekv kernels seen: {names}"
         assert want in names[0], f"T={T} {opts}: ran {names[0]}, want {want}"
-        if build is not None:
+        if build is not None and want == small:
             m = re.search(r"rope_pool_small_kernel<[^,]+, \w+, \w+, (\w+), \(?[\w:]*\)?(\d)",
                           names[0])
+            assert m and m.groups() == build, f"T={T} {opts}: ran {names[0]}, want {build}"
+        elif build is not None:  # U, kPools, kNorm
+            m = re.search(r"rope_pool_options_kernel<[^,]+, \d+, \w+, (\d+), \(?[\w:]*\)?(\d), "
+                          r"(\w+)>", names[0])
             assert m and m.groups() == build, f"T={T} {opts}: ran {names[0]}, want {build}"
 
 
@@ -1499,6 +1506,32 @@ def test_options_qk_norm(dtype, weights):
                     (4, 1024, 1024), (300, 128, 128)):
         run_options(T, 8, 2, D, dt, seed=T + D, rotary_dim=R, q_norm=wdt, k_norm=wdt,
                     what=f"qk-norm T={T} D={D} R={R}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_options_qk_norm_on_the_many_step_kernel(dtype):
+    """QK-norm calls large enough for the options kernel's kOptSteps build (2
+    or 4 steps per team), where the lanes of a head share the steps' r by
+    shuffles: power-of-two and other head dims, heads of one or two lanes
+    (fewer lanes than steps: two rounds), partial rotary, teams of two warps
+    (the r of every step in each lane), pools of q's dtype and float32, one
+    norm or both, a norm_eps that moves r."""
+    dt = DTYPES[dtype]
+    f32 = torch.float32
+    wide = "float32" if dt != f32 else "auto"
+    for T, Hq, Hk, D, R, extra in (
+            (2100, 8, 2, 128, 128, {}),  # 2 steps per team
+            (3000, 8, 2, 128, 128, dict(kv_cache_dtype=wide)),
+            (3000, 8, 2, 96, 96, dict(norm_eps=0.5)),
+            (3000, 8, 2, 80, 32, {}),
+            (9000, 8, 2, 16, 16, {}),
+            (9000, 6, 3, 32, 32, dict(k_norm=None)),
+            (800, 8, 4, 1024, 1024, dict(q_norm=None))):
+        norms = dict(q_norm=dt, k_norm=f32)
+        norms.update({k: v for k, v in extra.items() if k in norms})
+        rest = {k: v for k, v in extra.items() if k not in norms}
+        run_options(T, Hq, Hk, D, dt, seed=T + D, rotary_dim=R, **norms, **rest,
+                    what=f"qk-norm many steps T={T} {Hq}/{Hk}/{D} R={R} {extra}")
 
 
 def test_options_qk_norm_one_side_and_eps():
