@@ -221,14 +221,15 @@ void run_case(const char* name, int T, int Hq, int Hk, int D, DLDataType dt, boo
 // pairs or not, a cos_sin_cache (f32) with token 1 outside it (or, with
 // table = false, none), QK-norm weights (f32), fp8_e4m3 or float32 pools;
 // with kAuto pools (q's dtype) the table alone, without weights (the plain
-// kernel's table build when the arrays take 16-byte vectors). Checks that
+// kernel's table build when the arrays take 16-byte vectors), unless
+// norm_same_pools (then with the weights too). Checks that
 // the call raises the position error (with a table), leaves token 1's
 // outputs and pool row untouched (likewise), writes every element of the
 // other tokens' outputs (no NaN from the poison) and no pool row that no
 // token names. The math is the pytest suite's job.
 void run_options_case(const char* name, int T, int Hq, int Hk, int D, DLDataType dt,
                       int64_t last_stride, bool interleaved, ropekv::KvCacheDtype pool_type,
-                      bool table = true, bool norm = true) {
+                      bool table = true, bool norm = true, bool norm_same_pools = false) {
   const int esize = dt.bits / 8;
   const bool fp8 = pool_type == ropekv::KvCacheDtype::kFp8E4M3;
   const bool table_only = pool_type == ropekv::KvCacheDtype::kAuto;
@@ -292,7 +293,7 @@ void run_options_case(const char* name, int T, int Hq, int Hk, int D, DLDataType
                             view(vp.ptr, pt, 3, sp, nullptr), view(qr.ptr, dt, 3, sq, stq),
                             view(kr.ptr, dt, 3, sk, stk),    view(cs.ptr, f32, 2, scs, nullptr),
                             view(w.ptr, f32, 1, sw, nullptr), view(w.ptr, f32, 1, sw, nullptr)};
-  if (table_only || !norm) t.q_norm_weight = t.k_norm_weight = DLTensor{};
+  if ((table_only && !norm_same_pools) || !norm) t.q_norm_weight = t.k_norm_weight = DLTensor{};
   if (!table) t.cos_sin_cache = DLTensor{};  // cos/sin from rope_base: token 1 is written too
   ropekv::RopeConfig cfg;
   cfg.head_dim = D;
@@ -767,6 +768,12 @@ int main(int argc, char** argv) {
   // kOptSteps options kernel: 2 steps with QK-norm.
   run_options_case("opt bf16 norm fp8, 2 of 4 steps", 300, 32, 8, 128, bf16, 1, false,
                    KV::kFp8E4M3);
+  // 4 steps, pools of q's dtype (the kPoolsSame build): the steps' r shared
+  // by shuffles; heads of one lane (4 rounds of them).
+  run_options_case("opt bf16 norm, 4 steps", 800, 32, 8, 128, bf16, 1, false, KV::kAuto, true,
+                   true, true);
+  run_options_case("opt bf16 norm D=16, 4 steps", 4200, 32, 8, 16, bf16, 1, false, KV::kAuto,
+                   true, true, true);
   run_options_case("opt f16 strided table alone", 5, 4, 2, 64, f16, 2, false, KV::kAuto);
   run_options_case("opt f16 interleaved f32 pools", 5, 8, 2, 96, f16, 1, true, KV::kFloat32);
   run_options_case("opt f32 interleaved fp8", 4, 4, 2, 64, f32, 1, true, KV::kFp8E4M3);
