@@ -1273,7 +1273,7 @@ __global__ void __launch_bounds__(max_block(U))
         // (and off + seg's ... where a segment has fewer lanes than steps)
         // and the segment's lanes take them by shuffles, instead of each
         // lane making every step's r in turn (a chain of U divisions and
-        // square roots: 4-7 % of a call at T = 2048-8192; docs/performance.md,
+        // square roots: 4-5 % of a call at T = 2048-8192; docs/performance.md,
         // *Options*). One step (U = 1) needs no shuffles.
         const int base = wl - off;
 #pragma unroll 1
