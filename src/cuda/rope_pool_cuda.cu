@@ -667,8 +667,6 @@ void run(const Problem& p, const ExecOptions& options) {
   prm.cs_s0 = p.cos_sin_cache.stride[0];
   prm.cs_s1 = p.cos_sin_cache.stride[1];
   prm.cs_dtype = static_cast<int>(p.cos_sin_cache.dtype);
-  prm.num_tokens = p.num_tokens;
-  prm.prefetch = 0;
 
   const int64_t esize = element_size(p.dtype);
   prm.attention_factor = p.attention_factor;
@@ -784,14 +782,6 @@ void run(const Problem& p, const ExecOptions& options) {
   l.pdl = st.pdl;
   if (l.blocks > INT_MAX) throw Error("too many tokens for one launch");
   prm.early_params = l.blocks <= st.sms;  // see param_lines
-  // cos_sin_cache rows are fetched into L2 this many tokens ahead: about two
-  // waves of resident blocks (at most 2048 threads per SM), so that a token's
-  // block finds its row there when it starts.
-  if (p.cos_sin_cache.data != nullptr && p.cos_sin_cache.stride[1] == 1) {
-    const int64_t resident = int64_t{st.sms} * std::max<int64_t>(1, 2048 / l.threads);
-    prm.prefetch = ceil_div(2 * resident, blocks_per_token);
-    if (prm.prefetch >= p.num_tokens) prm.prefetch = 0;
-  }
 
   if (!plain) {
     OptParams op{};

@@ -121,12 +121,9 @@ struct Params {
   int num_batches;       // batches per token
   float attention_factor;  // yarn: multiplies cos and sin (1 = off)
   // cos_sin_cache: [cs_rows, R] table (cos then sin of each row), or nullptr
-  // (cos/sin computed from inv_freq). Rows of later tokens are fetched into
-  // L2 `prefetch` tokens ahead (0: none).
+  // (cos/sin computed from inv_freq).
   const void* cos_sin;
   long long cs_rows, cs_s0, cs_s1;
-  long long prefetch;
-  long long num_tokens;  // (for the prefetch)
   int cs_dtype;          // FloatType code: 0 f32, 1 f16, 2 bf16
   int early_params;      // 1: every parameter is read before the wait (param_lines)
 };
@@ -637,26 +634,6 @@ __device__ __forceinline__ void table_floats(const void* base, long long i, int 
   }
 }
 
-// cos_sin_cache: the position of token t + p.prefetch (-1 when there is
-// none or this thread does not prefetch): one thread of the token's first
-// block asks for it with the index loads.
-__device__ __forceinline__ long long position_ahead(const Params& p, const Place& pl, int tid) {
-  const bool prefetcher =
-      p.prefetch > 0 && pl.part == 0 && tid == 0 && pl.t + p.prefetch < p.num_tokens;
-  return prefetcher ? load_index(p.positions, p.pos_stride, p.pos64, pl.t + p.prefetch) : -1;
-}
-
-// The table row of `ahead` into L2: that token's block starts about a wave
-// later, and its table load (which waits for its position) then hits L2
-// instead of memory.
-__device__ __forceinline__ void prefetch_row(const Params& p, long long ahead) {
-  if (ahead < 0 || ahead >= p.cs_rows) return;
-  const int es = p.cs_dtype == 0 ? 4 : 2;
-  const char* row = static_cast<const char*>(p.cos_sin) + ahead * p.cs_s0 * es;
-  for (int off = 0; off < p.rotary_dim * es; off += 128)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
-}
-
 // kTable = false: the plain call. kTable = true: the call whose one option
 // is a cos_sin_cache with 16-byte aligned rows (16-byte vectors only): each
 // lane reads its chunk's cos/sin from the token's table row itself (no
@@ -722,7 +699,6 @@ __global__ void __launch_bounds__(max_block(U)) rope_pool_kernel(const __grid_co
     // The row goes out as soon as the position is in: nothing else first.
     const bool in_table = position >= 0 && position < p.cs_rows;
     if (in_table && active) cos_sin_of(c0);
-    prefetch_row(p, position_ahead(p, pl, tid));
     if (!in_table) {
       if (pl.part == 0 && tid == 0) report_bad_index(p.err, true, t, position, p.cs_rows);
       return;
@@ -1171,8 +1147,6 @@ __global__ void __launch_bounds__(max_block(U))
   const long long position = load_index_at(pos_at, p.pos64);
   const long long slot = load_index_at(slot_at, p.slot64);
 
-  const long long ahead = position_ahead(p, pl, tid);  // cos_sin_cache
-
   float* cs_smem = smem;
   const int D = o.head_dim;
   const bool norm = kNorm && (o.q_norm != nullptr || o.k_norm != nullptr);
@@ -1205,7 +1179,6 @@ __global__ void __launch_bounds__(max_block(U))
     } else if (pl.part == 0 && tid == 0) {
       report_bad_index(p.err, true, t, position, p.cs_rows);
     }
-    prefetch_row(p, ahead);
   } else {
     make_cos_sin(p, position, tid, blockDim.x, freq0, cs_smem);
   }

@@ -1075,12 +1075,11 @@ def test_options_cos_sin_cache(dtype, table, idx):
 
 @cuda_only
 @pytest.mark.parametrize("is_neox", [True, False])
-def test_options_cos_sin_cache_rows_fetched_ahead(is_neox):
-    """Calls long enough that each block fetches a later token's table row
-    into L2 (more tokens than two waves of resident blocks, small heads):
-    results as without."""
+def test_options_cos_sin_cache_many_waves(is_neox):
+    """A table call of many waves of blocks (40000 tokens, small heads): each
+    token's row read from its own position."""
     run_options(40000, 1, 1, 64, torch.bfloat16, seed=3, is_neox=is_neox,
-                table_dtype=torch.float32, what="cos_sin_cache fetched ahead")
+                table_dtype=torch.float32, what="cos_sin_cache, many waves")
 
 
 def test_options_cos_sin_cache_strided_table():
