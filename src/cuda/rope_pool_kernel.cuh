@@ -310,7 +310,7 @@ __device__ __forceinline__ void rotate(Vec<T, N>& a, Vec<T, N>& b, const float (
 // ------------------------------------------------------------------ kernel
 
 // Element i of an index array (positions, slots): its address, and the
-// value there (int64 or int32).
+// value at an address (int64 or int32).
 __device__ __forceinline__ const void* index_at(const void* base, long long stride, int is64,
                                                 long long i) {
   return static_cast<const char*>(base) + i * stride * (is64 ? 8 : 4);
@@ -318,10 +318,6 @@ __device__ __forceinline__ const void* index_at(const void* base, long long stri
 __device__ __forceinline__ long long load_index_at(const void* at, int is64) {
   return is64 ? __ldg(static_cast<const long long*>(at))
               : static_cast<long long>(__ldg(static_cast<const int*>(at)));
-}
-__device__ __forceinline__ long long load_index(const void* base, long long stride, int is64,
-                                                long long i) {
-  return load_index_at(index_at(base, stride, is64, i), is64);
 }
 
 // Counts token t's bad index (a slot >= the pool size, or with `position` a
