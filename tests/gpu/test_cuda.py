@@ -1512,7 +1512,7 @@ def test_options_qk_norm_on_the_many_step_kernel(dtype):
     """QK-norm calls large enough for the options kernel's kOptSteps build (2
     or 4 steps per team), where the lanes of a head share the steps' r by
     shuffles: power-of-two and other head dims, heads of one or two lanes
-    (fewer lanes than steps: two rounds), partial rotary, teams of two warps
+    (fewer lanes than steps: several rounds), partial rotary, teams of two warps
     (the r of every step in each lane), pools of q's dtype and float32, one
     norm or both, a norm_eps that moves r."""
     dt = DTYPES[dtype]
