@@ -1526,10 +1526,8 @@ def test_options_qk_norm_on_the_many_step_kernel(dtype):
             (9000, 8, 2, 16, 16, {}),
             (9000, 6, 3, 32, 32, dict(k_norm=None)),
             (800, 8, 4, 1024, 1024, dict(q_norm=None))):
-        norms = dict(q_norm=dt, k_norm=f32)
-        norms.update({k: v for k, v in extra.items() if k in norms})
-        rest = {k: v for k, v in extra.items() if k not in norms}
-        run_options(T, Hq, Hk, D, dt, seed=T + D, rotary_dim=R, **norms, **rest,
+        kw = {"q_norm": dt, "k_norm": f32, **extra}
+        run_options(T, Hq, Hk, D, dt, seed=T + D, rotary_dim=R, **kw,
                     what=f"qk-norm many steps T={T} {Hq}/{Hk}/{D} R={R} {extra}")
 
 
