@@ -51,6 +51,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -122,7 +123,8 @@ struct Buffer {
     if (huge_pages(role) && n >= kHuge) {
       const size_t padded = (n + kHuge - 1) / kHuge * kHuge;
       p.reset(static_cast<uint8_t*>(std::aligned_alloc(kHuge, padded)));
-      madvise(p.get(), padded, MADV_HUGEPAGE);
+      // (A refusal would leave 4 KiB pages under a huge-page label: say so.)
+      if (madvise(p.get(), padded, MADV_HUGEPAGE) != 0) std::perror("madvise(MADV_HUGEPAGE)");
     } else {
       p.reset(static_cast<uint8_t*>(std::aligned_alloc(64, (n + 63) / 64 * 64)));
     }
