@@ -2,7 +2,10 @@
 // contract gives, before any backend runs. Backends trust the Problem.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <limits>
 #include <utility>
 #include <vector>
 #include <string>
@@ -18,6 +21,8 @@ namespace {
 // Shapes print as Python tuples: (4, 8, 128), (4,), (). (No iostreams here:
 // messages are built from std::to_string only, so no locale is involved.)
 std::string shape_str(const DLTensor& t) {
+  if (t.ndim < 0 || t.ndim > 8 || (t.ndim > 0 && t.shape == nullptr))
+    return "(a " + std::to_string(t.ndim) + "-D shape)";
   std::string s = "(";
   for (int i = 0; i < t.ndim; ++i) {
     if (i) s += ", ";
@@ -136,18 +141,224 @@ void check_index_dtype(const DLTensor& t, const char* name, IndexType* out) {
        " (convert with .astype(int32) / .to(torch.int32))");
 }
 
-// An array we will write must not have two elements at one address, else two
-// tokens' writes race and the result depends on the schedule.
-void check_no_self_overlap(const DLTensor& t, const char* name) {
-  if (numel(t) == 0) return;
+// An array's layout in bytes: the address of element 0, element size and
+// the axes it extends along (extent > 1), with their element strides.
+struct Layout {
+  intptr_t base = 0;
+  int64_t esize = 1;
+  int n = 0;
+  int64_t extent[3] = {}, stride[3] = {};
+  int axis[3] = {};  // the array's axis of each
+  intptr_t lo = 0, hi = 0;  // the bytes its elements span: [lo, hi)
+};
+
+Layout layout_of(const DLTensor& t) {
+  Layout l;
+  l.base = reinterpret_cast<intptr_t>(base_pointer(t));
+  l.esize = std::max<int64_t>(1, (t.dtype.bits * t.dtype.lanes + 7) / 8);
   int64_t s[3];
   strides_of(t, s);
+  l.lo = l.hi = l.base;
   for (int i = 0; i < t.ndim; ++i) {
-    if (t.shape[i] > 1 && s[i] == 0)
-      fail(std::string(name) + " has stride 0 along axis " + std::to_string(i) +
+    if (t.shape[i] <= 1) continue;
+    l.extent[l.n] = t.shape[i];
+    l.stride[l.n] = s[i];
+    l.axis[l.n++] = i;
+    const int64_t reach = (t.shape[i] - 1) * s[i] * l.esize;
+    (reach < 0 ? l.lo : l.hi) += reach;
+  }
+  l.hi += l.esize;
+  return l;
+}
+
+// An array we will write must not have two elements at one address, else two
+// tokens' writes race and the result depends on the schedule. Accepted:
+// layouts whose axes, ordered by |stride|, each step past the whole span of
+// the smaller ones (every strided view, permuted or not, of one buffer).
+void check_no_self_overlap(const DLTensor& t, const char* name) {
+  if (numel(t) == 0) return;
+  const Layout l = layout_of(t);
+  std::pair<int64_t, int64_t> axes[3];  // (|stride|, extent)
+  for (int i = 0; i < l.n; ++i) {
+    if (l.stride[i] == 0)
+      fail(std::string(name) + " has stride 0 along axis " + std::to_string(l.axis[i]) +
            ": its elements overlap, so writes to it would collide; pass an array "
            "that owns its memory (e.g. a contiguous copy)");
+    axes[i] = {std::abs(l.stride[i]), l.extent[i]};
   }
+  std::sort(axes, axes + l.n);
+  int64_t span = 0;  // in elements
+  for (int i = 0; i < l.n; ++i) {
+    if (axes[i].first <= span) {
+      int64_t s[3];
+      strides_of(t, s);
+      std::string strides = "(";
+      for (int d = 0; d < t.ndim; ++d) strides += (d ? ", " : "") + std::to_string(s[d]);
+      fail(std::string(name) + " has strides " + strides + ") (in elements) for shape " +
+           shape_str(t) + ": its elements overlap or interleave, so writes to it may "
+           "collide; pass an array whose strides do not overlap (e.g. a contiguous copy)");
+    }
+    span += (axes[i].second - 1) * axes[i].first;
+  }
+}
+
+int64_t floor_div(int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); }
+
+// Whether some X = sum c_k * stride_k with c_k in [lo_k, hi_k] (axes k >= i
+// of n, ordered by decreasing |stride|) lies in [x0, x1]. Digit by digit,
+// each axis taking the digits that leave a reachable rest: for views of one
+// buffer's layout (strides that each exceed the span below them) a few
+// digits per axis. `budget` bounds the search; when spent, the answer is yes.
+bool reachable(const int64_t* stride, const int64_t* lo, const int64_t* hi, int i, int n,
+               int64_t x0, int64_t x1, int& budget) {
+  if (--budget < 0) return true;
+  if (i >= n || i >= 3) return x0 <= 0 && 0 <= x1;  // (n <= 3)
+  int64_t rest_lo = 0, rest_hi = 0;  // what axes i + 1.. reach
+  for (int k = i + 1; k < n && k < 3; ++k) {
+    rest_lo += std::min(lo[k] * stride[k], hi[k] * stride[k]);
+    rest_hi += std::max(lo[k] * stride[k], hi[k] * stride[k]);
+  }
+  // c * s in [x0 - rest_hi, x1 - rest_lo]; s > 0 (negated axes flipped).
+  const int64_t s = stride[i];
+  const int64_t c0 = std::max(lo[i], -floor_div(-(x0 - rest_hi), s));
+  const int64_t c1 = std::min(hi[i], floor_div(x1 - rest_lo, s));
+  for (int64_t c = c0; c <= c1; ++c)
+    if (reachable(stride, lo, hi, i + 1, n, x0 - c * s, x1 - c * s, budget)) return true;
+  return false;
+}
+
+// Whether arrays a and b may share a byte. Two views of one layout (one
+// element size, the same stride on every axis both extend along: the q and
+// k heads of one fused QKV buffer, the k and v pools of one cache) are
+// solved exactly; other pairs count as sharing when their byte spans meet.
+bool may_share(const DLTensor& ta, const DLTensor& tb) {
+  if (numel(ta) == 0 || numel(tb) == 0) return false;
+  const Layout a = layout_of(ta), b = layout_of(tb);
+  if (a.hi <= b.lo || b.hi <= a.lo) return false;
+  if (a.esize != b.esize || ta.ndim != tb.ndim) return true;
+  // Per array axis: the stride and the digit range of (index in a) - (index
+  // in b).
+  int64_t stride[3], lo[3], hi[3];
+  int n = 0;
+  for (int d = 0; d < ta.ndim; ++d) {
+    const int ia = static_cast<int>(std::find(a.axis, a.axis + a.n, d) - a.axis);
+    const int ib = static_cast<int>(std::find(b.axis, b.axis + b.n, d) - b.axis);
+    const bool in_a = ia < a.n, in_b = ib < b.n;
+    if (!in_a && !in_b) continue;
+    if (in_a && in_b && a.stride[ia] != b.stride[ib]) return true;
+    const int64_t s = in_a ? a.stride[ia] : b.stride[ib];
+    if (s == 0) return true;
+    int64_t l = in_b ? -(b.extent[ib] - 1) : 0, h = in_a ? a.extent[ia] - 1 : 0;
+    stride[n] = std::abs(s);
+    lo[n] = s > 0 ? l : -h;
+    hi[n] = s > 0 ? h : -l;
+    ++n;
+  }
+  for (int i = 0; i < n; ++i)  // decreasing stride
+    for (int j = i + 1; j < n; ++j)
+      if (stride[j] > stride[i]) {
+        std::swap(stride[i], stride[j]);
+        std::swap(lo[i], lo[j]);
+        std::swap(hi[i], hi[j]);
+      }
+  // A byte shared: |d - e * X| < e for d = b.base - a.base, e the element
+  // size and X = sum c_k * stride_k, i.e. X = floor(d / e), or also the next
+  // integer when e does not divide d.
+  const int64_t d = static_cast<int64_t>(b.base - a.base), e = a.esize;
+  const int64_t x0 = floor_div(d, e), x1 = x0 + (d - x0 * e != 0 ? 1 : 0);
+  int budget = 4096;
+  return reachable(stride, lo, hi, 0, n, x0, x1, budget);
+}
+
+// The arrays a call writes share no memory with each other or with any
+// array it reads, but for the in-place call's exact aliases (q_rot = q,
+// k_rot = k: each element is read before it is written, by the same
+// thread). Otherwise a write lands in memory another part of the call reads
+// or writes, and the result depends on the schedule.
+void check_no_overlap(const std::vector<std::pair<const char*, const DLTensor*>>& all,
+                      const RopePoolTensors& t) {
+  const DLTensor* written[] = {&t.q_rot, &t.k_rot, &t.k_pool, &t.v_pool};
+  auto exact_alias = [](const DLTensor& x, const DLTensor& y) {
+    if (base_pointer(x) != base_pointer(y) || !same_dtype(x.dtype, y.dtype) || !same_shape(x, y))
+      return false;
+    int64_t sx[3], sy[3];
+    strides_of(x, sx);
+    strides_of(y, sy);
+    for (int i = 0; i < x.ndim; ++i)
+      if (x.shape[i] > 1 && sx[i] != sy[i]) return false;
+    return true;
+  };
+  for (size_t i = 0; i < all.size(); ++i) {
+    const DLTensor* w = all[i].second;
+    if (std::find(std::begin(written), std::end(written), w) == std::end(written)) continue;
+    for (size_t j = 0; j < all.size(); ++j) {
+      const DLTensor* x = all[j].second;
+      const bool x_written = std::find(std::begin(written), std::end(written), x) != std::end(written);
+      if (j == i || (x_written && j < i)) continue;  // each pair of written arrays once
+      if (((w == &t.q_rot && x == &t.q) || (w == &t.k_rot && x == &t.k)) && exact_alias(*w, *x))
+        continue;
+      if (may_share(*w, *x))
+        fail(std::string(all[i].first) + " overlaps " + all[j].first +
+             " in memory: an array the call writes may not share memory with another of its "
+             "arrays (the one exception is the in-place call, q_rot = q and k_rot = k "
+             "exactly); pass separate arrays");
+    }
+  }
+}
+
+// Every extent >= 0, and the element count and the bytes the elements span
+// fit in 64 bits (a product that wraps would hide a null pointer or send
+// an offset anywhere).
+void check_extents(const DLTensor& t, const char* name) {
+  int64_t n = 1;
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] < 0)
+      fail(std::string(name) + " has a negative extent: shape " + shape_str(t));
+    if (__builtin_mul_overflow(n, t.shape[i], &n))
+      fail(std::string(name) + " has shape " + shape_str(t) +
+           ", more elements than 64 bits count: memory ropekv cannot address");
+  }
+  if (n == 0) return;
+  int64_t s[3];
+  strides_of(t, s);
+  const int64_t esize = std::max<int64_t>(1, (t.dtype.bits * t.dtype.lanes + 7) / 8);
+  int64_t below = 0, above = esize;  // bytes before and after element 0
+  for (int i = 0; i < t.ndim; ++i) {
+    int64_t reach;
+    if (s[i] == std::numeric_limits<int64_t>::min() ||
+        __builtin_mul_overflow(t.shape[i] - 1, std::abs(s[i]), &reach) ||
+        __builtin_mul_overflow(reach, esize, &reach) ||
+        __builtin_add_overflow(s[i] < 0 ? below : above, reach, s[i] < 0 ? &below : &above))
+      fail(std::string(name) + " has shape " + shape_str(t) +
+           " and strides whose byte span does not fit in 64 bits: memory ropekv cannot "
+           "address");
+  }
+  const uintptr_t base = reinterpret_cast<uintptr_t>(base_pointer(t));
+  if (t.data != nullptr && (base < static_cast<uintptr_t>(below) ||
+                            UINTPTR_MAX - base < static_cast<uintptr_t>(above)))
+    fail(std::string(name) + "'s elements would wrap around the address space "
+         "(its strides run past address 0 or the top): memory ropekv cannot address");
+}
+
+// The fp32 inverse frequencies the kernels compute from rope_base and
+// rope_scaling must be finite (a tiny rope_base or linear factor overflows
+// them; yarn with rope_base 1 divides by log(1) = 0). The table is made
+// once per spec: the last spec checked is remembered, per thread.
+void check_frequencies(const FreqSpec& spec) {
+  thread_local FreqSpec last;
+  thread_local bool have = false;
+  if (have && last == spec) return;
+  std::vector<float> f(static_cast<size_t>(spec.rotary_dim / 2));
+  fill_inv_freq(spec, f.data());
+  for (size_t i = 0; i < f.size(); ++i)
+    if (!std::isfinite(f[i]))
+      fail("rope_base " + num_str(spec.rope_base) +
+           (spec.scaling.type == RopeScalingType::kNone ? std::string()
+                                                        : std::string(" with its rope_scaling")) +
+           " gives inverse frequency " + std::to_string(i) + " = " + num_str(f[i]) +
+           ", not finite in float32: no angle can be computed from it");
+  last = spec;
+  have = true;
 }
 
 Weight weight(const DLTensor& t) {
@@ -204,6 +415,13 @@ void check_rope_scaling(const RopeScaling& s) {
 void check_options(const RopePoolTensors& t, const RopeConfig& cfg, int64_t R, FloatType dtype) {
   const int64_t D = cfg.head_dim;
   check_rope_scaling(cfg.rope_scaling);
+  switch (cfg.kv_cache_dtype) {
+    case KvCacheDtype::kAuto: case KvCacheDtype::kFloat32: case KvCacheDtype::kFp8E4M3:
+    case KvCacheDtype::kFp8E5M2: break;
+    default:
+      fail("kv_cache_dtype is unknown (value " +
+           std::to_string(static_cast<int>(cfg.kv_cache_dtype)) + ")");
+  }
   const bool fp8 = cfg.kv_cache_dtype == KvCacheDtype::kFp8E4M3 ||
                    cfg.kv_cache_dtype == KvCacheDtype::kFp8E5M2;
   if (fp8) {
@@ -257,6 +475,19 @@ void check_options(const RopePoolTensors& t, const RopeConfig& cfg, int64_t R, F
 
 Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
                      bool check_index_values, bool check_duplicates) {
+  // A view whose shape cannot even be read (DLPack's own rules).
+  for (const auto& [name, a] :
+       {std::pair{"q", &t.q}, std::pair{"k", &t.k}, std::pair{"v", &t.v},
+        std::pair{"positions", &t.positions}, std::pair{"slots", &t.slots},
+        std::pair{"k_pool", &t.k_pool}, std::pair{"v_pool", &t.v_pool},
+        std::pair{"q_rot", &t.q_rot}, std::pair{"k_rot", &t.k_rot},
+        std::pair{"cos_sin_cache", &t.cos_sin_cache},
+        std::pair{"q_norm_weight", &t.q_norm_weight},
+        std::pair{"k_norm_weight", &t.k_norm_weight}}) {
+    if (a->ndim < 0 || (a->ndim > 0 && a->shape == nullptr))
+      fail(std::string(name) + " is not a valid tensor view: ndim " + std::to_string(a->ndim) +
+           (a->ndim > 0 ? " with no shape array" : ""));
+  }
   // --- The original call's checks, in its order (messages exact). ---
   if (t.q.ndim != 3 || t.k.ndim != 3 || t.v.ndim != 3)
     fail("rope_pool_fused expects q/k/v to be 3-D, got q " + shape_str(t.q) + ", k " +
@@ -363,6 +594,7 @@ Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
   if (present(t.cos_sin_cache)) all.push_back({"cos_sin_cache", &t.cos_sin_cache});
   if (present(t.q_norm_weight)) all.push_back({"q_norm_weight", &t.q_norm_weight});
   if (present(t.k_norm_weight)) all.push_back({"k_norm_weight", &t.k_norm_weight});
+  for (const auto& [name, a] : all) check_extents(*a, name);
   const DLDevice dev = t.q.device;
   for (const auto& [name, a] : all) {
     if (a->device.device_type != dev.device_type || a->device.device_id != dev.device_id)
@@ -385,6 +617,7 @@ Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
   check_no_self_overlap(t.v_pool, "v_pool");
   check_no_self_overlap(t.q_rot, "q_rot");
   check_no_self_overlap(t.k_rot, "k_rot");
+  check_no_overlap(all, t);
   if (dev.device_type == kDLCUDA) cuda::check_addressable(t);
 
   p.num_tokens = T;
@@ -395,6 +628,7 @@ Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
   p.pool_size = t.k_pool.shape[0];
   p.rope_base = cfg.rope_base;
   p.freq = FreqSpec{cfg.rope_base, R, cfg.rope_scaling};
+  if (!present(t.cos_sin_cache)) check_frequencies(p.freq);  // (a table replaces them)
   p.attention_factor = static_cast<float>(attention_factor(cfg.rope_scaling));
   p.is_neox = cfg.is_neox;
   switch (cfg.kv_cache_dtype) {

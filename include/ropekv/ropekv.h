@@ -130,8 +130,10 @@ struct RopeConfig {
 
 /// How the op runs. Does not change the results.
 struct ExecOptions {
-  /// CPU threads; 0 = OpenMP's default (OMP_NUM_THREADS, else all cores).
-  /// Results are bit-identical for every thread count.
+  /// CPU threads; 0 = OpenMP's default (OMP_NUM_THREADS, else all cores);
+  /// negative: an Error. A call starts at most max(64, 4 x processors) and
+  /// at most one per 64 KiB it moves. Results are bit-identical for every
+  /// thread count.
   int num_threads = 0;
   /// CUDA stream (a cudaStream_t) the kernel is launched on; nullptr = the
   /// legacy default stream. Ignored on the CPU.

@@ -184,7 +184,15 @@ def _as_array(x: Any, name: str) -> Tuple[Any, bool, bool]:
         import mlx.core as mx
 
         mx.eval(x)  # MLX is lazy: materialise the buffer before exposing it
-    return x, False, False
+        return x, False, False
+    if fw == "torch":
+        return x, False, False
+    if not hasattr(x, "__dlpack__"):
+        # A buffer (memoryview, array.array) or an __array_interface__
+        # object: numpy views the same memory and knows if it is read-only.
+        return _as_array(_np.asarray(x), name)
+    # Another DLPack producer (CuPy, ...): its read-only flag (DLPack 1.0).
+    return x, False, not _ext.writable(x)
 
 
 # DLPack type codes (dlpack.h): the dtypes _ext.run_fast reads in place.
@@ -320,6 +328,8 @@ def _stream_handle(stream: Any) -> int:
 
 
 def _float_arg(value: Any, name: str) -> float:
+    if isinstance(value, (str, bytes)):  # float("1e4") would parse it
+        raise ValueError(f"{name} must be a number, got {value!r}")
     try:
         return float(value)
     except OverflowError:  # an int beyond a double's range
@@ -330,9 +340,20 @@ def _float_arg(value: Any, name: str) -> float:
 
 def _int_arg(value: Any, name: str) -> int:
     try:
-        return operator.index(value)
+        v = operator.index(value)
     except TypeError:
         raise ValueError(f"{name} must be an int, got {value!r}") from None
+    if not -2**63 <= v < 2**63:
+        raise ValueError(f"{name} is out of range (64-bit), got {v}")
+    return v
+
+
+def _threads_arg(value: Any) -> int:
+    """num_threads for the binding (an int; the C++ core caps large counts)."""
+    v = _int_arg(value, "num_threads")
+    if v < 0:
+        raise ValueError(f"num_threads must be >= 0 (0: OpenMP's default), got {v}")
+    return min(v, 2**31 - 1)
 
 
 _KV_CACHE_DTYPES = {"auto": 0, "float32": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}
@@ -382,6 +403,9 @@ def _scaling_params(rope_scaling: Any) -> Optional[Tuple[float, ...]]:
     for key, val in values.items():
         if isinstance(val, bool) and key != "truncate" or not isinstance(val, (int, float)):
             raise ValueError(f"rope_scaling {key!r} must be a number, got {val!r}")
+    for key, val in values.items():
+        if isinstance(val, int) and not -2**1023 < val < 2**1023:  # float() would overflow
+            raise ValueError(f"rope_scaling {key!r} is too large for a float, got {val!r}")
     g = values.get
     return (float(_SCALING_TYPES[kind]), float(g("factor", 1.0)), float(g("low_freq_factor", 0.0)),
             float(g("high_freq_factor", 0.0)), float(g("original_max_position_embeddings", 0.0)),
@@ -672,9 +696,14 @@ def rope_pool_fused(
         _float_arg(rope_base, "rope_base"),
         0 if rotary_dim is None else _int_arg(rotary_dim, "rotary_dim"),
     )
+    if rotary_dim is not None and common[4] == 0:  # (0 is the core's "head_dim")
+        raise ValueError(f"rotary_dim must be even and in [2, head_dim], got 0 for head_dim "
+                         f"{common[0]}")
+    if is_neox is not True and is_neox is not False and not isinstance(is_neox, _np.bool_):
+        raise ValueError(f"is_neox must be a bool, got {is_neox!r}")
     if not options:
         _ext.run(*converted, *common, bf16_mask, readonly_mask, handle,
-                 _int_arg(num_threads, "num_threads"), _checked)
+                 _threads_arg(num_threads), _checked)
     else:
         extra = []
         for i, (x, name) in enumerate(((cos_sin_cache, "cos_sin_cache"),
@@ -691,7 +720,7 @@ def rope_pool_fused(
         _ext.run_options(*converted, *extra, *common, bool(is_neox), _scaling_params(rope_scaling),
                          kv_code, _float_arg(k_scale, "k_scale"), _float_arg(v_scale, "v_scale"),
                          _float_arg(norm_eps, "norm_eps"), bf16_mask,
-                         readonly_mask, handle, _int_arg(num_threads, "num_threads"), _checked)
+                         readonly_mask, handle, _threads_arg(num_threads), _checked)
     if _framework(q) in ("jax", "jaxlib"):
         import jax.numpy as jnp
 

@@ -688,7 +688,10 @@ nb::object run_fast(nb::handle q, nb::handle k, nb::handle v, nb::handle positio
   if (!fast_int(head_dim.ptr(), cfg.head_dim) || !fast_int(num_qo_heads.ptr(), cfg.num_qo_heads) ||
       !fast_int(num_kv_heads.ptr(), cfg.num_kv_heads) || !fast_int(num_threads.ptr(), threads))
     return nb::none();
-  if (!rotary_dim.is_none() && !fast_int(rotary_dim.ptr(), cfg.rotary_dim)) return nb::none();
+  // (rotary_dim=0 given is an error, which the general path raises; in the
+  // C++ config 0 means head_dim.)
+  if (!rotary_dim.is_none() && (!fast_int(rotary_dim.ptr(), cfg.rotary_dim) || cfg.rotary_dim == 0))
+    return nb::none();
   if (!fast_float(rope_base.ptr(), cfg.rope_base) || !fast_float(k_scale.ptr(), cfg.k_scale) ||
       !fast_float(v_scale.ptr(), cfg.v_scale))
     return nb::none();
@@ -771,6 +774,16 @@ std::pair<std::vector<float>, double> inv_freq(int64_t head_dim, double rope_bas
   return {ropekv::rope_inv_freq(cfg), ropekv::rope_attention_factor(cfg.rope_scaling)};
 }
 
+// Whether x imports as a writable array (nanobind asks a DLPack producer
+// for a versioned capsule, whose read-only flag it honours, and a buffer
+// for writable access): read-only memory that a framework the package does
+// not know exports (a memoryview of bytes, a read-only array behind
+// __dlpack__) is caught before it is written.
+bool writable(nb::handle x) {
+  nb::ndarray<> a;
+  return nb::try_cast(x, a, /*convert=*/false);
+}
+
 }  // namespace
 
 NB_MODULE(_ext, m) {
@@ -836,6 +849,8 @@ NB_MODULE(_ext, m) {
       nb::arg("device_id"), nb::arg("stream"), nb::call_guard<nb::gil_scoped_release>());
   m.def("advise_huge_pages", &advise_huge_pages, nb::arg("data"), nb::arg("bytes"),
         "Asks for transparent huge pages over a new CPU output of 4 MiB or more (a hint).");
+  m.def("writable", &writable, nb::arg("x"),
+        "Whether x imports as a writable array (DLPack's read-only flag, a buffer's access).");
   m.def("has_cuda", &ropekv::has_cuda);
   m.def("cpu_target", &ropekv::cpu_target);
   m.attr("__version__") = ropekv::version();

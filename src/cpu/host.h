@@ -106,12 +106,25 @@ inline Scratch thread_scratch(const Problem& p) {
   return sc;
 }
 
+// The most threads a call starts: four per processor, at least 64. More
+// only cost their creation (the results do not depend on the count), and a
+// team of a million threads makes OpenMP abort the process.
+inline int64_t max_threads() {
+#ifdef _OPENMP
+  return std::max<int64_t>(64, 4 * static_cast<int64_t>(omp_get_num_procs()));
+#else
+  return 1;
+#endif
+}
+
 // Threads for a call that moves `bytes`: options.num_threads (0: OpenMP's
-// default), at most one per kMinBytesPerThread, at least one.
+// default), at most one per kMinBytesPerThread and max_threads(), at least
+// one.
 inline int plan_threads(const ExecOptions& options, int64_t bytes) {
   int64_t threads = 1;
 #ifdef _OPENMP
-  threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+  threads = options.num_threads > 0 ? std::min<int64_t>(options.num_threads, max_threads())
+                                    : omp_get_max_threads();
 #else
   (void)options;
 #endif

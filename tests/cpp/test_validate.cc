@@ -113,9 +113,15 @@ Built build(VSpec s, std::mt19937_64& rng) {
 // Calls validate() and rope_pool_fused() on a freshly built call; both must
 // throw ropekv::Error with the same message and leave every byte of every
 // buffer as it was. Returns the message.
+std::string error_of_built(const Built& b, const ropekv::RopeConfig& cfg);
+
 std::string error_of(const VSpec& s, uint64_t salt = 0) {
   std::mt19937_64 rng(test_seed(salt));
-  const Built b = build(s, rng);
+  return error_of_built(build(s, rng), s.cfg);
+}
+
+// error_of for arrays already built (views of shared storage, say).
+std::string error_of_built(const Built& b, const ropekv::RopeConfig& cfg) {
   std::vector<std::vector<uint8_t>> before;
   for (const Tensor& t : b.t) before.push_back(t.storage()->snapshot());
   std::string messages[2];
@@ -125,9 +131,9 @@ std::string error_of(const VSpec& s, uint64_t salt = 0) {
     if (which == 1 && messages[0].empty()) break;
     try {
       if (which == 0)
-        ropekv::validate(b.tensors(), s.cfg);
+        ropekv::validate(b.tensors(), cfg);
       else
-        ropekv::rope_pool_fused(b.tensors(), s.cfg);
+        ropekv::rope_pool_fused(b.tensors(), cfg);
       ADD_FAILURE() << (which ? "rope_pool_fused" : "validate") << " accepted the call";
     } catch (const ropekv::Error& e) {
       messages[which] = e.what();
@@ -375,10 +381,25 @@ TEST(Validate, RopeBase) {
     EXPECT_PREFIX(error_of(s), "rope_base must be finite and > 0, got ") << b;
   }
   VSpec s = valid_spec();
-  s.cfg.rope_base = 1e-300;  // tiny but valid
+  s.cfg.rope_base = 1e-30;  // tiny but valid: base^(-6/8) = 1e22.5 is a float32
   std::mt19937_64 rng(test_seed());
   const Built b = build(s, rng);
   EXPECT_NO_THROW(ropekv::validate(b.tensors(), s.cfg));
+  // base^(-2i/8) overflows float32 from i = 1: no angle can be computed.
+  s.cfg.rope_base = 1e-300;
+  EXPECT_PREFIX(error_of(s), "rope_base 1e-300 gives inverse frequency 1 = inf, not finite");
+  // yarn with rope_base 1 divides by log(1) = 0 (transformers' formula).
+  s = valid_spec();
+  s.cfg.rope_base = 1.0;
+  s.cfg.rope_scaling.type = ropekv::RopeScalingType::kYarn;
+  s.cfg.rope_scaling.factor = 4.0;
+  s.cfg.rope_scaling.original_max_position_embeddings = 4096;
+  EXPECT_PREFIX(error_of(s), "rope_base 1 with its rope_scaling gives inverse frequency 0 = ");
+  // A linear factor whose reciprocal overflows float32.
+  s = valid_spec();
+  s.cfg.rope_scaling.type = ropekv::RopeScalingType::kLinear;
+  s.cfg.rope_scaling.factor = 1e-40;
+  EXPECT_PREFIX(error_of(s), "rope_base 500000 with its rope_scaling gives inverse frequency 0 = inf");
 }
 
 TEST(Validate, MixedDevices) {
@@ -466,6 +487,170 @@ TEST(Validate, OverlappingOutputs) {
   s = valid_spec();
   s.q_rot.strides = {kHq * kD, 0, 1};
   EXPECT_PREFIX(error_of(s), "q_rot has stride 0 along axis 1");
+  // Non-zero strides whose elements collide: rows one element apart, heads
+  // half a head apart.
+  s = valid_spec();
+  s.k_pool.strides = {1, kD, 1};
+  EXPECT_PREFIX(error_of(s), "k_pool has strides (1, 8, 1) (in elements) for shape (6, 2, 8): "
+                             "its elements overlap");
+  s = valid_spec();
+  s.q_rot.strides = {kHq * kD, kD / 2, 1};
+  EXPECT_PREFIX(error_of(s), "q_rot has strides (32, 4, 1)");
+  // Permuted and padded layouts are views without overlap.
+  std::mt19937_64 rng(test_seed());
+  s = valid_spec();
+  s.k_pool.strides = {kD, kP * kD, 1};       // heads outermost
+  s.q_rot.strides = {kD, kT * kD + 3, 1};    // padded, tokens inner
+  const Built b = build(s, rng);
+  EXPECT_NO_THROW(ropekv::validate(b.tensors(), s.cfg));
+}
+
+// Arrays of one call sharing memory: a pool over another pool, an output
+// over a pool or an input, shifted aliases. Views of one buffer that do not
+// share elements (q, k, v of a fused QKV output rotated in place; k and v
+// pools interleaved in one cache) are accepted.
+TEST(Validate, ArraysSharingMemory) {
+  std::mt19937_64 rng(test_seed());
+  const VSpec s = valid_spec();
+  const DType dt = DType::kF32;
+  auto call = [&] { return build(s, rng); };
+  auto view_of = [&](const Tensor& t, std::vector<int64_t> shape, std::vector<int64_t> strides,
+                     int64_t offset) { return Tensor::view(t.storage(), dt, shape, strides, offset); };
+  const std::vector<int64_t> pool_shape = {kP, kHk, kD}, pool_strides = {kHk * kD, kD, 1};
+  {
+    Built b = call();
+    b.t[6] = view_of(b.t[5], pool_shape, pool_strides, 0);  // v_pool = k_pool
+    EXPECT_PREFIX(error_of_built(b, s.cfg), "k_pool overlaps v_pool in memory");
+  }
+  {
+    Built b = call();  // q_rot inside k_pool's memory
+    auto big = Tensor::compact(dt, {kP * kHk * kD + kT * kHq * kD});
+    b.t[5] = view_of(big, pool_shape, pool_strides, 0);
+    b.t[7] = view_of(big, {kT, kHq, kD}, {kHq * kD, kD, 1}, kD);
+    EXPECT_PREFIX(error_of_built(b, s.cfg), "k_pool overlaps q_rot in memory");
+  }
+  {
+    Built b = call();
+    b.t[8] = view_of(b.t[2], {kT, kHk, kD}, {kHk * kD, kD, 1}, 0);  // k_rot = v
+    EXPECT_PREFIX(error_of_built(b, s.cfg), "k_rot overlaps v in memory");
+  }
+  {
+    Built b = call();  // q_rot = q shifted by one element: not the in-place call
+    auto big = Tensor::compact(dt, {kT * kHq * kD + 1});
+    b.t[0] = view_of(big, {kT, kHq, kD}, {kHq * kD, kD, 1}, 0);
+    fill_random(b.t[0], rng);
+    b.t[7] = view_of(big, {kT, kHq, kD}, {kHq * kD, kD, 1}, 1);
+    EXPECT_PREFIX(error_of_built(b, s.cfg), "q_rot overlaps q in memory");
+  }
+  {
+    Built b = call();  // v_pool over the input v's memory
+    auto big = Tensor::compact(dt, {kP * kHk * kD});
+    b.t[6] = view_of(big, pool_shape, pool_strides, 0);
+    b.t[2] = view_of(big, {kT, kHk, kD}, {kHk * kD, kD, 1}, 5 * kD);
+    fill_random(b.t[2], rng);
+    EXPECT_PREFIX(error_of_built(b, s.cfg), "v_pool overlaps v in memory");
+  }
+  {
+    Built b = call();  // in place on one fused QKV buffer, pools interleaved
+    const int64_t row = (kHq + 2 * kHk) * kD;
+    auto qkv = Tensor::compact(dt, {kT * row});
+    b.t[0] = view_of(qkv, {kT, kHq, kD}, {row, kD, 1}, 0);
+    b.t[1] = view_of(qkv, {kT, kHk, kD}, {row, kD, 1}, kHq * kD);
+    b.t[2] = view_of(qkv, {kT, kHk, kD}, {row, kD, 1}, (kHq + kHk) * kD);
+    for (int i = 0; i < 3; ++i) fill_random(b.t[i], rng);
+    b.t[7] = b.t[0];
+    b.t[8] = b.t[1];
+    auto kv = Tensor::compact(dt, {kP * 2 * kHk * kD});
+    b.t[5] = view_of(kv, pool_shape, {2 * kHk * kD, kD, 1}, 0);
+    b.t[6] = view_of(kv, pool_shape, {2 * kHk * kD, kD, 1}, kHk * kD);
+    EXPECT_NO_THROW(ropekv::validate(b.tensors(), s.cfg));
+    // One element more for k, and its last head runs into v's first.
+    b.t[1] = view_of(qkv, {kT, kHk, kD}, {row, kD, 1}, kHq * kD + 1);
+    b.t[8] = b.t[1];
+    EXPECT_PREFIX(error_of_built(b, s.cfg), "k_rot overlaps v in memory");
+  }
+}
+
+// Shapes and strides whose products wrap, negative extents, unreadable
+// views: errors before anything is read or written.
+TEST(Validate, ExtentsAndViews) {
+  VSpec s = valid_spec();
+  s.k_pool.shape[0] = s.v_pool.shape[0] = -3;
+  EXPECT_PREFIX(error_of(s), "k_pool has a negative extent: shape (-3, 2, 8)");
+  {
+    std::mt19937_64 rng(test_seed());
+    s = valid_spec();
+    Built b = build(s, rng);
+    // A pool of 2^62 rows with no memory: its element count wraps to 0.
+    for (int i : {5, 6}) {
+      b.t[i] = Tensor::view(b.t[i].storage(), DType::kF32, {int64_t{1} << 62, kHk, kD},
+                            {kHk * kD, kD, 1}, 0);
+      b.t[i].set_null_data(true);
+    }
+    EXPECT_PREFIX(error_of_built(b, s.cfg), "k_pool has shape (4611686018427387904, 2, 8), "
+                                            "more elements than 64 bits count");
+  }
+  {
+    std::mt19937_64 rng(test_seed());
+    s = valid_spec();
+    Built b = build(s, rng);
+    b.t[0] = Tensor::view(b.t[0].storage(), DType::kF32, {kT, kHq, kD},
+                          {int64_t{1} << 62, kD, 1}, 0);  // its byte offsets wrap
+    EXPECT_PREFIX(error_of_built(b, s.cfg), "q has shape (3, 4, 8) and strides whose byte span "
+                                            "does not fit in 64 bits");
+  }
+  {
+    std::mt19937_64 rng(test_seed());
+    s = valid_spec();
+    const Built b = build(s, rng);
+    ropekv::RopePoolTensors t = b.tensors();
+    t.k.shape = nullptr;
+    EXPECT_THROW(
+        {
+          try {
+            ropekv::validate(t, s.cfg);
+          } catch (const ropekv::Error& e) {
+            EXPECT_PREFIX(std::string(e.what()), "k is not a valid tensor view: ndim 3 with no shape");
+            throw;
+          }
+        },
+        ropekv::Error);
+    t = b.tensors();
+    t.q.ndim = 1 << 28;  // its shape is not printed past its 3 entries
+    try {
+      ropekv::validate(t, s.cfg);
+      ADD_FAILURE() << "accepted";
+    } catch (const ropekv::Error& e) {
+      EXPECT_PREFIX(std::string(e.what()), "rope_pool_fused expects q/k/v to be 3-D, got q (a "
+                                           "268435456-D shape)");
+    }
+  }
+}
+
+TEST(Validate, UnknownKvCacheDtype) {
+  std::mt19937_64 rng(test_seed());
+  VSpec s = valid_spec();
+  s.cfg.kv_cache_dtype = static_cast<ropekv::KvCacheDtype>(7);
+  Built b = build(s, rng);
+  for (int i : {5, 6}) b.t[i].override_dtype(DLDataType{kDLUInt, 8, 1});  // fp8 pools' bytes
+  EXPECT_PREFIX(error_of_built(b, s.cfg), "kv_cache_dtype is unknown (value 7)");
+}
+
+TEST(Validate, NegativeThreadCount) {
+  std::mt19937_64 rng(test_seed());
+  const VSpec s = valid_spec();
+  const Built b = build(s, rng);
+  std::vector<std::vector<uint8_t>> before;
+  for (const Tensor& t : b.t) before.push_back(t.storage()->snapshot());
+  ropekv::ExecOptions o;
+  o.num_threads = -1;
+  try {
+    ropekv::rope_pool_fused(b.tensors(), s.cfg, o);
+    ADD_FAILURE() << "accepted num_threads = -1";
+  } catch (const ropekv::Error& e) {
+    EXPECT_PREFIX(std::string(e.what()), "num_threads must be >= 0 (0: OpenMP's default), got -1");
+  }
+  for (size_t i = 0; i < b.t.size(); ++i) EXPECT_TRUE(b.t[i].storage()->snapshot() == before[i]);
 }
 
 }  // namespace

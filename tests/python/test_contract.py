@@ -281,3 +281,150 @@ def test_bad_rotary_dim(rng, rotary_dim):
     arrays, kw = make_call(rng)
     kw["rotary_dim"] = rotary_dim
     expect_error(arrays, kw, f"rotary_dim must be even and in [2, head_dim], got {rotary_dim}")
+
+
+# ------------------------------------------------- memory the call writes
+
+
+def test_pools_sharing_memory(rng):
+    arrays, kw = make_call(rng)
+    arrays["v_pool"] = arrays["k_pool"][:]  # another view of the same rows
+    expect_error(arrays, kw, "k_pool overlaps v_pool in memory")
+
+
+def test_output_over_an_input(rng):
+    arrays, kw = make_call(rng)
+    kw["k_out"] = arrays["v"]  # k_rot would overwrite v before the pool gets it
+    expect_error(arrays, kw, "k_rot overlaps v in memory")
+
+
+def test_output_inside_a_pool(rng):
+    arrays, kw = make_call(rng)
+    flat = arrays["k_pool"].reshape(-1)
+    kw["q_out"] = flat[:T * HQ * D].reshape(T, HQ, D)
+    expect_error(arrays, kw, "k_pool overlaps q_rot in memory")
+
+
+def test_shifted_alias_is_not_in_place(rng):
+    """q_out one element past q: each write would land on an element not yet
+    read. Only the exact alias (inplace=True) is allowed."""
+    arrays, kw = make_call(rng)
+    buf = rng.standard_normal(T * HQ * D + 1).astype(np.float32)
+    arrays["q"] = buf[:-1].reshape(T, HQ, D)
+    kw["q_out"] = buf[1:].reshape(T, HQ, D)
+    expect_error(arrays, kw, "q_rot overlaps q in memory")
+
+
+def test_pool_rows_that_overlap(rng):
+    """Non-zero strides whose elements collide (rows one element apart)."""
+    arrays, kw = make_call(rng)
+    kp = arrays["k_pool"]
+    arrays["k_pool"] = np.lib.stride_tricks.as_strided(
+        kp, shape=kp.shape, strides=(4,) + kp.strides[1:], writeable=True)
+    expect_error(arrays, kw, f"k_pool has strides (1, {D}, 1) (in elements) for shape "
+                             f"({P}, {HK}, {D}): its elements overlap")
+
+
+def test_views_of_one_buffer_that_do_not_overlap(rng):
+    """In place on one fused QKV buffer, k and v pools interleaved in one
+    cache: views of shared buffers, no element shared. The same results as
+    separate arrays."""
+    arrays, kw = make_call(rng)
+    qkv = np.concatenate([arrays["q"], arrays["k"], arrays["v"]], axis=1)
+    kv = np.stack([arrays["k_pool"], arrays["v_pool"]], axis=1)  # [P, 2, HK, D]
+    want = call({n: a.copy() for n, a in arrays.items()}, kw)
+    fused = dict(arrays, q=qkv[:, :HQ], k=qkv[:, HQ:HQ + HK], v=qkv[:, HQ + HK:],
+                 k_pool=kv[:, 0], v_pool=kv[:, 1])
+    got = call(fused, dict(kw, inplace=True))
+    for w, g in zip(want, got):
+        assert bits(w) == bits(g)
+    assert np.shares_memory(got[0], qkv) and np.shares_memory(got[2], kv)
+
+
+def test_read_only_memory_of_any_kind(rng):
+    """Read-only memory that is not a numpy array: a memoryview of bytes, a
+    memoryview of a read-only array, a read-only array behind __dlpack__
+    (DLPack 1.0's flag). Each is refused before anything is written."""
+
+    class DLPackOnly:
+        def __init__(self, a):
+            self.a = a
+
+        def __dlpack__(self, **kw):
+            return self.a.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self.a.__dlpack_device__()
+
+    arrays, kw = make_call(rng)
+    immutable = arrays["k_pool"].tobytes()
+    ro = arrays["k_pool"].copy()
+    ro.setflags(write=False)
+    for pool in (memoryview(immutable).cast("B").cast("f", ro.shape), memoryview(ro),
+                 DLPackOnly(ro)):
+        expect_error(dict(arrays, k_pool=pool), kw, "k_pool is read-only")
+        assert bits(ro) == bits(arrays["k_pool"])
+        assert immutable == arrays["k_pool"].tobytes()
+
+
+def test_writable_memory_of_any_kind(rng):
+    """The same kinds, writable: the pools are written in place, as a numpy
+    pool would be."""
+
+    class DLPackOnly:
+        def __init__(self, a):
+            self.a = a
+
+        def __dlpack__(self, **kw):
+            return self.a.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self.a.__dlpack_device__()
+
+    class InterfaceOnly:
+        def __init__(self, a):
+            self.a = a
+            self.__array_interface__ = a.__array_interface__
+
+    arrays, kw = make_call(rng)
+    want = call({n: a.copy() for n, a in arrays.items()}, kw)
+    for wrap in (memoryview, DLPackOnly, InterfaceOnly):
+        kp, vp = arrays["k_pool"].copy(), arrays["v_pool"].copy()
+        got = call(dict(arrays, k_pool=wrap(kp), v_pool=wrap(vp)), kw)
+        assert bits(kp) == bits(want[2]) and bits(vp) == bits(want[3]), wrap.__name__
+        assert bits(got[0]) == bits(want[0])
+
+
+@pytest.mark.parametrize("name,value,prefix", [
+    ("num_threads", -1, "num_threads must be >= 0 (0: OpenMP's default), got -1"),
+    ("num_threads", -2**40, "num_threads must be >= 0"),
+    ("num_qo_heads", 2**63, "num_qo_heads is out of range (64-bit)"),
+    ("head_dim", -2**64, "head_dim is out of range (64-bit)"),
+    ("rope_base", "10000", "rope_base must be a number, got '10000'"),
+    ("rope_base", 1e-300, "rope_base 1e-300 gives inverse frequency 2 = inf, not finite"),
+    ("rotary_dim", 0, f"rotary_dim must be even and in [2, head_dim], got 0 for head_dim {D}"),
+    ("is_neox", None, "is_neox must be a bool, got None"),
+    ("is_neox", "no", "is_neox must be a bool, got 'no'"),
+    ("rope_scaling", {"type": "linear", "factor": 10**400},
+     "rope_scaling 'factor' is too large for a float"),
+    ("rope_scaling", {"type": "linear", "factor": 1e-40},
+     "rope_base 10000 with its rope_scaling gives inverse frequency 0 = inf"),
+])
+def test_argument_errors_are_value_errors(rng, name, value, prefix):
+    arrays, kw = make_call(rng)
+    expect_error(arrays, dict(kw, **{name: value}), prefix)
+
+
+def test_thread_counts_beyond_the_cap(rng):
+    """A million threads asked for: the call runs on at most max(64, 4 x
+    processors) (OpenMP would abort the process creating a million), with
+    the same bits as one thread."""
+    arrays, kw = make_call(rng)
+    big = {n: np.repeat(a, 200, axis=0) if n in ("q", "k", "v") else a for n, a in arrays.items()}
+    big["positions"] = rng.integers(0, 1 << 20, 200 * T).astype(np.int32)
+    big["slots"] = np.full(200 * T, -1, np.int32)
+    one = call({n: a.copy() for n, a in big.items()}, dict(kw, num_threads=1))
+    many = call(big, dict(kw, num_threads=10**6))
+    for a, b in zip(one, many):
+        assert bits(a) == bits(b)
+    assert call(big, dict(kw, num_threads=2**31))[0].shape == (200 * T, HQ, D)

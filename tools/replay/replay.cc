@@ -187,6 +187,11 @@ class Engine {
   void check_cached(int64_t req, int64_t pos, int64_t layer, const char* when) const;
   void finish_step();
   void verify_pool_end();
+  // Rows of slot s that no call names (free): the fill pattern in every
+  // layer (check_unnamed throws a VerifyError naming `when` otherwise).
+  void fill_unnamed(int32_t s);
+  bool unnamed_intact(int64_t layer, int32_t s) const;
+  void check_unnamed(int32_t s, const char* when) const;
   void maybe_inject_before_checks(int64_t layer);
   void maybe_inject_after_checks(int64_t layer);
   [[noreturn]] void report(const std::string& check, int64_t req, int64_t pos, int64_t slot,
@@ -544,6 +549,8 @@ void Engine::admit_and_build() {
     if (free_.empty()) throw std::logic_error("ropekv-replay: free list empty (reservation bug)");
     const int32_t s = free_.front();
     free_.pop_front();
+    // Free since its last owner finished (or since the start): untouched.
+    check_unnamed(s, "before its reuse");
     if (ever_used_[s]) ++res_.slot_reuses;
     ever_used_[s] = 1;
     st_[r].slots[static_cast<size_t>(pos)] = s;
@@ -608,7 +615,13 @@ void Engine::finish_step() {
         check_cached(r, i % n, i / n, "at finish");  // throws with the message
       }
       res_.pool_rows_checked += items;
-      for (int32_t s : st_[r].slots) free_.push_back(s);
+      for (int32_t s : st_[r].slots) {
+        // Checked above: the rows become unnamed again, so that a stray
+        // write into them shows when the slot is next taken (or at the end).
+        fill_unnamed(s);
+        owner_req_[s] = owner_pos_[s] = -1;
+        free_.push_back(s);
+      }
       reserved_ -= n;
       st_[r].finished = true;
       ++finished_;
@@ -866,7 +879,6 @@ void Engine::verify_pool_end() {
   // still holds the fill pattern (the op never touched it).
   std::atomic<int64_t> first_bad{P_};
   std::atomic<int64_t> untouched{0}, checked{0};
-  const size_t kb = pool_row_bytes();
 #pragma omp parallel for num_threads(nthreads()) schedule(dynamic, 16)
   for (int64_t s = 0; s < P_; ++s) {
     if (s > first_bad.load(std::memory_order_relaxed)) continue;
@@ -879,12 +891,7 @@ void Engine::verify_pool_end() {
       }
       checked += L_;
     } else {
-      for (int64_t l = 0; l < L_ && !bad; ++l) {
-        const uint8_t* rows[2] = {k_pool(l, s), v_pool(l, s)};
-        for (const uint8_t* p : rows)
-          for (size_t i = 0; i < kb; ++i)
-            if (p[i] != 0xFF) bad = true;
-      }
+      for (int64_t l = 0; l < L_ && !bad; ++l) bad = !unnamed_intact(l, static_cast<int32_t>(s));
       untouched += L_;
     }
     if (bad) {
@@ -899,18 +906,39 @@ void Engine::verify_pool_end() {
     if (owner_req_[s] >= 0) {
       for (int64_t l = 0; l < L_; ++l) check_cached(owner_req_[s], owner_pos_[s], l, "after the run");
     }
-    for (int64_t l = 0; l < L_; ++l) {
-      for (int kv = 0; kv < 2; ++kv) {
-        const uint8_t* p = kv ? v_pool(l, s) : k_pool(l, s);
-        for (int64_t e = 0; e < krow(); ++e) {
-          if (pool_bits(p, e) != (PE_ == 4 ? 0xFFFFFFFFu : PE_ == 2 ? 0xFFFFu : 0xFFu)) {
-            std::ostringstream o;
-            o << "MISMATCH (" << (kv ? "v" : "k") << " pool row that no call named was written): request -, "
-              << "token -, layer " << l << ", head " << e / D() << "\n  slot " << s << ", dim " << e % D()
-              << ": " << fmt_elem(PE_, pool_bits(p, e), pool_value(p, e, kv ? vscale_ : kscale_))
-              << ", expected the fill pattern (all bits set)";
-            throw VerifyError(o.str());
-          }
+    check_unnamed(static_cast<int32_t>(s), "after the run");
+  }
+}
+
+void Engine::fill_unnamed(int32_t s) {
+  for (int64_t l = 0; l < L_; ++l) {
+    std::memset(k_pool(l, s), 0xFF, pool_row_bytes());
+    std::memset(v_pool(l, s), 0xFF, pool_row_bytes());
+  }
+}
+
+bool Engine::unnamed_intact(int64_t layer, int32_t s) const {
+  const size_t kb = pool_row_bytes();
+  for (const uint8_t* p : {k_pool(layer, s), v_pool(layer, s)})
+    for (size_t i = 0; i < kb; ++i)
+      if (p[i] != 0xFF) return false;
+  return true;
+}
+
+void Engine::check_unnamed(int32_t s, const char* when) const {
+  for (int64_t l = 0; l < L_; ++l) {
+    if (unnamed_intact(l, s)) continue;
+    for (int kv = 0; kv < 2; ++kv) {
+      const uint8_t* p = kv ? v_pool(l, s) : k_pool(l, s);
+      for (int64_t e = 0; e < krow(); ++e) {
+        if (pool_bits(p, e) != (PE_ == 4 ? 0xFFFFFFFFu : PE_ == 2 ? 0xFFFFu : 0xFFu)) {
+          std::ostringstream o;
+          o << "MISMATCH (" << (kv ? "v" : "k") << " pool row that no call named was written, found "
+            << when << "): request -, token -, layer " << l << ", head " << e / D() << "\n  slot " << s
+            << ", dim " << e % D() << ": "
+            << fmt_elem(PE_, pool_bits(p, e), pool_value(p, e, kv ? vscale_ : kscale_))
+            << ", expected the fill pattern (all bits set)";
+          throw VerifyError(o.str());
         }
       }
     }
