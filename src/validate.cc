@@ -694,6 +694,7 @@ int64_t check_frequency_config(const RopeConfig& cfg) {
   if (!std::isfinite(cfg.rope_base) || cfg.rope_base <= 0.0)
     fail("rope_base must be finite and > 0, got " + num_str(cfg.rope_base));
   check_rope_scaling(cfg.rope_scaling);
+  check_frequencies(FreqSpec{cfg.rope_base, R, cfg.rope_scaling});
   return R;
 }
 

@@ -282,8 +282,10 @@ int main(int argc, char** argv) {
                    : kv_s == "fp8_e5m2" ? KvDtype::kFp8E5M2
                                         : KvDtype::kAuto;
     for (auto [name, v] : {std::pair<const char*, double>{"--k-scale", opt.k_scale}, {"--v-scale", opt.v_scale}}) {
-      if (!(v > 0) || !std::isfinite(v))
-        throw InputError(std::string(name) + " must be a finite number > 0, got " + fmt_g(v));
+      // (The op divides by the scale in float32: it must be finite and > 0 there too.)
+      if (!(v > 0) || !std::isfinite(v) || !(static_cast<float>(v) > 0) ||
+          !std::isfinite(static_cast<float>(v)))
+        throw InputError(std::string(name) + " must be a finite number > 0 as a float32, got " + fmt_g(v));
       if (!is_fp8(opt.kv_dtype) && v != 1.0)
         throw InputError(std::string(name) + " applies to fp8 pools only (--kv-cache-dtype fp8_e4m3 or "
                          "fp8_e5m2), got " + fmt_g(v) + " with --kv-cache-dtype " + kv_s);

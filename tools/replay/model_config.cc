@@ -128,7 +128,20 @@ void parse_rope_scaling(ModelConfig& c, const json& s, const std::string& key) {
 
 }  // namespace
 
+static ModelConfig load_model_config_json(const std::string& path);
+
 ModelConfig load_model_config(const std::string& path) {
+  // A field of an unexpected JSON type that the readers below take as it is
+  // (e.g. "multi_query": "yes"): a config error naming the file, as the
+  // readers' own checks are.
+  try {
+    return load_model_config_json(path);
+  } catch (const json::exception& e) {
+    throw InputError(path + ": a field has an unexpected type or value: " + e.what());
+  }
+}
+
+static ModelConfig load_model_config_json(const std::string& path) {
   ModelConfig c;
   c.path = path;
   std::ifstream in(path);
