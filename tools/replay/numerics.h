@@ -174,10 +174,17 @@ struct UlpFn {
   }
 };
 
-/// Tolerance of one rotated element: one ulp of the output dtype at |ref|
-/// plus the fp32 evaluation error 4 * 2^-24 * (|x1 c| + |x2 s|). `ulps`
-/// scales the first term (0.5: "is the nearest rounding").
-inline double rope_tolerance(Dtype t, double ref, double x1c, double x2s, double ulps = 1.0) {
+/// The ulps of one rounding to dtype t that a rotated element may be off:
+/// half an ulp for f16 / bf16 (round to nearest even of the fp32 result: a
+/// truncating or double-rounding store fails), one for f32 (the last fp32
+/// rounding and the arithmetic overlap). As the library's own tests.
+inline double rounding_ulps(Dtype t) { return t == Dtype::kF32 ? 1.0 : 0.5; }
+
+/// Tolerance of one rotated element: rounding_ulps of the output dtype at
+/// |ref| (or `ulps` given) plus the fp32 evaluation error
+/// 4 * 2^-24 * (|x1 c| + |x2 s|).
+inline double rope_tolerance(Dtype t, double ref, double x1c, double x2s, double ulps = -1.0) {
+  if (ulps < 0) ulps = rounding_ulps(t);
   return ulps * ulp_of(t, ref) + 4.0 * std::ldexp(1.0, -24) * (std::fabs(x1c) + std::fabs(x2s));
 }
 

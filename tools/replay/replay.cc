@@ -169,7 +169,7 @@ class Engine {
   void make_cos_sin(int64_t max_pos);
   void rotate_ref(const double* x, int64_t pos, double* out) const;
   Bad compare_rotated(const uint8_t* got, bool pool, const double* x, int64_t pos, int64_t heads,
-                      double ulps = 1.0) const;
+                      double ulps = -1.0) const;  // -1: rounding_ulps of q's dtype
   Bad compare_pool_bits(const uint8_t* got, const uint8_t* want, int64_t n, float scale) const;
   // ---- pool format
   void encode_row(const uint8_t* src, int64_t n, float scale, uint8_t* dst) const;
@@ -375,6 +375,7 @@ Bad Engine::compare_rotated(const uint8_t* got, bool pool, const double* x, int6
   const int64_t Dd = D(), R2 = R(), h = R2 / 2;
   const double* cs = cos_sin(pos);
   const UlpFn ulp(dt_);
+  if (ulps < 0) ulps = rounding_ulps(dt_);
   const double K = 4.0 * 0x1p-24;
   const bool fp8 = pool && is_fp8(kv_);
   const double ks = kscale_, kmax = fp8_.max_finite() * ks;
