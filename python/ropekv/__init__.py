@@ -129,8 +129,10 @@ def _check_numpy_layout(x: Any, name: str) -> None:
                          f"({dt.itemsize} bytes each): pass a copy (numpy.ascontiguousarray)")
 
 
-def _as_array(x: Any, name: str) -> Tuple[Any, bool, bool]:
-    """Returns (what the binding takes, is_bf16_view, is_read_only)."""
+def _as_array(x: Any, name: str, written: bool = False) -> Tuple[Any, bool, bool]:
+    """Returns (what the binding takes, is_bf16_view, is_read_only); whether
+    memory of an unknown kind is read-only is asked only where the call
+    writes (`written`)."""
     if not (hasattr(x, "__dlpack__") or hasattr(x, "__array_interface__")):
         try:
             memoryview(x)
@@ -190,9 +192,9 @@ def _as_array(x: Any, name: str) -> Tuple[Any, bool, bool]:
     if not hasattr(x, "__dlpack__"):
         # A buffer (memoryview, array.array) or an __array_interface__
         # object: numpy views the same memory and knows if it is read-only.
-        return _as_array(_np.asarray(x), name)
+        return _as_array(_np.asarray(x), name, written)
     # Another DLPack producer (CuPy, ...): its read-only flag (DLPack 1.0).
-    return x, False, not _ext.writable(x)
+    return x, False, written and not _ext.writable(x)
 
 
 # DLPack type codes (dlpack.h): the dtypes _ext.run_fast reads in place.
@@ -574,7 +576,9 @@ def rope_pool_fused(
             of SPEC section 3 (wrong rank or shape, mismatched dtypes, a
             dtype other than f16/bf16/f32, non-integer positions/slots, odd
             head_dim or rotary_dim, bad rope_base, mixed devices, read-only
-            pools, a slot ``>= P``), and for bad options (an unknown
+            pools or outputs, a pool or output that shares memory with
+            another array of the call (but q_out=q, k_out=k exactly, the
+            in-place call), a slot ``>= P``), and for bad options (an unknown
             rope_scaling type or missing field, a cos_sin_cache or norm
             weight of the wrong shape or dtype, a pool that does not match
             kv_cache_dtype, scales that are not finite and > 0). Everything
@@ -679,7 +683,7 @@ def rope_pool_fused(
             converted.append(None)
             continue
         name = _NAMES[i]
-        a, is_bf16, read_only = _as_array(x, name)
+        a, is_bf16, read_only = _as_array(x, name, written=i >= 5)
         if read_only and i in (5, 6) and _framework(x) in ("jax", "jaxlib"):
             raise ValueError(f"{name} is a JAX array, which is immutable, but ropekv writes the "
                              f"pools in place; pass numpy (or PyTorch) pools")
