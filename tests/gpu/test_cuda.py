@@ -512,6 +512,34 @@ def test_mixed_devices_raise_value_error():
             call(q, k, v, pos, slots, kp.to("cuda:1"), vp, 1e4)
 
 
+@cuda_only
+def test_arrays_sharing_memory_raise_on_the_gpu():
+    """The memory rules hold for CUDA arrays (checked on the host, before the
+    launch): pools over one another, an output over an input, a shifted
+    alias; views of one buffer that share no element run, in place on a
+    fused QKV buffer with the pools interleaved in one cache."""
+    T, Hq, Hk, D, P = 6, 4, 2, 64, 16
+    q, k, v, pos, slots, kp, vp = make(T, Hq, Hk, D, P, torch.bfloat16)
+    k0, v0 = kp.clone(), vp.clone()
+    with pytest.raises(ValueError, match=r"^k_pool overlaps v_pool in memory"):
+        call(q, k, v, pos, slots, kp, kp[:], 1e4)
+    with pytest.raises(ValueError, match=r"^k_rot overlaps v in memory"):
+        call(q, k, v, pos, slots, kp, vp, 1e4, k_out=v)
+    buf = torch.randn(T * Hq * D + 1, device=DEV).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^q_rot overlaps q in memory"):
+        call(buf[:-1].view(T, Hq, D), k, v, pos, slots, kp, vp, 1e4,
+             q_out=buf[1:].view(T, Hq, D))
+    assert same_bits(kp, k0) and same_bits(vp, v0)
+    want = call(q.clone(), k.clone(), v, pos, slots, kp.clone(), vp.clone(), 1e4)
+    qkv = torch.cat([q, k, v], dim=1)
+    kv = torch.stack([kp, vp], dim=1)
+    got = call(qkv[:, :Hq], qkv[:, Hq:Hq + Hk], qkv[:, Hq + Hk:], pos, slots, kv[:, 0], kv[:, 1],
+               1e4, inplace=True)
+    torch.cuda.synchronize()
+    for w, g in zip(want, got):
+        assert same_bits(w, g)
+
+
 # ---------------------------------------------------------------- the fast path
 
 def fused_views(T, Hq, Hk, D, P, dtype, seed):
