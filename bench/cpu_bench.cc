@@ -409,7 +409,51 @@ void BM_RopePool(benchmark::State& state, Model m, bool bf16, int threads, Cache
   state.SetLabel(ropekv::cpu_target());
 }
 
+// The contract check alone (ropekv::validate) of a Llama-3.1-8B bf16 call
+// of T tokens on the CPU: what every call pays before its kernel, slots
+// read included.
+void BM_Validate(benchmark::State& state) {
+  const Model& m = kModels[0];
+  const int64_t T = state.range(0), P = 4096;
+  const DLDataType bf16{kDLBfloat, 16, 1}, i32{kDLInt, 32, 1};
+  int64_t sq[3] = {T, m.hq, m.d}, sk[3] = {T, m.hk, m.d}, sp[3] = {P, m.hk, m.d}, si[1] = {T};
+  Buffer q(T * m.hq * m.d * 2), k(T * m.hk * m.d * 2), v(T * m.hk * m.d * 2);
+  Buffer q_rot(T * m.hq * m.d * 2), k_rot(T * m.hk * m.d * 2);
+  Buffer k_pool(P * m.hk * m.d * 2), v_pool(P * m.hk * m.d * 2), pos(T * 4), slot(T * 4);
+  for (int64_t i = 0; i < T; ++i) {
+    reinterpret_cast<int32_t*>(pos.get())[i] = static_cast<int32_t>(i);
+    reinterpret_cast<int32_t*>(slot.get())[i] = static_cast<int32_t>(i % P);
+  }
+  auto view = [](const Buffer& b, DLDataType dt, int nd, int64_t* shape) {
+    DLTensor t{};
+    t.data = b.get();
+    t.device = {kDLCPU, 0};
+    t.ndim = nd;
+    t.dtype = dt;
+    t.shape = shape;
+    return t;
+  };
+  ropekv::RopePoolTensors t{};
+  t.q = view(q, bf16, 3, sq);
+  t.k = view(k, bf16, 3, sk);
+  t.v = view(v, bf16, 3, sk);
+  t.positions = view(pos, i32, 1, si);
+  t.slots = view(slot, i32, 1, si);
+  t.k_pool = view(k_pool, bf16, 3, sp);
+  t.v_pool = view(v_pool, bf16, 3, sp);
+  t.q_rot = view(q_rot, bf16, 3, sq);
+  t.k_rot = view(k_rot, bf16, 3, sk);
+  ropekv::RopeConfig cfg;
+  cfg.head_dim = m.d;
+  cfg.num_qo_heads = m.hq;
+  cfg.num_kv_heads = m.hk;
+  cfg.rope_base = m.base;
+  for (auto _ : state) ropekv::validate(t, cfg);
+}
+
 void register_all() {
+  benchmark::RegisterBenchmark("validate/Llama-3.1-8B/bf16", BM_Validate)
+      ->ArgName("T")->Arg(1)->Arg(128)->Unit(benchmark::kNanosecond);
   for (const Model& m : kModels) {
     for (bool bf16 : {false, true}) {
       for (int threads : {1, 2}) {

@@ -141,33 +141,39 @@ void check_index_dtype(const DLTensor& t, const char* name, IndexType* out) {
        " (convert with .astype(int32) / .to(torch.int32))");
 }
 
-// An array's layout in bytes: the address of element 0, element size and
-// the axes it extends along (extent > 1), with their element strides.
+// The bytes an array's elements span, [lo, hi); lo == hi: no elements.
+struct Span {
+  intptr_t lo, hi;
+  bool empty() const { return lo == hi; }
+};
+
+// An array's layout: the address of element 0, element size and the axes
+// it extends along (extent > 1), with their element strides. (For arrays
+// whose span layout_of checked.)
 struct Layout {
   intptr_t base = 0;
   int64_t esize = 1;
   int n = 0;
   int64_t extent[3] = {}, stride[3] = {};
   int axis[3] = {};  // the array's axis of each
-  intptr_t lo = 0, hi = 0;  // the bytes its elements span: [lo, hi)
 };
+
+int64_t element_size(const DLTensor& t) {
+  return std::max<int64_t>(1, (t.dtype.bits * t.dtype.lanes + 7) / 8);
+}
 
 Layout layout_of(const DLTensor& t) {
   Layout l;
   l.base = reinterpret_cast<intptr_t>(base_pointer(t));
-  l.esize = std::max<int64_t>(1, (t.dtype.bits * t.dtype.lanes + 7) / 8);
+  l.esize = element_size(t);
   int64_t s[3];
   strides_of(t, s);
-  l.lo = l.hi = l.base;
   for (int i = 0; i < t.ndim; ++i) {
     if (t.shape[i] <= 1) continue;
     l.extent[l.n] = t.shape[i];
     l.stride[l.n] = s[i];
     l.axis[l.n++] = i;
-    const int64_t reach = (t.shape[i] - 1) * s[i] * l.esize;
-    (reach < 0 ? l.lo : l.hi) += reach;
   }
-  l.hi += l.esize;
   return l;
 }
 
@@ -176,17 +182,17 @@ Layout layout_of(const DLTensor& t) {
 // layouts whose axes, ordered by |stride|, each step past the whole span of
 // the smaller ones (every strided view, permuted or not, of one buffer).
 void check_no_self_overlap(const DLTensor& t, const char* name) {
-  if (numel(t) == 0) return;
+  if (t.strides == nullptr || numel(t) == 0) return;  // compact row-major (DLPack's NULL)
   const Layout l = layout_of(t);
-  std::pair<int64_t, int64_t> axes[3];  // (|stride|, extent)
+  std::pair<int64_t, int64_t> axes[3];  // (|stride|, extent), by |stride|
   for (int i = 0; i < l.n; ++i) {
     if (l.stride[i] == 0)
       fail(std::string(name) + " has stride 0 along axis " + std::to_string(l.axis[i]) +
            ": its elements overlap, so writes to it would collide; pass an array "
            "that owns its memory (e.g. a contiguous copy)");
     axes[i] = {std::abs(l.stride[i]), l.extent[i]};
+    for (int j = i; j > 0 && axes[j].first < axes[j - 1].first; --j) std::swap(axes[j], axes[j - 1]);
   }
-  std::sort(axes, axes + l.n);
   int64_t span = 0;  // in elements
   for (int i = 0; i < l.n; ++i) {
     if (axes[i].first <= span) {
@@ -231,10 +237,9 @@ bool reachable(const int64_t* stride, const int64_t* lo, const int64_t* hi, int 
 // element size, the same stride on every axis both extend along: the q and
 // k heads of one fused QKV buffer, the k and v pools of one cache) are
 // solved exactly; other pairs count as sharing when their byte spans meet.
+// (Called for arrays whose byte spans meet.)
 bool may_share(const DLTensor& ta, const DLTensor& tb) {
-  if (numel(ta) == 0 || numel(tb) == 0) return false;
   const Layout a = layout_of(ta), b = layout_of(tb);
-  if (a.hi <= b.lo || b.hi <= a.lo) return false;
   if (a.esize != b.esize || ta.ndim != tb.ndim) return true;
   // Per array axis: the stride and the digit range of (index in a) - (index
   // in b).
@@ -276,8 +281,7 @@ bool may_share(const DLTensor& ta, const DLTensor& tb) {
 // thread). Otherwise a write lands in memory another part of the call reads
 // or writes, and the result depends on the schedule.
 void check_no_overlap(const std::vector<std::pair<const char*, const DLTensor*>>& all,
-                      const RopePoolTensors& t) {
-  const DLTensor* written[] = {&t.q_rot, &t.k_rot, &t.k_pool, &t.v_pool};
+                      const Span* spans, const RopePoolTensors& t) {
   auto exact_alias = [](const DLTensor& x, const DLTensor& y) {
     if (base_pointer(x) != base_pointer(y) || !same_dtype(x.dtype, y.dtype) || !same_shape(x, y))
       return false;
@@ -288,16 +292,24 @@ void check_no_overlap(const std::vector<std::pair<const char*, const DLTensor*>>
       if (x.shape[i] > 1 && sx[i] != sy[i]) return false;
     return true;
   };
-  for (size_t i = 0; i < all.size(); ++i) {
-    const DLTensor* w = all[i].second;
-    if (std::find(std::begin(written), std::end(written), w) == std::end(written)) continue;
+  // all[5..8] are k_pool, v_pool, q_rot, k_rot (make_problem's order): each
+  // against every other array, each pair of them once. First whether any
+  // spans meet at all, without a branch per pair (every call runs this).
+  const size_t n = all.size();
+  bool meet = false;
+  for (size_t i = 5; i < 9; ++i)
+    for (size_t j = 0; j < n; ++j)
+      meet |= (j != i) & (spans[i].lo < spans[j].hi) & (spans[j].lo < spans[i].hi);
+  if (!meet) return;
+  for (size_t i = 5; i < 9; ++i) {
     for (size_t j = 0; j < all.size(); ++j) {
-      const DLTensor* x = all[j].second;
-      const bool x_written = std::find(std::begin(written), std::end(written), x) != std::end(written);
-      if (j == i || (x_written && j < i)) continue;  // each pair of written arrays once
-      if (((w == &t.q_rot && x == &t.q) || (w == &t.k_rot && x == &t.k)) && exact_alias(*w, *x))
+      if (j == i || (j >= 5 && j < i)) continue;
+      const Span &a = spans[i], &b = spans[j];
+      if (a.empty() || b.empty() || a.hi <= b.lo || b.hi <= a.lo) continue;  // (the common case)
+      const DLTensor &w = *all[i].second, &x = *all[j].second;
+      if (((&w == &t.q_rot && &x == &t.q) || (&w == &t.k_rot && &x == &t.k)) && exact_alias(w, x))
         continue;
-      if (may_share(*w, *x))
+      if (may_share(w, x))
         fail(std::string(all[i].first) + " overlaps " + all[j].first +
              " in memory: an array the call writes may not share memory with another of its "
              "arrays (the one exception is the in-place call, q_rot = q and k_rot = k "
@@ -306,10 +318,10 @@ void check_no_overlap(const std::vector<std::pair<const char*, const DLTensor*>>
   }
 }
 
-// Every extent >= 0, and the element count and the bytes the elements span
-// fit in 64 bits (a product that wraps would hide a null pointer or send
-// an offset anywhere).
-void check_extents(const DLTensor& t, const char* name) {
+// The byte span of t, checked: every extent >= 0, and the element count
+// and the bytes the elements span fit in 64 bits (a product that wraps
+// would hide a null pointer or send an offset anywhere).
+Span checked_span_slow(const DLTensor& t, const char* name) {
   int64_t n = 1;
   for (int i = 0; i < t.ndim; ++i) {
     if (t.shape[i] < 0)
@@ -318,10 +330,11 @@ void check_extents(const DLTensor& t, const char* name) {
       fail(std::string(name) + " has shape " + shape_str(t) +
            ", more elements than 64 bits count: memory ropekv cannot address");
   }
-  if (n == 0) return;
+  const intptr_t base = reinterpret_cast<intptr_t>(base_pointer(t));
+  if (n == 0) return {base, base};
+  const int64_t esize = element_size(t);
   int64_t s[3];
   strides_of(t, s);
-  const int64_t esize = std::max<int64_t>(1, (t.dtype.bits * t.dtype.lanes + 7) / 8);
   int64_t below = 0, above = esize;  // bytes before and after element 0
   for (int i = 0; i < t.ndim; ++i) {
     int64_t reach;
@@ -333,11 +346,39 @@ void check_extents(const DLTensor& t, const char* name) {
            " and strides whose byte span does not fit in 64 bits: memory ropekv cannot "
            "address");
   }
-  const uintptr_t base = reinterpret_cast<uintptr_t>(base_pointer(t));
-  if (t.data != nullptr && (base < static_cast<uintptr_t>(below) ||
-                            UINTPTR_MAX - base < static_cast<uintptr_t>(above)))
+  const uintptr_t ubase = static_cast<uintptr_t>(base);
+  if (t.data != nullptr && (ubase < static_cast<uintptr_t>(below) ||
+                            UINTPTR_MAX - ubase < static_cast<uintptr_t>(above)))
     fail(std::string(name) + "'s elements would wrap around the address space "
          "(its strides run past address 0 or the top): memory ropekv cannot address");
+  return {base - below, base + above};
+}
+
+// checked_span in one pass without a branch per rule (it runs for every
+// array of every call); a span any rule rejects goes to checked_span_slow
+// for its message.
+Span checked_span(const DLTensor& t, const char* name) {
+  const int64_t esize = element_size(t);
+  int64_t n = 1, below = 0, above = esize;
+  bool bad = false;
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    const int64_t e = t.shape[i];
+    const int64_t st = t.strides ? t.strides[i] : n;  // (n: the compact stride)
+    int64_t reach = 0;
+    bad |= e < 0;
+    bad |= __builtin_mul_overflow(n, e, &n);
+    bad |= st == std::numeric_limits<int64_t>::min();
+    bad |= __builtin_mul_overflow(e > 0 ? e - 1 : 0, st < 0 ? -st : st, &reach);
+    bad |= __builtin_mul_overflow(reach, esize, &reach);
+    bad |= __builtin_add_overflow(st < 0 ? below : above, reach, st < 0 ? &below : &above);
+  }
+  const intptr_t base = reinterpret_cast<intptr_t>(base_pointer(t));
+  if (n == 0 && !bad) return {base, base};
+  const uintptr_t ubase = static_cast<uintptr_t>(base);
+  bad |= t.data != nullptr && (ubase < static_cast<uintptr_t>(below) ||
+                               UINTPTR_MAX - ubase < static_cast<uintptr_t>(above));
+  if (bad) return checked_span_slow(t, name);
+  return {base - below, base + above};
 }
 
 // The fp32 inverse frequencies the kernels compute from rope_base and
@@ -594,7 +635,8 @@ Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
   if (present(t.cos_sin_cache)) all.push_back({"cos_sin_cache", &t.cos_sin_cache});
   if (present(t.q_norm_weight)) all.push_back({"q_norm_weight", &t.q_norm_weight});
   if (present(t.k_norm_weight)) all.push_back({"k_norm_weight", &t.k_norm_weight});
-  for (const auto& [name, a] : all) check_extents(*a, name);
+  Span spans[12];  // of each array in `all`
+  for (size_t i = 0; i < all.size(); ++i) spans[i] = checked_span(*all[i].second, all[i].first);
   const DLDevice dev = t.q.device;
   for (const auto& [name, a] : all) {
     if (a->device.device_type != dev.device_type || a->device.device_id != dev.device_id)
@@ -608,16 +650,13 @@ Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
   if (dev.device_type == kDLCUDA && !has_cuda())
     fail("q is on " + device_str(dev) +
          " but this build of ropekv has no CUDA backend (rebuild with nvcc on PATH)");
-  for (const auto& [name, a] : all) {
-    if (a->data == nullptr && numel(*a) > 0)
-      fail(std::string(name) + " has no data pointer (a null array with " +
-           std::to_string(numel(*a)) + " elements)");
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (all[i].second->data == nullptr && !spans[i].empty())
+      fail(std::string(all[i].first) + " has no data pointer (a null array with " +
+           std::to_string(numel(*all[i].second)) + " elements)");
   }
-  check_no_self_overlap(t.k_pool, "k_pool");
-  check_no_self_overlap(t.v_pool, "v_pool");
-  check_no_self_overlap(t.q_rot, "q_rot");
-  check_no_self_overlap(t.k_rot, "k_rot");
-  check_no_overlap(all, t);
+  for (size_t i = 5; i < 9; ++i) check_no_self_overlap(*all[i].second, all[i].first);
+  check_no_overlap(all, spans, t);
   if (dev.device_type == kDLCUDA) cuda::check_addressable(t);
 
   p.num_tokens = T;

@@ -111,7 +111,9 @@ inline Scratch thread_scratch(const Problem& p) {
 // team of a million threads makes OpenMP abort the process.
 inline int64_t max_threads() {
 #ifdef _OPENMP
-  return std::max<int64_t>(64, 4 * static_cast<int64_t>(omp_get_num_procs()));
+  // (Asked once: omp_get_num_procs is a system call.)
+  static const int64_t cap = std::max<int64_t>(64, 4 * static_cast<int64_t>(omp_get_num_procs()));
+  return cap;
 #else
   return 1;
 #endif
