@@ -48,7 +48,7 @@ std::string dtype_str(DLDataType d) {
 
 std::string device_str(DLDevice d) {
   switch (d.device_type) {
-    case kDLCPU: return "cpu";
+    case kDLCPU: return d.device_id == 0 ? "cpu" : "cpu:" + std::to_string(d.device_id);
     case kDLCUDA: return "cuda:" + std::to_string(d.device_id);
     case kDLCUDAHost: return "cuda_host";
     case kDLCUDAManaged: return "cuda_managed:" + std::to_string(d.device_id);

@@ -156,6 +156,9 @@ def _as_array(x: Any, name: str, written: bool = False) -> Tuple[Any, bool, bool
     if fw == "torch":
         import torch
 
+        if x.device.type == "meta":
+            raise ValueError(f"{name} is on PyTorch's meta device, which holds no memory: pass "
+                             f"a CPU or CUDA tensor")
         if _torch_without_memory(x):
             # Neither a numpy view (numpy would allocate an array of its own,
             # and a pool write would land there and be lost) nor DLPack (a

@@ -411,6 +411,11 @@ TEST(Validate, MixedDevices) {
   EXPECT_CONTAINS(m, "cuda:0");
 
   s = valid_spec();
+  s.k_pool.device = {kDLCPU, 1};  // the ids differ: the message shows them
+  m = error_of(s);
+  EXPECT_PREFIX(m, "all arrays must be on one device, got q on cpu and k_pool on cpu:1");
+
+  s = valid_spec();
   for (Arr* a : s.all()) a->device = {kDLCUDA, 0};
   s.positions.device = {kDLCUDA, 1};
   m = error_of(s);

@@ -59,6 +59,20 @@ def test_torch_float32_pool_with_bf16_inputs_is_an_error_not_a_copy():
     assert torch.count_nonzero(pool) == 0
 
 
+def test_torch_meta_tensor_is_named_as_such():
+    """A tensor on PyTorch's meta device has a shape and no memory: the error
+    says so (not "no data pointer"), and nothing is written."""
+    T, H, D = 3, 2, 16
+    q = torch.randn(T, H, D)
+    k_pool = torch.randn(4, H, D)
+    k0 = k_pool.clone()
+    with pytest.raises(ValueError, match=r"^v_pool is on PyTorch's meta device"):
+        ropekv.rope_pool_fused(q, q, q, torch.arange(T), torch.arange(T), k_pool,
+                               torch.empty(4, H, D, device="meta"), head_dim=D, num_qo_heads=H,
+                               num_kv_heads=H, rope_base=1e4)
+    assert bits(k_pool.numpy()) == bits(k0.numpy())
+
+
 @pytest.mark.parametrize("stream", [None, 0])  # the binding's fast path, and the general path
 @pytest.mark.parametrize("offset", [0, 3])  # rows before the view in its storage
 @pytest.mark.parametrize("which", ["k_pool", "v_pool", "q_out"])
