@@ -149,7 +149,7 @@ struct Span {
 
 // An array's layout: the address of element 0, element size and the axes
 // it extends along (extent > 1), with their element strides. (For arrays
-// whose span layout_of checked.)
+// whose span checked_span has checked.)
 struct Layout {
   intptr_t base = 0;
   int64_t esize = 1;
@@ -293,14 +293,7 @@ void check_no_overlap(const std::vector<std::pair<const char*, const DLTensor*>>
     return true;
   };
   // all[5..8] are k_pool, v_pool, q_rot, k_rot (make_problem's order): each
-  // against every other array, each pair of them once. First whether any
-  // spans meet at all, without a branch per pair (every call runs this).
-  const size_t n = all.size();
-  bool meet = false;
-  for (size_t i = 5; i < 9; ++i)
-    for (size_t j = 0; j < n; ++j)
-      meet |= (j != i) & (spans[i].lo < spans[j].hi) & (spans[j].lo < spans[i].hi);
-  if (!meet) return;
+  // against every other array, each pair of them once.
   for (size_t i = 5; i < 9; ++i) {
     for (size_t j = 0; j < all.size(); ++j) {
       if (j == i || (j >= 5 && j < i)) continue;
@@ -321,7 +314,7 @@ void check_no_overlap(const std::vector<std::pair<const char*, const DLTensor*>>
 // The byte span of t, checked: every extent >= 0, and the element count
 // and the bytes the elements span fit in 64 bits (a product that wraps
 // would hide a null pointer or send an offset anywhere).
-Span checked_span_slow(const DLTensor& t, const char* name) {
+Span checked_span(const DLTensor& t, const char* name) {
   int64_t n = 1;
   for (int i = 0; i < t.ndim; ++i) {
     if (t.shape[i] < 0)
@@ -351,33 +344,6 @@ Span checked_span_slow(const DLTensor& t, const char* name) {
                             UINTPTR_MAX - ubase < static_cast<uintptr_t>(above)))
     fail(std::string(name) + "'s elements would wrap around the address space "
          "(its strides run past address 0 or the top): memory ropekv cannot address");
-  return {base - below, base + above};
-}
-
-// checked_span in one pass without a branch per rule (it runs for every
-// array of every call); a span any rule rejects goes to checked_span_slow
-// for its message.
-Span checked_span(const DLTensor& t, const char* name) {
-  const int64_t esize = element_size(t);
-  int64_t n = 1, below = 0, above = esize;
-  bool bad = false;
-  for (int i = t.ndim - 1; i >= 0; --i) {
-    const int64_t e = t.shape[i];
-    const int64_t st = t.strides ? t.strides[i] : n;  // (n: the compact stride)
-    int64_t reach = 0;
-    bad |= e < 0;
-    bad |= __builtin_mul_overflow(n, e, &n);
-    bad |= st == std::numeric_limits<int64_t>::min();
-    bad |= __builtin_mul_overflow(e > 0 ? e - 1 : 0, st < 0 ? -st : st, &reach);
-    bad |= __builtin_mul_overflow(reach, esize, &reach);
-    bad |= __builtin_add_overflow(st < 0 ? below : above, reach, st < 0 ? &below : &above);
-  }
-  const intptr_t base = reinterpret_cast<intptr_t>(base_pointer(t));
-  if (n == 0 && !bad) return {base, base};
-  const uintptr_t ubase = static_cast<uintptr_t>(base);
-  bad |= t.data != nullptr && (ubase < static_cast<uintptr_t>(below) ||
-                               UINTPTR_MAX - ubase < static_cast<uintptr_t>(above));
-  if (bad) return checked_span_slow(t, name);
   return {base - below, base + above};
 }
 
