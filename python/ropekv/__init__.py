@@ -183,14 +183,13 @@ def _as_array(x: Any, name: str, written: bool = False) -> Tuple[Any, bool, bool
                 pass
         if x.dtype.itemsize == 1 and _fp8_name(x) is not None:
             return x.view(torch.uint8), False, False
+        return x, False, False  # (PyTorch tensors are writable)
     if fw in ("jax", "jaxlib"):
         return x, False, True  # JAX arrays are immutable: inputs only
     if fw == "mlx":
         import mlx.core as mx
 
         mx.eval(x)  # MLX is lazy: materialise the buffer before exposing it
-        return x, False, False
-    if fw == "torch":
         return x, False, False
     if not hasattr(x, "__dlpack__"):
         # A buffer (memoryview, array.array) or an __array_interface__
@@ -408,9 +407,10 @@ def _scaling_params(rope_scaling: Any) -> Optional[Tuple[float, ...]]:
     for key, val in values.items():
         if isinstance(val, bool) and key != "truncate" or not isinstance(val, (int, float)):
             raise ValueError(f"rope_scaling {key!r} must be a number, got {val!r}")
-    for key, val in values.items():
-        if isinstance(val, int) and not -2**1023 < val < 2**1023:  # float() would overflow
-            raise ValueError(f"rope_scaling {key!r} is too large for a float, got {val!r}")
+        try:
+            float(val)
+        except OverflowError:  # an int beyond a double's range
+            raise ValueError(f"rope_scaling {key!r} is too large for a float, got {val!r}") from None
     g = values.get
     return (float(_SCALING_TYPES[kind]), float(g("factor", 1.0)), float(g("low_freq_factor", 0.0)),
             float(g("high_freq_factor", 0.0)), float(g("original_max_position_embeddings", 0.0)),

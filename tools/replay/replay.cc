@@ -876,8 +876,8 @@ void Engine::check_cached(int64_t req, int64_t pos, int64_t layer, const char* w
 }
 
 void Engine::verify_pool_end() {
-  // Every slot ever written holds its last writer's rows; every other row
-  // still holds the fill pattern (the op never touched it).
+  // Every slot a running request holds has that request's rows; every other
+  // row (never named, or freed and refilled) still holds the fill pattern.
   std::atomic<int64_t> first_bad{P_};
   std::atomic<int64_t> untouched{0}, checked{0};
 #pragma omp parallel for num_threads(nthreads()) schedule(dynamic, 16)
