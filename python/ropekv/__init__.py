@@ -308,6 +308,31 @@ def _empty_like(x: Any) -> Any:
     return _np.empty(x.shape, dtype=x.dtype)
 
 
+def _output_for(x: Any) -> Any:
+    """The array ropekv makes for q_rot (or k_rot) of input x: _empty_like(x)
+    for a 3-D array of a known framework; for memory of another kind (a
+    buffer, an __array_interface__ or CPU DLPack object), a numpy array; None
+    for an x that is not 3-D (the core reports its rank)."""
+    if getattr(x, "ndim", None) is None or not hasattr(x, "dtype"):
+        view = None
+        if not hasattr(x, "__dlpack__"):
+            try:
+                view = _np.asarray(x)
+            except Exception:  # noqa: BLE001 - not an array: _as_array says so
+                return None
+        else:
+            try:
+                if x.__dlpack_device__()[0] == 1:  # kDLCPU
+                    view = _np.from_dlpack(x)
+            except Exception:  # noqa: BLE001 - a dtype numpy lacks, say
+                view = None
+            if view is None:
+                raise ValueError(f"cannot make q_rot/k_rot for a {type(x).__name__}: pass q_out "
+                                 f"and k_out (or inplace=True)")
+        return _np.empty(view.shape, view.dtype) if view.ndim == 3 else None
+    return _empty_like(x) if x.ndim == 3 else None
+
+
 def _default_stream(x: Any) -> int:
     """The caller's current CUDA stream for x's framework (0 on the CPU)."""
     fw = _framework(x)
@@ -650,8 +675,8 @@ def rope_pool_fused(
 
     # Outputs: made here (in the caller's framework) once q and k are 3-D;
     # otherwise passed as None and the core reports the rank error.
-    outs = [given if given is not None or getattr(src, "ndim", None) != 3
-            else (_np.empty(src.shape, src.dtype) if type(src) is _np.ndarray else _empty_like(src))
+    outs = [given if given is not None
+            else (_np.empty(src.shape, src.dtype) if type(src) is _np.ndarray else _output_for(src))
             for given, src in ((q_out, q), (k_out, k))]
     arrays = (q, k, v, positions, slots, k_pool, v_pool, outs[0], outs[1])
     converted, bf16_mask, readonly_mask = [], 0, 0

@@ -428,3 +428,32 @@ def test_thread_counts_beyond_the_cap(rng):
     for a, b in zip(one, many):
         assert bits(a) == bits(b)
     assert call(big, dict(kw, num_threads=2**31))[0].shape == (200 * T, HQ, D)
+
+
+def test_outputs_made_for_inputs_of_any_kind(rng):
+    """q and k as a memoryview, an __array_interface__ object or a CPU DLPack
+    object without shape or dtype attributes: ropekv makes numpy outputs,
+    with the same bits as for numpy inputs."""
+
+    class DLPackOnly:
+        def __init__(self, a):
+            self.a = a
+
+        def __dlpack__(self, **kw):
+            return self.a.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self.a.__dlpack_device__()
+
+    class InterfaceOnly:
+        def __init__(self, a):
+            self.__array_interface__ = a.__array_interface__
+
+    arrays, kw = make_call(rng)
+    want = call({n: a.copy() for n, a in arrays.items()}, kw)
+    for wrap in (memoryview, DLPackOnly, InterfaceOnly):
+        pools = {"k_pool": arrays["k_pool"].copy(), "v_pool": arrays["v_pool"].copy()}
+        got = call(dict(arrays, q=wrap(arrays["q"]), k=wrap(arrays["k"]), **pools), kw)
+        assert isinstance(got[0], np.ndarray) and isinstance(got[1], np.ndarray), wrap.__name__
+        for w, g in zip(want, got[:2] + (pools["k_pool"], pools["v_pool"])):
+            assert bits(w) == bits(g), wrap.__name__
