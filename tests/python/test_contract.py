@@ -232,13 +232,19 @@ def test_head_dim_not_int(rng):
     expect_error(arrays, kw, "head_dim must be an int")
 
 
-def test_overlapping_pool(rng):
-    """A pool whose rows share memory (stride 0) would make writes collide."""
+@pytest.mark.parametrize("row_bytes,prefix", [
+    (0, "k_pool has stride 0 along axis 0"),
+    (4, f"k_pool has strides (1, {D}, 1) (in elements) for shape ({P}, {HK}, {D}): its elements "
+        f"overlap"),
+])
+def test_overlapping_pool(rng, row_bytes, prefix):
+    """A pool whose rows share memory (stride 0, or rows one element apart)
+    would make writes collide."""
     arrays, kw = make_call(rng)
     kp = arrays["k_pool"]
     arrays["k_pool"] = np.lib.stride_tricks.as_strided(
-        kp, shape=kp.shape, strides=(0,) + kp.strides[1:], writeable=True)
-    expect_error(arrays, kw, "k_pool has stride 0 along axis 0")
+        kp, shape=kp.shape, strides=(row_bytes,) + kp.strides[1:], writeable=True)
+    expect_error(arrays, kw, prefix)
 
 
 def test_messages_through_mlx():
@@ -286,6 +292,27 @@ def test_bad_rotary_dim(rng, rotary_dim):
 # ------------------------------------------------- memory the call writes
 
 
+class DLPackOnly:
+    """An array known only by its __dlpack__ (no shape, dtype, buffer)."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def __dlpack__(self, **kw):
+        return self.a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.a.__dlpack_device__()
+
+
+class InterfaceOnly:
+    """An array known only by its __array_interface__ (its memory: self.a)."""
+
+    def __init__(self, a):
+        self.a = a
+        self.__array_interface__ = a.__array_interface__
+
+
 def test_pools_sharing_memory(rng):
     arrays, kw = make_call(rng)
     arrays["v_pool"] = arrays["k_pool"][:]  # another view of the same rows
@@ -315,16 +342,6 @@ def test_shifted_alias_is_not_in_place(rng):
     expect_error(arrays, kw, "q_rot overlaps q in memory")
 
 
-def test_pool_rows_that_overlap(rng):
-    """Non-zero strides whose elements collide (rows one element apart)."""
-    arrays, kw = make_call(rng)
-    kp = arrays["k_pool"]
-    arrays["k_pool"] = np.lib.stride_tricks.as_strided(
-        kp, shape=kp.shape, strides=(4,) + kp.strides[1:], writeable=True)
-    expect_error(arrays, kw, f"k_pool has strides (1, {D}, 1) (in elements) for shape "
-                             f"({P}, {HK}, {D}): its elements overlap")
-
-
 def test_views_of_one_buffer_that_do_not_overlap(rng):
     """In place on one fused QKV buffer, k and v pools interleaved in one
     cache: views of shared buffers, no element shared. The same results as
@@ -346,16 +363,6 @@ def test_read_only_memory_of_any_kind(rng):
     memoryview of a read-only array, a read-only array behind __dlpack__
     (DLPack 1.0's flag). Each is refused before anything is written."""
 
-    class DLPackOnly:
-        def __init__(self, a):
-            self.a = a
-
-        def __dlpack__(self, **kw):
-            return self.a.__dlpack__(**kw)
-
-        def __dlpack_device__(self):
-            return self.a.__dlpack_device__()
-
     arrays, kw = make_call(rng)
     immutable = arrays["k_pool"].tobytes()
     ro = arrays["k_pool"].copy()
@@ -370,21 +377,6 @@ def test_read_only_memory_of_any_kind(rng):
 def test_writable_memory_of_any_kind(rng):
     """The same kinds, writable: the pools are written in place, as a numpy
     pool would be."""
-
-    class DLPackOnly:
-        def __init__(self, a):
-            self.a = a
-
-        def __dlpack__(self, **kw):
-            return self.a.__dlpack__(**kw)
-
-        def __dlpack_device__(self):
-            return self.a.__dlpack_device__()
-
-    class InterfaceOnly:
-        def __init__(self, a):
-            self.a = a
-            self.__array_interface__ = a.__array_interface__
 
     arrays, kw = make_call(rng)
     want = call({n: a.copy() for n, a in arrays.items()}, kw)
@@ -434,20 +426,6 @@ def test_outputs_made_for_inputs_of_any_kind(rng):
     """q and k as a memoryview, an __array_interface__ object or a CPU DLPack
     object without shape or dtype attributes: ropekv makes numpy outputs,
     with the same bits as for numpy inputs."""
-
-    class DLPackOnly:
-        def __init__(self, a):
-            self.a = a
-
-        def __dlpack__(self, **kw):
-            return self.a.__dlpack__(**kw)
-
-        def __dlpack_device__(self):
-            return self.a.__dlpack_device__()
-
-    class InterfaceOnly:
-        def __init__(self, a):
-            self.__array_interface__ = a.__array_interface__
 
     arrays, kw = make_call(rng)
     want = call({n: a.copy() for n, a in arrays.items()}, kw)
