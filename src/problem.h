@@ -107,6 +107,9 @@ inline bool is_plain(const Problem& p) {
 Problem make_problem(const RopePoolTensors& t, const RopeConfig& config,
                      bool check_index_values, bool check_duplicates = false);
 
+/// Checks how the call is asked to run (num_threads >= 0). Throws Error.
+void check_exec_options(const ExecOptions& options);
+
 /// Checks the fields the frequencies depend on (head_dim, rotary_dim,
 /// rope_base, rope_scaling) with the op's messages; returns R.
 int64_t check_frequency_config(const RopeConfig& config);

@@ -1,6 +1,4 @@
 // Front end: validate, then hand the Problem to the backend of its device.
-#include <string>
-
 #include "backends.h"
 #include "problem.h"
 
@@ -8,9 +6,7 @@ namespace ropekv {
 
 void rope_pool_fused(const RopePoolTensors& tensors, const RopeConfig& config,
                      const ExecOptions& options) {
-  if (options.num_threads < 0)
-    throw Error("num_threads must be >= 0 (0: OpenMP's default), got " +
-                std::to_string(options.num_threads));
+  check_exec_options(options);
   const bool on_cpu = tensors.q.device.device_type == kDLCPU;
   // On the CPU the slots are read here, so an out-of-range slot raises before
   // any write; on a GPU that read would cost a sync, so the kernel guards.

@@ -703,6 +703,12 @@ int64_t check_frequency_config(const RopeConfig& cfg) {
   return R;
 }
 
+void check_exec_options(const ExecOptions& options) {
+  if (options.num_threads < 0)
+    fail("num_threads must be >= 0 (0: OpenMP's default), got " +
+         std::to_string(options.num_threads));
+}
+
 std::string position_error(int64_t token, int64_t position, int64_t rows) {
   return "positions[" + std::to_string(token) + "] = " + std::to_string(position) +
          " is outside cos_sin_cache, which has " + std::to_string(rows) +
