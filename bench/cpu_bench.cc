@@ -453,7 +453,7 @@ void BM_Validate(benchmark::State& state) {
 
 void register_all() {
   benchmark::RegisterBenchmark("validate/Llama-3.1-8B/bf16", BM_Validate)
-      ->ArgName("T")->Arg(1)->Arg(128)->Unit(benchmark::kNanosecond);
+      ->ArgName("T")->Arg(1)->Arg(128)->UseRealTime()->Unit(benchmark::kMicrosecond);
   for (const Model& m : kModels) {
     for (bool bf16 : {false, true}) {
       for (int threads : {1, 2}) {

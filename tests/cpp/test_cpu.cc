@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpu/host.h"
 #include "test_util.h"
 
 namespace ropekv_test {
@@ -440,6 +441,24 @@ TEST(Cpu, PoolOffsetsBeyond32Bits) {
 }
 
 // ------------------------------------------------------------ threads
+
+// The team a call starts: num_threads, but at most max(64, 4 x processors)
+// (a million made OpenMP abort the process) and one per 64 KiB moved.
+TEST(Cpu, ThreadTeamIsCapped) {
+  namespace host = ropekv::cpu::host;
+  ropekv::ExecOptions o;
+  const int64_t huge = int64_t{1} << 40;  // bytes: no per-64-KiB limit in the way
+#ifdef _OPENMP
+  EXPECT_GE(host::max_threads(), 64);
+  o.num_threads = 1000000;
+  EXPECT_EQ(host::plan_threads(o, huge), host::max_threads());
+  o.num_threads = 3;
+  EXPECT_EQ(host::plan_threads(o, huge), 3);
+  EXPECT_EQ(host::plan_threads(o, 2 * host::kMinBytesPerThread), 2);
+#endif
+  o.num_threads = 3;
+  EXPECT_EQ(host::plan_threads(o, 100), 1);
+}
 
 TEST(Cpu, ThreadCountsGiveBitIdenticalResults) {
   std::mt19937_64 rng(test_seed());

@@ -408,9 +408,9 @@ def test_argument_errors_are_value_errors(rng, name, value, prefix):
 
 
 def test_thread_counts_beyond_the_cap(rng):
-    """A million threads asked for: the call runs on at most max(64, 4 x
-    processors) (OpenMP would abort the process creating a million), with
-    the same bits as one thread."""
+    """A million threads asked for (and 2^31, past a C int): the call runs,
+    with the same bits as one thread. (The cap itself, max(64, 4 x
+    processors) threads, is Cpu.ThreadTeamIsCapped's.)"""
     arrays, kw = make_call(rng)
     big = {n: np.repeat(a, 200, axis=0) if n in ("q", "k", "v") else a for n, a in arrays.items()}
     big["positions"] = rng.integers(0, 1 << 20, 200 * T).astype(np.int32)
