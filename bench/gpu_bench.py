@@ -79,8 +79,10 @@ class Timer:
         self.reps = reps
         self.target_ms = target_ms
 
-    def run(self, fn, n_calls, calls_per_graph):
-        """fn(i) launches call i. Returns microseconds per call (median)."""
+    def prepare(self, fn, n_calls, calls_per_graph):
+        """Warms fn up and captures its n_calls calls into graphs of
+        calls_per_graph. Returns time_once(): one timed pass (replayed
+        enough times to last about target_ms), in microseconds per call."""
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -121,9 +123,12 @@ class Timer:
         once(1)
         one = once(1)
         rounds = max(1, int(math.ceil(self.target_ms / max(one, 1e-3))))
-        times = [once(rounds) / (rounds * n_calls) * 1e3 for _ in range(self.reps)]
-        del graphs
-        return statistics.median(times)
+        return lambda: once(rounds) / (rounds * n_calls) * 1e3
+
+    def run(self, fn, n_calls, calls_per_graph):
+        """fn(i) launches call i. Returns microseconds per call (median)."""
+        time_once = self.prepare(fn, n_calls, calls_per_graph)
+        return statistics.median([time_once() for _ in range(self.reps)])
 
 
 def bench_config(model, dtype_name, T, pool, timer, compiled, args, log):

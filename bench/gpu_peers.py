@@ -29,8 +29,10 @@ missing, or that does not support a shape (FlashInfer and SGLang have no
 head_dim 96 path: PEER_HEAD_DIMS), is skipped and shown as "—".
 
 Method: gpu_bench.Timer (CUDA graphs of 50 calls for T <= 512, fewer above,
-CUDA-event timing, median), each implementation timed --rounds times per
-shape in an order rotated every round (the best round kept), inputs rotating
+CUDA-event timing). Every implementation's graphs are captured first, then
+--passes passes each time every implementation once, in an order rotated
+every pass, and the median pass is reported: slow drifts of the GPU's
+clocks fall on every implementation alike. Inputs rotating
 over slices larger than twice the L2 cache, slots a random permutation of a
 2^20-row pool, positions random in [0, 2^17); the same arrays for every
 implementation. Each peer is checked against ropekv on slice 0 (rotated q and
@@ -47,6 +49,7 @@ import argparse
 import importlib.util
 import json
 import math
+import statistics
 import os
 import sys
 import time
@@ -120,10 +123,12 @@ class Config:
         self.nbytes = spec_bytes(T, Hq, Hk, D, esize, T, index_bytes=8)
         l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 60 * 2**20
         self.calls_per_graph = 50 if T <= 512 else (10 if T <= 2048 else 4)
-        n_graphs = max(1, min(args.max_graphs,
-                              math.ceil(2 * l2 / (self.nbytes * self.calls_per_graph))))
+        n_graphs = 1 if args.warm else max(1, min(
+            args.max_graphs, math.ceil(2 * l2 / (self.nbytes * self.calls_per_graph))))
         self.n_calls = self.calls_per_graph * n_graphs
-        self.slices = S = max(1, min(self.n_calls, math.ceil(2 * l2 / self.nbytes)))
+        # --warm: every call on the same arrays (in L2 after the first).
+        self.slices = S = 1 if args.warm else max(1, min(self.n_calls,
+                                                         math.ceil(2 * l2 / self.nbytes)))
         g = torch.Generator(device="cuda").manual_seed(T)
         self.q = torch.randn(S, T, Hq, D, device="cuda", dtype=dt, generator=g)
         self.k = torch.randn(S, T, Hk, D, device="cuda", dtype=dt, generator=g)
@@ -308,24 +313,46 @@ def bench_one(model, dtype_name, T, pools, tables, mods, timer, args, log):
         if note is not None:
             r["check"][name] = note
         timed.append(name)
-    # Each round times every implementation once, starting one further along
-    # the list, so that none is always first after the previous shape; the
-    # row keeps each one's best round (and every round under "rounds").
-    r["rounds"] = {name: [] for name in timed}
-    failed = set()
-    for k in range(args.rounds if timed else 0):
-        for name in timed[k % len(timed):] + timed[:k % len(timed)]:
+    # Every implementation's graphs are captured first; then each pass times
+    # every implementation once, in an order rotated every pass, so that
+    # drifts of the machine (clocks, temperature) fall on all of them alike.
+    # The row keeps each one's median pass (and every pass under "samples").
+    r["samples"] = {name: [] for name in timed}
+    failed, timers = set(), {}
+    for name in timed:
+        try:
+            timers[name] = timer.prepare(fns[name][0], c.n_calls, c.calls_per_graph)
+        except Exception as e:  # noqa: BLE001  (report, keep benchmarking)
+            torch.cuda.synchronize()
+            failed.add(name)
+            r["check"][name] = f"timing failed: {type(e).__name__}: {str(e)[:200]}"
+    live = [name for name in timed if name not in failed]
+    for k in range(args.passes if live else 0):
+        for name in live[k % len(live):] + live[:k % len(live)]:
             if name in failed:
                 continue
             try:
-                r["rounds"][name].append(timer.run(fns[name][0], c.n_calls, c.calls_per_graph))
+                r["samples"][name].append(timers[name]())
             except Exception as e:  # noqa: BLE001  (report, keep benchmarking)
                 torch.cuda.synchronize()
                 failed.add(name)
                 r["check"][name] = f"timing failed: {type(e).__name__}: {str(e)[:200]}"
-    for name in timed:
-        if name not in failed and r["rounds"][name]:
-            r[name] = min(r["rounds"][name])
+    live = [name for name in live if name not in failed]
+    for name in live:
+        r[name] = statistics.median(r["samples"][name])
+    # Each pass's time over ropekv's in the same pass (adjacent in time): the
+    # median ratio, and in how many passes ropekv was the faster.
+    r["paired"] = {}
+    if "ropekv" in live:
+        base = r["samples"]["ropekv"]
+        for name in live:
+            if name == "ropekv":
+                continue
+            ratios = [x / b for x, b in zip(r["samples"][name], base)]
+            r["paired"][name] = {"median_ratio": statistics.median(ratios),
+                                 "ropekv_faster": sum(x > 1.0 for x in ratios),
+                                 "passes": len(ratios)}
+    del timers
     del c, fns
     return r
 
@@ -374,7 +401,8 @@ def write_outputs(rows, meta, status, args):
         "peer modules: " + "; ".join(f"{k} {v}" for k, v in status.items()),
         f"SGLang launched with PDL: {meta.get('sglang_pdl')}",
         "",
-        "Microseconds per call (CUDA graphs, cold L2, median) and, in parentheses, the time "
+        f"Microseconds per call (CUDA graphs, {'warm' if args.warm else 'cold'} L2, median of "
+        f"{args.passes} interleaved passes) and, in parentheses, the time "
         "relative to ropekv's (above 1: ropekv is faster). ⚠: see the checks below. "
         "—: not built, not supported for the shape, or failed.",
         "",
@@ -391,6 +419,16 @@ def write_outputs(rows, meta, status, args):
         for dtype_name, name, gm, n, lo, hi in summary:
             lines.append(f"- {dtype_name} {LABELS[name]}: {gm:.2f}x over {n} rows "
                          f"({lo:.2f} .. {hi:.2f})")
+    close = [(r, n, p) for r in rows for n, p in r.get("paired", {}).items()
+             if n != "copy" and p["median_ratio"] < 1.1]
+    if close:
+        lines += ["", "Within 10 % of ropekv or faster, pass by pass (each pass's time over "
+                  "ropekv's in the same pass: median, and the passes in which ropekv was "
+                  "faster):", ""]
+        for r, n, p in close:
+            lines.append(f"- {r['model']} {r['dtype']} T={r['T']} {LABELS[n]}: "
+                         f"{p['median_ratio']:.3f}x, ropekv faster in {p['ropekv_faster']} "
+                         f"of {p['passes']}")
     # One line per message, with the token counts it applies to.
     grouped = {}
     for r in rows:
@@ -434,9 +472,12 @@ def main():
     ap.add_argument("--budget-s", type=float, default=330.0,
                     help="start no new (model, dtype, T) after this many seconds")
     ap.add_argument("--max-graphs", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2,
-                    help="times each implementation this many times per shape, in a rotated "
-                         "order each round, and keeps the best")
+    ap.add_argument("--passes", type=int, default=15,
+                    help="times every implementation once per pass, in an order rotated "
+                         "every pass, this many passes per shape; reports the median")
+    ap.add_argument("--warm", action="store_true",
+                    help="every call of a shape on the same arrays, which stay in L2 (the "
+                         "default rotates over inputs larger than twice the L2: cold)")
     ap.add_argument("--no-pdl", dest="use_pdl", action="store_false",
                     help="launch SGLang's kernel without programmatic dependent launch "
                          "(default: on for sm_90+, as SGLang does)")
@@ -448,8 +489,8 @@ def main():
     args.use_pdl = args.use_pdl and props.major >= 9
     mods, status = load_peers(args.peers_build, log)
     meta = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-            "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d"),
-            "command": " ".join(sys.argv), "sglang_pdl": args.use_pdl,
+            "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "warm": args.warm, "command": " ".join(sys.argv), "sglang_pdl": args.use_pdl,
             "sources": read_sources()}
     timer = Timer()
     warm = torch.empty(1 << 28, device="cuda", dtype=torch.bfloat16)
