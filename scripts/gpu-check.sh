@@ -3,7 +3,7 @@
 # CuPy, nanobind and scikit-build-core (no network needed):
 #
 #   build     the Python package with the CUDA backend (pip, no build isolation)
-#   test      tests/gpu (pytest, CUDA)
+#   test      tests/gpu (pytest, CUDA; TEST_ARGS adds pytest arguments, e.g. -k)
 #   sanitize  compute-sanitizer memcheck, racecheck, initcheck and synccheck on
 #             small cases of every kernel variant (tests/gpu/sanitize_driver.cu)
 #   sansuite  compute-sanitizer memcheck over the GPU pytest suite, racecheck and
@@ -135,7 +135,7 @@ do_build() {
 }
 
 do_test() {
-  (cd /tmp && timeout 300 $PY -m pytest -q -p no:cacheprovider -rs "$ROOT/tests/gpu")
+  (cd /tmp && timeout 300 $PY -m pytest -q -p no:cacheprovider -rs ${TEST_ARGS:-} "$ROOT/tests/gpu")
 }
 
 do_sanitize() {

@@ -31,6 +31,7 @@
 #include <atomic>
 #include <climits>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -274,6 +275,18 @@ void launch_small_as(const detail::SmallParams<kNorm, kPools>& prm, bool interle
                            : rope_pool_small_kernel<T, false, false, kNorm, kPools>);
   check(cudaLaunchKernelEx(&lc.cfg, kernel, prm), "launching the rope_pool small kernel");
 }
+// The small kernel's plain NeoX build with lanes of 2 * kSmallVec elements
+// (16-byte vectors).
+template <class T>
+void launch_small_wide(const Params& prm, const Launch& l, cudaStream_t stream) {
+  LaunchConfig lc(l, stream);
+  check(cudaLaunchKernelEx(&lc.cfg,
+                           detail::rope_pool_small_kernel<T, false, false, false,
+                                                          detail::kPoolsSame,
+                                                          2 * detail::kSmallVec>,
+                           prm),
+        "launching the rope_pool small kernel");
+}
 template <class T, int N, bool kContig, int U, int kPools, bool kNorm>
 void launch_options_as(const OptParams& prm, const Launch& l, cudaStream_t stream) {
   LaunchConfig lc(l, stream);
@@ -401,19 +414,45 @@ int64_t split_grid_limit(int sms) {
   return forced >= 0 ? forced : sms / 2;
 }
 
-// Tokens up to which a call takes the small kernel (small_kernel): 512 for
-// plain calls (interleaved pairs and rope scaling included), 256 with a
-// cos_sin_cache, a QK-norm or float32 / fp8 pools (alone: 0.4-0.8 us faster
-// than the options kernel at T = 256, Llama-3.1-8B). Against the kernels it
-// replaced (H200, cold L2, four shapes): faster up to T = 256 for every shape, and at T = 512
+// Tokens up to which a call takes the small kernel (small_kernel): 2048 for
+// plain NeoX calls in wide lanes (small_vec), 512 for other plain calls
+// (interleaved pairs and rope scaling included), 256 with a cos_sin_cache, a
+// QK-norm or float32 / fp8 pools (alone: 0.4-0.8 us faster than the options
+// kernel at T = 256, Llama-3.1-8B). Against the kernels it replaced (H200,
+// cold L2, four shapes): faster up to T = 256 for every shape, and at T = 512
 // for Qwen2.5-7B, Gemma-2-9B and Phi-3-mini (2-13 %) but 3 % slower for
 // Llama-3.1-8B; with a table 13-22 % slower at T = 512 for three shapes;
 // with a QK-norm and fp8 pools (Llama) 19 % faster at T = 256 and 27 %
-// slower at 512. For tuning (read once): ROPEKV_CUDA_SMALL_TOKENS=N sets
-// both limits (0: never).
-int64_t small_tokens(bool plain) {
+// slower at 512. In wide lanes, against the plain kernel: 0-9 % faster at
+// T = 512-2048 for the four shapes (docs/performance.md, *Wide lanes*). For
+// tuning (read once): ROPEKV_CUDA_SMALL_TOKENS=N sets every limit (0: never).
+int64_t small_tokens(bool plain, bool wide) {
   static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_TOKENS", -1);
-  return forced >= 0 ? forced : (plain ? 512 : 256);
+  return forced >= 0 ? forced : (plain ? (wide ? 2048 : 512) : 256);
+}
+
+// Elements per lane of a small-kernel call: 2 * kSmallVec (16-byte vectors,
+// "wide lanes") for plain NeoX calls of more than wide_small_tokens() = 256
+// tokens whose arrays all take them, else kSmallVec (8 bytes). Wide lanes
+// hold twice the bytes in flight per thread, and a token's heads fill half
+// the blocks (H200, cold L2, 50-call graphs; docs/performance.md, *Wide
+// lanes*): at T = 512 Llama-3.1-8B 5.49 -> 5.00 us, Gemma-2-9B 7.06 -> 6.39;
+// at T = 256 and below they were slower for three of the four shapes (Gemma-2
+// at T = 256 4.18 -> 4.47). For tuning (read once):
+// ROPEKV_CUDA_SMALL_WIDE=N, wide lanes above N tokens.
+int64_t wide_small_tokens() {
+  static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_WIDE", -1);
+  return forced >= 0 ? forced : 256;
+}
+int64_t small_vec(const Problem& p, int64_t esize) {
+  const int64_t wide = 2 * detail::kSmallVec;
+  const bool plain_neox = p.cos_sin_cache.data == nullptr && p.q_norm.data == nullptr &&
+                          p.k_norm.data == nullptr && p.pool_type == pool_type_of(p.dtype) &&
+                          p.is_neox;
+  return plain_neox && p.num_tokens > wide_small_tokens() && (p.rotary_dim / 2) % wide == 0 &&
+                 vector_ok(p, wide, esize, esize)
+             ? wide
+             : detail::kSmallVec;
 }
 
 // Threads per block the small kernel aims at (whole heads; one head of up to
@@ -512,7 +551,8 @@ bool small_kernel(const Problem& p, int64_t esize) {
   const CosSinCache& cs = p.cos_sin_cache;
   const bool norm = p.q_norm.data != nullptr || p.k_norm.data != nullptr;
   const bool plain = cs.data == nullptr && !norm && p.pool_type == pool_type_of(p.dtype);
-  if (esize != 2 || p.rotary_dim != p.head_dim || p.num_tokens > small_tokens(plain) ||
+  const bool wide = esize == 2 && small_vec(p, esize) != detail::kSmallVec;
+  if (esize != 2 || p.rotary_dim != p.head_dim || p.num_tokens > small_tokens(plain, wide) ||
       forced_unroll() != 0 || lanes < 1 || lanes > 128 ||
       p.num_qo_heads + p.num_kv_heads > 65535 ||
       (norm && (lanes > 32 || (lanes & (lanes - 1)) != 0 || !small_weights_ok(p.q_norm) ||
@@ -532,10 +572,11 @@ bool small_kernel(const Problem& p, int64_t esize) {
 // QK-norm or not, and its pool format (fp8 scales that divide come only with
 // a QK-norm: small_kernel).
 template <class T>
-void launch_small_build(const Params& prm, const Problem& p, const Launch& l,
+void launch_small_build(const Params& prm, const Problem& p, const Launch& l, int64_t vec,
                         cudaStream_t stream) {
   const bool norm = p.q_norm.data != nullptr || p.k_norm.data != nullptr;
   const bool interleaved = !p.is_neox;
+  if (vec != detail::kSmallVec) return launch_small_wide<T>(prm, l, stream);  // (plain, NeoX)
   if (!norm && p.pool_type == pool_type_of(p.dtype))
     return launch_small_as<T, false, detail::kPoolsSame>(prm, interleaved, l, stream);
   OptParams op{};
@@ -565,7 +606,8 @@ void launch_small_build(const Params& prm, const Problem& p, const Launch& l,
 // The small kernel's launch: HB heads of L lanes per block, up to
 // small_threads(T) threads, grid (T, ceil((Hq + Hk) / HB)).
 void launch_small(Params& prm, const Problem& p, const DeviceState& st, cudaStream_t stream) {
-  const int64_t lanes = p.rotary_dim / 2 / detail::kSmallVec;
+  const int64_t vec = small_vec(p, element_size(p.dtype));
+  const int64_t lanes = p.rotary_dim / 2 / vec;
   const int64_t heads = p.num_qo_heads + p.num_kv_heads;
   const int64_t per_block =
       std::min(heads, std::max<int64_t>(1, small_threads(p.num_tokens) / lanes));
@@ -583,8 +625,8 @@ void launch_small(Params& prm, const Problem& p, const DeviceState& st, cudaStre
   // Every parameter line before the wait (see param_lines): the small
   // kernel was measured so at every size it takes (T <= 512).
   prm.early_params = 1;
-  if (p.dtype == FloatType::kF16) return launch_small_build<__half>(prm, p, l, stream);
-  return launch_small_build<__nv_bfloat16>(prm, p, l, stream);
+  if (p.dtype == FloatType::kF16) return launch_small_build<__half>(prm, p, l, vec, stream);
+  return launch_small_build<__nv_bfloat16>(prm, p, l, vec, stream);
 }
 
 const char* kTensorNames[] = {"q",      "k",      "v",     "positions",     "slots",

@@ -1440,7 +1440,7 @@ __device__ __forceinline__ void rotate_normed(Vec<T, N>& a, Vec<T, N>& b, const 
 // (docs/performance.md, *Small calls*; bench/cuda_decode_probe.cu headpar
 // has the shapes it was chosen from).
 template <class T, bool kTable, bool kInterleaved, bool kNorm = false, int kPools = kPoolsSame,
-          class P = SmallParams<kNorm, kPools>>
+          int kN = kSmallVec, class P = SmallParams<kNorm, kPools>>
 __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
     const __grid_constant__ P p) {
   static_assert(std::is_same<P, SmallParams<kNorm, kPools>>::value, "the build's parameters");
@@ -1450,8 +1450,10 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
   static_assert(kPools == kPoolsSame || kPools == kPoolsF32 || kPools == kPoolsFp8 ||
                     kPools == kPoolsFp8Mul,
                 "one pool format per build");
-  constexpr int N = kSmallVec;
-  static_assert(N == 4, "the interleaved lanes take two pairs of each vector");
+  constexpr int N = kN;
+  static_assert(N == kSmallVec || (N == 2 * kSmallVec && !kTable && !kInterleaved && !kNorm &&
+                                   kPools == kPoolsSame),
+                "the interleaved lanes take two pairs of each vector; wide lanes: plain build");
   const int lane = threadIdx.x, threads = blockDim.x * blockDim.y;
   const int tid = threadIdx.y * blockDim.x + lane;
   const long long t = blockIdx.x;

@@ -734,6 +734,10 @@ int main(int argc, char** argv) {
   run_case("f32 D=600 (inv_freq past table)", 2, 2, 1, 600, f32, false, 1, false);
   run_case("bf16 out-of-range slot", 8, 8, 2, 128, bf16, false, 1, true);
   run_case("f16 out-of-range slot, int64", 3, 8, 2, 64, f16, true, 1, true);
+  // Plain NeoX calls of 257 to 2048 tokens: the small kernel in wide lanes
+  // (16-byte vectors; D = 96: 6 lanes per head).
+  run_case("small kernel wide lanes bf16", 300, 32, 8, 128, bf16, false, 1, false);
+  run_case("small kernel wide lanes f16 D=96, bad slot", 600, 8, 8, 96, f16, true, 1, true);
   using KV = ropekv::KvCacheDtype;
   // With a QK-norm (f32 weights) and float32 or fp8 pools: the small kernel's
   // options build (heads of up to 32 lanes), with or without a table.

@@ -1261,8 +1261,11 @@ def test_split_call_reports_each_bad_token_once(opt):
 # 512 tokens (256 with a cos_sin_cache), run the small kernel: blocks of 128 threads (256 at
 # T = 17..64) holding whole heads of one token, D / 8 lanes per head (from
 # one lane at D = 8 to 128 at D = 1024, one head per 128-thread block), the
-# last block of a token partly empty when the heads do not fill it; 257 and
-# 513 tokens run the kernels beyond its limits.
+# last block of a token partly empty when the heads do not fill it. Plain
+# NeoX calls of 257 to 2048 tokens whose half head_dim is a multiple of 8
+# take it in wide lanes (D / 16 lanes per head: 8 bytes more per lane, from
+# D = 80); 257 and 513 tokens run the kernels beyond the other limits, 2049
+# beyond the wide lanes'.
 SMALL_SHAPES = [(3, 1, 8), (5, 3, 24), (28, 4, 128), (7, 2, 80), (32, 32, 96), (16, 8, 256),
                 (4, 2, 512), (3, 1, 1024)]
 
@@ -1274,7 +1277,8 @@ def test_small_kernel_shapes(dtype, table, pairs):
     dt = DTYPES[dtype]
     tdt = {"none": None, "float32": torch.float32, "same": dt}[table]
     for i, (Hq, Hk, D) in enumerate(SMALL_SHAPES):
-        for T in (1, 3, 40, 257, 513):
+        wide = (1500, 2049) if table == "none" and pairs == "neox" else ()
+        for T in (1, 3, 40, 257, 513) + wide:
             run_options(T, Hq, Hk, D, dt, seed=T + D, table_dtype=tdt,
                         is_neox=pairs == "neox", idx=torch.int32 if (i + T) % 2 else torch.int64,
                         what=f"small {Hq}/{Hk}/{D} T={T} table {table} {pairs}")
