@@ -52,7 +52,8 @@
 // table, a QK-norm or another pool format) run rope_pool_small_kernel
 // instead (end of this file): plain, interleaved, with a cos_sin_cache, a
 // QK-norm on heads of up to 256, float32 or fp8 pools, one build for each
-// QK-norm or not and pool format. Its QK-norm sums a head's squares in
+// QK-norm or not and pool format; plain NeoX calls of 257 to 2048 tokens
+// run its build in wide lanes (16-byte vectors). Its QK-norm sums a head's squares in
 // another order than the options kernel (4-element lane chunks, then the
 // lanes' sums in four strided runs), so a QK-norm result can differ by one
 // rounding between a call of at most 256 tokens and a larger one; either is
@@ -1419,9 +1420,11 @@ __device__ __forceinline__ void rotate_normed(Vec<T, N>& a, Vec<T, N>& b, const 
 // Each build holds only its own code: a decode call fetches its
 // instructions cold, and a build with every pool format in it (the QK-norm
 // build before) was twice the plain one's length. Block (L, HB): HB heads
-// of one token, each q head or kv head (with its v) taken by L = half /
-// kSmallVec lanes; a lane loads the vectors of kSmallVec elements at 4l and
-// half + 4l (NeoX: pairs 4l.. with half + 4l..; interleaved: the pairs 2l,
+// of one token, each q head or kv head (with its v) taken by L = half / kN
+// lanes; a lane loads the vectors of kN elements at kN * l and half + kN * l
+// (kN = kSmallVec = 4; 8, "wide lanes", in the plain NeoX build that calls
+// of 257 to 2048 tokens take: twice the bytes in flight per thread).
+// With kN = 4 (NeoX: pairs 4l.. with half + 4l..; interleaved: the pairs 2l,
 // 2l + 1 and half / 2 + 2l, half / 2 + 2l + 1 they hold, so that loads and
 // stores stay contiguous runs); grid (T, ceil((Hq + Hk) / HB)). Each block makes the token's
 // cos/sin once into shared memory (one frequency per thread, one barrier),

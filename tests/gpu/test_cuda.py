@@ -1337,10 +1337,12 @@ def test_small_kernel_routing():
     format (template arguments kNorm, kPools: 3 q's dtype, 4 float32, 2 fp8
     whose scales divide, 5 fp8 with power-of-two scales) for a QK-norm with
     any pools, float32 pools, fp8 pools with power-of-two scales and the
-    plain call; the options kernel for fp8 pools alone whose scales divide
-    and for a QK-norm past 256 tokens, at 4096 tokens its kOptSteps build
-    (U = 4) for pools of q's dtype alone (kPools 3) or with float32 (1).
-    Every other test passes on either kernel."""
+    plain call; the options kernel for fp8 pools alone whose scales divide,
+    for a QK-norm past 256 tokens (at 4096 tokens its kOptSteps build, U = 4,
+    for pools of q's dtype alone, kPools 3, or with float32, 1) and for
+    interleaved pairs past 512 tokens. Plain NeoX calls of 257 to 2048 tokens:
+    the small kernel in wide lanes (template argument kN 8, else 4); past
+    2048 the plain kernel. Every other test passes on either kernel."""
     import re
     from torch.profiler import ProfilerActivity, profile
     norm = dict(q_norm=torch.float32, k_norm=torch.bfloat16)
@@ -1352,7 +1354,12 @@ def test_small_kernel_routing():
              (1, dict(kv_cache_dtype="fp8_e5m2", k_scale=0.25, v_scale=2.0), small,
               ("false", "5")),
              (1, dict(kv_cache_dtype="fp8_e4m3", k_scale=0.37), options, None),
-             (1, {}, small, ("false", "3")),
+             (1, {}, small, ("false", "3", "4")),
+             (257, {}, small, ("false", "3", "8")),
+             (2048, {}, small, ("false", "3", "8")),
+             (512, dict(is_neox=False), small, ("false", "3", "4")),
+             (513, dict(is_neox=False), options, None),
+             (2049, {}, "rope_pool_kernel", None),
              (257, norm, options, None),
              (4096, norm, options, ("4", "3", "true")),
              (4096, dict(kv_cache_dtype="float32", **norm), options, ("4", "1", "true"))]
@@ -1366,10 +1373,11 @@ def test_small_kernel_routing():
         names = [e.name for e in prof.events() if re.search(r"rope_pool_\w*kernel", e.name)]
         assert len(names) == 1, f"T={T} {opts}: ropekv kernels seen: {names}"
         assert want in names[0], f"T={T} {opts}: ran {names[0]}, want {want}"
-        if build is not None and want == small:
-            m = re.search(r"rope_pool_small_kernel<[^,]+, \w+, \w+, (\w+), \(?[\w:]*\)?(\d)",
-                          names[0])
-            assert m and m.groups() == build, f"T={T} {opts}: ran {names[0]}, want {build}"
+        if build is not None and want == small:  # kNorm, kPools (and kN)
+            m = re.search(r"rope_pool_small_kernel<[^,]+, \w+, \w+, (\w+), \(?[\w:]*\)?(\d), "
+                          r"\(?[\w:]*\)?(\d)", names[0])
+            assert m and m.groups()[:len(build)] == build, \
+                f"T={T} {opts}: ran {names[0]}, want {build}"
         elif build is not None:  # U, kPools, kNorm
             m = re.search(r"rope_pool_options_kernel<[^,]+, \d+, \w+, (\d+), \(?[\w:]*\)?(\d), "
                           r"(\w+)>", names[0])
@@ -1378,14 +1386,16 @@ def test_small_kernel_routing():
 
 @pytest.mark.parametrize("table", ["none", "float32"])
 def test_small_kernel_limits_in_place_and_8_byte_alignment(table):
-    """The small kernel at its token limits (512, 256 with a table), in place,
-    and on inputs 8-byte but not 16-byte aligned (4 elements into a buffer),
-    which only it takes as vectors."""
+    """The small kernel at its token limits (2048 in wide lanes; 512 for
+    inputs 8-byte but not 16-byte aligned, 4 elements into a buffer, which
+    only its narrow lanes take as vectors; 256 with a table), in place, and
+    on such 8-byte aligned inputs."""
     tdt = None if table == "none" else torch.float32
-    limit = 512 if tdt is None else 256
-    for T in (limit, limit + 1):
-        run_options(T, 28, 4, 128, torch.bfloat16, seed=T, table_dtype=tdt,
-                    what=f"small limit T={T} table {table}")
+    limits = ((2048, 0), (512, 4)) if tdt is None else ((256, 0),)
+    for limit, shift in limits:
+        for T in (limit, limit + 1):
+            run_options(T, 28, 4, 128, torch.bfloat16, seed=T, table_dtype=tdt, shift=shift,
+                        what=f"small limit T={T} shift {shift} table {table}")
     for pairs in ("neox", "interleaved"):
         for T in (1, 40):
             run_options(T, 32, 8, 128, torch.float16, seed=T, table_dtype=tdt, inplace=True,
