@@ -128,14 +128,8 @@ HWY_INLINE void TokenHeads(const Problem& p, int64_t t, int64_t h_begin, int64_t
   const int64_t D = p.head_dim, R = p.rotary_dim, half = R / 2;
   const int64_t Hq = p.num_qo_heads;
   const int64_t slot = load_index(p.slots, p.slot_type, t);
-  const int64_t hq_end = std::min(h_end, Hq);
-  for (int64_t h = h_begin; h < hq_end; ++h) {
-    if (contiguous) {
-      RotateRow<Ops, kAll>(Row<T>(p.q, t, h), Row<T>(p.q_rot, t, h), nullptr, c, s, half, R, D);
-    } else {
-      RotateHeadStrided<Ops>(p.q, p.q_rot, nullptr, t, h, 0, p, c, s, sc);
-    }
-  }
+  // The kv heads first: their pool rows, stored non-temporally, then drain
+  // to memory while the q heads are rotated, instead of at the token's end.
   for (int64_t hk = std::max(h_begin, Hq) - Hq; hk < h_end - Hq; ++hk) {
     T* pool_row = slot >= 0 ? Row<T>(p.k_pool, slot, hk) : nullptr;
     T* k_rot_row = Row<T>(p.k_rot, t, hk);
@@ -158,6 +152,14 @@ HWY_INLINE void TokenHeads(const Problem& p, int64_t t, int64_t h_begin, int64_t
       std::memcpy(vd, vs, D * sizeof(T));
     } else {
       for (int64_t d = 0; d < D; ++d) vd[d * p.v_pool.stride[2]] = vs[d * p.v.stride[2]];
+    }
+  }
+  const int64_t hq_end = std::min(h_end, Hq);
+  for (int64_t h = h_begin; h < hq_end; ++h) {
+    if (contiguous) {
+      RotateRow<Ops, kAll>(Row<T>(p.q, t, h), Row<T>(p.q_rot, t, h), nullptr, c, s, half, R, D);
+    } else {
+      RotateHeadStrided<Ops>(p.q, p.q_rot, nullptr, t, h, 0, p, c, s, sc);
     }
   }
 }
