@@ -685,20 +685,13 @@ HWY_NOINLINE void KHeadsOpt(const Problem& p, const OptionData& od, int64_t t, i
   }
 }
 
-// Heads [h_begin, h_end) of token t (q heads first, then k/v heads).
+// Heads [h_begin, h_end) of token t: the k/v heads first, so that their pool
+// rows (non-temporal for a large pool) drain while the q heads are rotated.
 template <class Ops, class W, bool kInterleaved, bool kStream, bool kPoolStream>
 HWY_INLINE void TokenHeadsOpt(const Problem& p, const OptionData& od, int64_t t, int64_t h_begin,
                               int64_t h_end, const float* c, const float* s, RowMode mode,
                               const Scratch& sc) {
   const int64_t Hq = p.num_qo_heads;
-  const int64_t hq_end = std::min(h_end, Hq);
-  if (h_begin < hq_end) {
-    if (od.q_norm) {
-      QHeadsOpt<Ops, kInterleaved, true, kStream>(p, od, t, h_begin, hq_end, c, s, mode, sc);
-    } else {
-      QHeadsOpt<Ops, kInterleaved, false, kStream>(p, od, t, h_begin, hq_end, c, s, mode, sc);
-    }
-  }
   const int64_t k0 = std::max(h_begin, Hq) - Hq, k1 = h_end - Hq;
   if (k0 < k1) {
     if (od.k_norm) {
@@ -707,6 +700,14 @@ HWY_INLINE void TokenHeadsOpt(const Problem& p, const OptionData& od, int64_t t,
     } else {
       KHeadsOpt<Ops, W, kInterleaved, false, kStream, kPoolStream>(p, od, t, k0, k1, c, s, mode,
                                                                    sc);
+    }
+  }
+  const int64_t hq_end = std::min(h_end, Hq);
+  if (h_begin < hq_end) {
+    if (od.q_norm) {
+      QHeadsOpt<Ops, kInterleaved, true, kStream>(p, od, t, h_begin, hq_end, c, s, mode, sc);
+    } else {
+      QHeadsOpt<Ops, kInterleaved, false, kStream>(p, od, t, h_begin, hq_end, c, s, mode, sc);
     }
   }
 }
