@@ -50,6 +50,31 @@ constexpr Format kSingle{8, 23};
 
 inline int bias_of(Format f) { return (1 << (f.exp_bits - 1)) - 1; }
 
+/// 2^k, exactly, built from its bits where it is a normal double (what
+/// std::ldexp(1.0, k) returns; the checks below call it per element, and
+/// libm's ldexp and frexp were a quarter of the large tests' time).
+inline double pow2(int k) {
+  if (k < -1022 || k > 1023) return std::ldexp(1.0, k);
+  const uint64_t bits = static_cast<uint64_t>(k + 1023) << 52;
+  double v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+/// The exponent e of a = m * 2^e with m in [0.5, 1), for a finite a > 0 (what
+/// std::frexp returns), from the bits where a is a normal double.
+inline int frexp_exponent(double a) {
+  uint64_t bits;
+  std::memcpy(&bits, &a, sizeof(bits));
+  const int field = static_cast<int>((bits >> 52) & 0x7FF);
+  if (field == 0) {  // a subnormal double
+    int e = 0;
+    std::frexp(a, &e);
+    return e;
+  }
+  return field - 1022;
+}
+
 /// Rounds the double `x` once, to nearest even, into format `f` and returns
 /// the bit pattern. Subnormals are produced exactly, overflow gives Inf, NaN
 /// gives a quiet NaN with the sign of x.
@@ -60,13 +85,12 @@ inline uint32_t encode(double x, Format f) {
   const double a = std::fabs(x);
   if (std::isinf(a)) return sign | (exp_all << f.man_bits);
   if (a == 0.0) return sign;
-  int e = 0;
-  std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1): the binade's exponent is e - 1
+  const int e = frexp_exponent(a);  // a = m * 2^e, m in [0.5, 1): the binade's exponent is e - 1
   const int emin = 1 - bias_of(f);
   const int ex = std::max(e - 1, emin);  // subnormals share emin's quantum
   // a in units of the format's quantum 2^(ex - man_bits): a power-of-two
   // scaling of a double, so exact; its fraction is then exact as well.
-  const double q = std::ldexp(a, f.man_bits - ex);
+  const double q = a * pow2(f.man_bits - ex);
   double n = std::floor(q);
   const double frac = q - n;
   if (frac > 0.5 || (frac == 0.5 && std::fmod(n, 2.0) != 0.0)) n += 1.0;
@@ -91,11 +115,11 @@ inline double decode(uint32_t bits, Format f) {
   double v;
   if (ex == exp_all)
     v = man ? std::numeric_limits<double>::quiet_NaN() : std::numeric_limits<double>::infinity();
-  else if (ex == 0)
-    v = std::ldexp(static_cast<double>(man), 1 - bias_of(f) - f.man_bits);
+  else if (ex == 0)  // (an integer below 2^24 times a power of two: exact)
+    v = static_cast<double>(man) * pow2(1 - bias_of(f) - f.man_bits);
   else
-    v = std::ldexp(static_cast<double>(man + (1u << f.man_bits)),
-                   static_cast<int>(ex) - bias_of(f) - f.man_bits);
+    v = static_cast<double>(man + (1u << f.man_bits)) *
+        pow2(static_cast<int>(ex) - bias_of(f) - f.man_bits);
   return negative ? -v : v;
 }
 
@@ -108,9 +132,9 @@ inline double ulp_of(double a, Format f) {
   if (a == 0.0 || !std::isfinite(a)) {
     e = emin + 1;
   } else {
-    std::frexp(a, &e);
+    e = frexp_exponent(a);
   }
-  return std::ldexp(1.0, std::max(e - 1, emin) - f.man_bits);
+  return pow2(std::max(e - 1, emin) - f.man_bits);
 }
 
 inline uint16_t to_f16(double x) { return static_cast<uint16_t>(encode(x, kHalf)); }
