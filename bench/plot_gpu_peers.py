@@ -37,12 +37,15 @@ IMPLS = {
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("json", help="gpu_peers.json of a bench/gpu_peers.py run")
-    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--dtype", help="default: the first dtype in the JSON")
     ap.add_argument("--out", default="docs/cuda_peers_bandwidth.png")
     args = ap.parse_args()
     with open(args.json) as f:
         data = json.load(f)
-    rows = [r for r in data["rows"] if r["dtype"] == args.dtype]
+    dtype = args.dtype or data["rows"][0]["dtype"]
+    rows = [r for r in data["rows"] if r["dtype"] == dtype]
+    if not rows:
+        raise SystemExit(f"no {dtype} rows in {args.json}")
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 4), sharey=True,
                              squeeze=False)
@@ -54,7 +57,7 @@ def main() -> None:
                 ax.plot(*zip(*pts), label=label, **style)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_title(f"{model}, {args.dtype}")
+        ax.set_title(f"{model}, {dtype}")
         ax.set_xlabel("tokens per call (T)")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("effective GB/s (SPEC §7 bytes / time)")
