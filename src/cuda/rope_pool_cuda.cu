@@ -261,31 +261,22 @@ void launch_as(const Params& prm, const Launch& l, cudaStream_t stream) {
 }
 
 // The small kernel's build for a QK-norm or not (kNorm) and a pool format
-// (kPools); prm: detail::SmallParams<kNorm, kPools>.
+// (kPools); prm: detail::SmallParams<kNorm, kPools>. Wide lanes (vec =
+// 2 * kSmallVec) are NeoX with cos/sin computed (small_vec).
 template <class T, bool kNorm, int kPools>
 void launch_small_as(const detail::SmallParams<kNorm, kPools>& prm, bool interleaved,
-                     const Launch& l, cudaStream_t stream) {
+                     int64_t vec, const Launch& l, cudaStream_t stream) {
   LaunchConfig lc(l, stream);
   using detail::rope_pool_small_kernel;
+  constexpr int kWide = 2 * detail::kSmallVec;
   const bool table = prm.cos_sin != nullptr;
   const auto kernel =
-      table ? (interleaved ? rope_pool_small_kernel<T, true, true, kNorm, kPools>
-                           : rope_pool_small_kernel<T, true, false, kNorm, kPools>)
-            : (interleaved ? rope_pool_small_kernel<T, false, true, kNorm, kPools>
-                           : rope_pool_small_kernel<T, false, false, kNorm, kPools>);
+      vec == kWide ? rope_pool_small_kernel<T, false, false, kNorm, kPools, kWide>
+      : table      ? (interleaved ? rope_pool_small_kernel<T, true, true, kNorm, kPools>
+                                  : rope_pool_small_kernel<T, true, false, kNorm, kPools>)
+                   : (interleaved ? rope_pool_small_kernel<T, false, true, kNorm, kPools>
+                                  : rope_pool_small_kernel<T, false, false, kNorm, kPools>);
   check(cudaLaunchKernelEx(&lc.cfg, kernel, prm), "launching the rope_pool small kernel");
-}
-// The small kernel's plain NeoX build with lanes of 2 * kSmallVec elements
-// (16-byte vectors).
-template <class T>
-void launch_small_wide(const Params& prm, const Launch& l, cudaStream_t stream) {
-  LaunchConfig lc(l, stream);
-  check(cudaLaunchKernelEx(&lc.cfg,
-                           detail::rope_pool_small_kernel<T, false, false, false,
-                                                          detail::kPoolsSame,
-                                                          2 * detail::kSmallVec>,
-                           prm),
-        "launching the rope_pool small kernel");
 }
 template <class T, int N, bool kContig, int U, int kPools, bool kNorm>
 void launch_options_as(const OptParams& prm, const Launch& l, cudaStream_t stream) {
@@ -414,8 +405,16 @@ int64_t split_grid_limit(int sms) {
   return forced >= 0 ? forced : sms / 2;
 }
 
+// Whether QK-norm weights w (if any) allow the small kernel's loads of vec
+// of them (weight_words): contiguous, aligned to vec elements or 16 bytes.
+bool small_weights_ok(const Weight& w, int64_t vec = detail::kSmallVec) {
+  if (w.data == nullptr) return true;
+  const int64_t bytes = std::min<int64_t>(16, (w.dtype == FloatType::kF32 ? 4 : 2) * vec);
+  return w.stride == 1 && reinterpret_cast<uintptr_t>(w.data) % bytes == 0;
+}
+
 // Tokens up to which a call takes the small kernel (small_kernel): 2048 for
-// plain NeoX calls in wide lanes (small_vec), 512 for other plain calls
+// calls in wide lanes (small_vec), 512 for other plain calls
 // (interleaved pairs and rope scaling included), 256 with a cos_sin_cache, a
 // QK-norm or float32 / fp8 pools (alone: 0.4-0.8 us faster than the options
 // kernel at T = 256, Llama-3.1-8B). Against the kernels it replaced (H200,
@@ -428,29 +427,35 @@ int64_t split_grid_limit(int sms) {
 // tuning (read once): ROPEKV_CUDA_SMALL_TOKENS=N sets every limit (0: never).
 int64_t small_tokens(bool plain, bool wide) {
   static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_TOKENS", -1);
-  return forced >= 0 ? forced : (plain ? (wide ? 2048 : 512) : 256);
+  return forced >= 0 ? forced : wide ? 2048 : plain ? 512 : 256;
 }
 
 // Elements per lane of a small-kernel call: 2 * kSmallVec (16-byte vectors,
-// "wide lanes") for plain NeoX calls of more than wide_small_tokens() = 256
-// tokens whose arrays all take them, else kSmallVec (8 bytes). Wide lanes
-// hold twice the bytes in flight per thread, and a token's heads fill half
-// the blocks (H200, cold L2, 50-call graphs; docs/performance.md, *Wide
-// lanes*): at T = 512 Llama-3.1-8B 5.49 -> 5.00 us, Gemma-2-9B 7.06 -> 6.39;
-// at T = 256 and below they were slower for three of the four shapes (Gemma-2
-// at T = 256 4.18 -> 4.47). For tuning (read once):
-// ROPEKV_CUDA_SMALL_WIDE=N, wide lanes above N tokens.
+// "wide lanes") for NeoX calls without a table (plain, with a QK-norm, with
+// fp8 pools) of more than wide_small_tokens() = 256 tokens whose arrays all
+// take them, else kSmallVec (8 bytes). Wide lanes hold twice the bytes in
+// flight per thread, and a token's heads fill half the blocks (H200, cold
+// L2, 50-call graphs; docs/performance.md, *Wide lanes*): at T = 512
+// Llama-3.1-8B 5.49 -> 5.00 us, Gemma-2-9B 7.06 -> 6.39; at T = 256 and below
+// they were slower for three of the four shapes (Gemma-2 at T = 256 4.18 ->
+// 4.47). With options, against the options kernel that took them past 256
+// tokens (Llama): a QK-norm 5.29 -> 3.97 us at T = 257, equal at 512 and
+// 1024, 20.6 -> 19.3 at 2048; fp8 pools 4.27 -> 3.46 at 257, 15.9 -> 14.5 at
+// 2048. For tuning (read once): ROPEKV_CUDA_SMALL_WIDE=N, wide lanes above N
+// tokens.
 int64_t wide_small_tokens() {
   static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_WIDE", -1);
   return forced >= 0 ? forced : 256;
 }
 int64_t small_vec(const Problem& p, int64_t esize) {
   const int64_t wide = 2 * detail::kSmallVec;
-  const bool plain_neox = p.cos_sin_cache.data == nullptr && p.q_norm.data == nullptr &&
-                          p.k_norm.data == nullptr && p.pool_type == pool_type_of(p.dtype) &&
-                          p.is_neox;
-  return plain_neox && p.num_tokens > wide_small_tokens() && (p.rotary_dim / 2) % wide == 0 &&
-                 vector_ok(p, wide, esize, esize)
+  // (Float32 pools of 16-bit data were 2-6 % slower in wide lanes at T = 512
+  // and 2048 than on the options kernel: they stay there past 256 tokens.)
+  const bool neox_computed = p.cos_sin_cache.data == nullptr && p.is_neox &&
+                             (p.pool_type == pool_type_of(p.dtype) || is_fp8(p.pool_type));
+  return neox_computed && p.num_tokens > wide_small_tokens() && (p.rotary_dim / 2) % wide == 0 &&
+                 vector_ok(p, wide, esize, element_size(p.pool_type)) &&
+                 small_weights_ok(p.q_norm, wide) && small_weights_ok(p.k_norm, wide)
              ? wide
              : detail::kSmallVec;
 }
@@ -528,14 +533,6 @@ detail::Options options_of(const Problem& p, int steps) {
   return o;
 }
 
-// Whether a QK-norm weight (absent, or [head_dim]) allows the small
-// kernel's loads of kSmallVec weights: contiguous and aligned to them.
-bool small_weights_ok(const Weight& w) {
-  if (w.data == nullptr) return true;
-  const int64_t bytes = (w.dtype == FloatType::kF32 ? 4 : 2) * detail::kSmallVec;
-  return w.stride == 1 && reinterpret_cast<uintptr_t>(w.data) % bytes == 0;
-}
-
 // Whether a call runs the small kernel (detail::rope_pool_small_kernel): at
 // most small_tokens() tokens of 16-bit data with full rotary, vectors of
 // kSmallVec elements in every array, NeoX or interleaved pairs, a QK-norm
@@ -576,9 +573,8 @@ void launch_small_build(const Params& prm, const Problem& p, const Launch& l, in
                         cudaStream_t stream) {
   const bool norm = p.q_norm.data != nullptr || p.k_norm.data != nullptr;
   const bool interleaved = !p.is_neox;
-  if (vec != detail::kSmallVec) return launch_small_wide<T>(prm, l, stream);  // (plain, NeoX)
   if (!norm && p.pool_type == pool_type_of(p.dtype))
-    return launch_small_as<T, false, detail::kPoolsSame>(prm, interleaved, l, stream);
+    return launch_small_as<T, false, detail::kPoolsSame>(prm, interleaved, vec, l, stream);
   OptParams op{};
   static_cast<Params&>(op) = prm;
   op.o = options_of(p, 1);
@@ -586,17 +582,17 @@ void launch_small_build(const Params& prm, const Problem& p, const Launch& l, in
     constexpr bool kNorm = decltype(norm_tag)::value;
     if (op.o.pool_mode == detail::kPoolFp8) {
       if (!op.o.fp8_div)
-        return launch_small_as<T, kNorm, detail::kPoolsFp8Mul>(op, interleaved, l, stream);
+        return launch_small_as<T, kNorm, detail::kPoolsFp8Mul>(op, interleaved, vec, l, stream);
       if constexpr (kNorm)
-        return launch_small_as<T, true, detail::kPoolsFp8>(op, interleaved, l, stream);
+        return launch_small_as<T, true, detail::kPoolsFp8>(op, interleaved, vec, l, stream);
       // (kPoolsFp8Mul would store x * mul where x / scale is due.)
       throw std::logic_error(
           "ropekv: fp8 scales that divide reached the small kernel without a QK-norm");
     }
     if (op.o.pool_mode == detail::kPoolF32)
-      return launch_small_as<T, kNorm, detail::kPoolsF32>(op, interleaved, l, stream);
+      return launch_small_as<T, kNorm, detail::kPoolsF32>(op, interleaved, vec, l, stream);
     if constexpr (kNorm)
-      return launch_small_as<T, true, detail::kPoolsSame>(op, interleaved, l, stream);
+      return launch_small_as<T, true, detail::kPoolsSame>(op, interleaved, vec, l, stream);
     throw std::logic_error("ropekv: a plain call reached the small kernel's option builds");
   };
   if (norm) return pools(std::true_type());

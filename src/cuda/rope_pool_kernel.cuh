@@ -52,12 +52,13 @@
 // table, a QK-norm or another pool format) run rope_pool_small_kernel
 // instead (end of this file): plain, interleaved, with a cos_sin_cache, a
 // QK-norm on heads of up to 256, float32 or fp8 pools, one build for each
-// QK-norm or not and pool format; plain NeoX calls of 257 to 2048 tokens
-// run its build in wide lanes (16-byte vectors). Its QK-norm sums a head's squares in
-// another order than the options kernel (4-element lane chunks, then the
+// QK-norm or not and pool format; NeoX calls of 257 to 2048 tokens
+// without a table (plain, with a QK-norm, with fp8 pools) run its builds in
+// wide lanes (16-byte vectors). Its QK-norm sums a head's squares in another
+// order than the options kernel (4- or 8-element lane chunks, then the
 // lanes' sums in four strided runs), so a QK-norm result can differ by one
-// rounding between a call of at most 256 tokens and a larger one; either is
-// within the contract's bound, and each is reproducible.
+// rounding between calls of different sizes (256 / 257 tokens, 2048 / 2049);
+// either is within the contract's bound, and each is reproducible.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -1313,15 +1314,28 @@ template <bool kNorm, int kPools>
 using SmallParams =
     typename std::conditional<kNorm || kPools != kPoolsSame, OptParams, Params>::type;
 
-// The raw words of kSmallVec QK-norm weights at element e of w (dtype code
-// wdt: 0 float32, four words; else q's dtype, two words of two), in one
-// load: the launcher takes only contiguous weights aligned to it
-// (small_kernel in rope_pool_cuda.cu).
+// The raw words of N (kSmallVec, or 2 * kSmallVec in wide lanes) QK-norm
+// weights at element e of w (dtype code wdt: 0 float32, N words; else q's
+// dtype, N / 2 words of two), in 16- or 8-byte loads: the launcher takes
+// only contiguous weights aligned to N of them (small_weights_ok in
+// rope_pool_cuda.cu).
+template <int N>
 __device__ __forceinline__ void weight_words(const void* w, int e, int wdt,
-                                             unsigned int (&x)[kSmallVec]) {
-  static_assert(kSmallVec == 4, "one 16- or 8-byte load");
+                                             unsigned int (&x)[N]) {
+  static_assert(N == kSmallVec || N == 2 * kSmallVec, "one or two 16-byte loads");
   if (wdt == 0) {
-    const uint4 u = __ldg(reinterpret_cast<const uint4*>(static_cast<const float*>(w) + e));
+    const uint4* u4 = reinterpret_cast<const uint4*>(static_cast<const float*>(w) + e);
+#pragma unroll
+    for (int k = 0; k < N / 4; ++k) {
+      const uint4 u = __ldg(u4 + k);
+      x[4 * k] = u.x;
+      x[4 * k + 1] = u.y;
+      x[4 * k + 2] = u.z;
+      x[4 * k + 3] = u.w;
+    }
+  } else if constexpr (N == 8) {
+    const uint4 u =
+        __ldg(reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(w) + e));
     x[0] = u.x;
     x[1] = u.y;
     x[2] = u.z;
@@ -1337,18 +1351,19 @@ __device__ __forceinline__ void weight_words(const void* w, int e, int wdt,
 // The weights of weight_words as floats (exact): float32 words as they are,
 // 16-bit ones (q's dtype T) converted in pairs, where they are used (a
 // conversion right after the load would stall the loads issued after it).
-template <class T>
-__device__ __forceinline__ void weight_floats(const unsigned int (&w)[kSmallVec], int wdt,
-                                              float (&x)[kSmallVec]) {
+template <class T, int N>
+__device__ __forceinline__ void weight_floats(const unsigned int (&w)[N], int wdt,
+                                              float (&x)[N]) {
   if (wdt == 0) {
 #pragma unroll
-    for (int j = 0; j < kSmallVec; ++j) x[j] = __uint_as_float(w[j]);
+    for (int j = 0; j < N; ++j) x[j] = __uint_as_float(w[j]);
   } else {
-    const float2 lo = unpack2(w[0], T()), hi = unpack2(w[1], T());
-    x[0] = lo.x;
-    x[1] = lo.y;
-    x[2] = hi.x;
-    x[3] = hi.y;
+#pragma unroll
+    for (int k = 0; k < N / 2; ++k) {
+      const float2 f = unpack2(w[k], T());
+      x[2 * k] = f.x;
+      x[2 * k + 1] = f.y;
+    }
   }
 }
 
@@ -1381,8 +1396,8 @@ __device__ __forceinline__ void rotate_normed(Vec<T, N>& a, Vec<T, N>& b, const 
   float xa[N], xb[N], fa[N], fb[N];
   to_floats<T, N>(a, xa);
   to_floats<T, N>(b, xb);
-  weight_floats<T>(wa, wdt, fa);
-  weight_floats<T>(wb, wdt, fb);
+  weight_floats<T, N>(wa, wdt, fa);
+  weight_floats<T, N>(wb, wdt, fb);
 #pragma unroll
   for (int j = 0; j < N; ++j) {
     xa[j] = __fmul_rn(__fmul_rn(xa[j], r), fa[j]);
@@ -1422,8 +1437,9 @@ __device__ __forceinline__ void rotate_normed(Vec<T, N>& a, Vec<T, N>& b, const 
 // build before) was twice the plain one's length. Block (L, HB): HB heads
 // of one token, each q head or kv head (with its v) taken by L = half / kN
 // lanes; a lane loads the vectors of kN elements at kN * l and half + kN * l
-// (kN = kSmallVec = 4; 8, "wide lanes", in the plain NeoX build that calls
-// of 257 to 2048 tokens take: twice the bytes in flight per thread).
+// (kN = kSmallVec = 4; 8, "wide lanes", in the NeoX builds without a table
+// that calls of 257 to 2048 tokens take: twice the bytes in flight per
+// thread).
 // With kN = 4 (NeoX: pairs 4l.. with half + 4l..; interleaved: the pairs 2l,
 // 2l + 1 and half / 2 + 2l, half / 2 + 2l + 1 they hold, so that loads and
 // stores stay contiguous runs); grid (T, ceil((Hq + Hk) / HB)). Each block makes the token's
@@ -1454,9 +1470,9 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
                     kPools == kPoolsFp8Mul,
                 "one pool format per build");
   constexpr int N = kN;
-  static_assert(N == kSmallVec || (N == 2 * kSmallVec && !kTable && !kInterleaved && !kNorm &&
-                                   kPools == kPoolsSame),
-                "the interleaved lanes take two pairs of each vector; wide lanes: plain build");
+  static_assert(N == kSmallVec || (N == 2 * kSmallVec && !kTable && !kInterleaved),
+                "the interleaved lanes take two pairs of each vector; wide lanes: NeoX, "
+                "cos/sin computed");
   const int lane = threadIdx.x, threads = blockDim.x * blockDim.y;
   const int tid = threadIdx.y * blockDim.x + lane;
   const long long t = blockIdx.x;
@@ -1500,8 +1516,8 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
     if (w != nullptr) {
       wdt = is_q ? p.o.qn_dtype : p.o.kn_dtype;
       if (active) {
-        weight_words(w, lane * N, wdt, wa);
-        weight_words(w, p.half + lane * N, wdt, wb);
+        weight_words<N>(w, lane * N, wdt, wa);
+        weight_words<N>(w, p.half + lane * N, wdt, wb);
       }
     } else {
 #pragma unroll

@@ -1292,10 +1292,11 @@ def test_small_kernel_options(pool, dtype):
     of any format (fp8 scales of any value, powers of two among them), NeoX or
     interleaved pairs, with or without a table. It takes a QK-norm for heads
     of 8 to 256 (1 to 32 lanes, a power of two) with contiguous weights, and
-    fp8 pools without a QK-norm for power-of-two scales only; the others of
-    SMALL_SHAPES (24, 80, 96, 512, 1024), strided weights, calls past 256
-    tokens and fp8 pools alone whose scales divide go to the options kernel;
-    in place for some."""
+    fp8 pools without a QK-norm for power-of-two scales only; NeoX calls
+    without a table of 257 to 2048 tokens in wide lanes (D = 128, 256, T =
+    257 and 1100 here); the others of SMALL_SHAPES (24, 80, 96, 512, 1024),
+    strided weights, other calls past 256 tokens and fp8 pools alone whose
+    scales divide go to the options kernel; in place for some."""
     dt = DTYPES[dtype]
     g = np.random.default_rng(len(pool) + 7 * len(dtype))
     norms = [(None, None), (torch.float32, None), (None, dt), (dt, torch.float32)]
@@ -1309,7 +1310,7 @@ def test_small_kernel_options(pool, dtype):
         return dict(k_scale=float(g.uniform(0.01, 2.0)), v_scale=float(g.uniform(0.01, 2.0)))
 
     for i, (Hq, Hk, D) in enumerate(SMALL_SHAPES):
-        for j, T in enumerate((1, 40, 257)):
+        for j, T in enumerate((1, 40, 257, 1100)):
             qn, kn = norms[(i + j) % 4]
             run_options(T, Hq, Hk, D, dt, seed=T + D, kv_cache_dtype=pool, q_norm=qn,
                         k_norm=kn, is_neox=(i + j) % 2 == 0, norm_strided=j == 1,
@@ -1338,10 +1339,11 @@ def test_small_kernel_routing():
     whose scales divide, 5 fp8 with power-of-two scales) for a QK-norm with
     any pools, float32 pools, fp8 pools with power-of-two scales and the
     plain call; the options kernel for fp8 pools alone whose scales divide,
-    for a QK-norm past 256 tokens (at 4096 tokens its kOptSteps build, U = 4,
-    for pools of q's dtype alone, kPools 3, or with float32, 1) and for
-    interleaved pairs past 512 tokens. Plain NeoX calls of 257 to 2048 tokens:
-    the small kernel in wide lanes (template argument kN 8, else 4); past
+    for options past 256 tokens with interleaved pairs or float32 pools, past
+    2048 with NeoX pairs (at 4096 tokens its kOptSteps build, U = 4, for pools of q's dtype
+    alone, kPools 3, or with float32, 1), and for plain interleaved pairs past
+    512 tokens. NeoX calls of 257 to 2048 tokens without a table: the small
+    kernel in wide lanes (template argument kN 8, else 4); plain ones past
     2048 the plain kernel. Every other test passes on either kernel."""
     import re
     from torch.profiler import ProfilerActivity, profile
@@ -1360,7 +1362,12 @@ def test_small_kernel_routing():
              (512, dict(is_neox=False), small, ("false", "3", "4")),
              (513, dict(is_neox=False), options, None),
              (2049, {}, "rope_pool_kernel", None),
-             (257, norm, options, None),
+             (257, norm, small, ("true", "3", "8")),
+             (2048, dict(kv_cache_dtype="fp8_e4m3", **norm), small, ("true", "5", "8")),
+             (300, dict(kv_cache_dtype="float32"), options, None),
+             (300, dict(kv_cache_dtype="fp8_e4m3", k_scale=0.37), options, None),
+             (300, dict(is_neox=False, **norm), options, None),
+             (2049, norm, options, None),
              (4096, norm, options, ("4", "3", "true")),
              (4096, dict(kv_cache_dtype="float32", **norm), options, ("4", "1", "true"))]
     for T, opts, want, build in cases:
@@ -1386,16 +1393,21 @@ def test_small_kernel_routing():
 
 @pytest.mark.parametrize("table", ["none", "float32"])
 def test_small_kernel_limits_in_place_and_8_byte_alignment(table):
-    """The small kernel at its token limits (2048 in wide lanes; 512 for
-    inputs 8-byte but not 16-byte aligned, 4 elements into a buffer, which
-    only its narrow lanes take as vectors; 256 with a table), in place, and
-    on such 8-byte aligned inputs."""
+    """The small kernel at its token limits (2048 in wide lanes, plain or
+    with a QK-norm and fp8 pools; 512 for plain inputs 8-byte but not 16-byte
+    aligned, 4 elements into a buffer, which only its narrow lanes take as
+    vectors; 256 with a table), in place, and on such 8-byte aligned inputs."""
     tdt = None if table == "none" else torch.float32
     limits = ((2048, 0), (512, 4)) if tdt is None else ((256, 0),)
     for limit, shift in limits:
         for T in (limit, limit + 1):
             run_options(T, 28, 4, 128, torch.bfloat16, seed=T, table_dtype=tdt, shift=shift,
                         what=f"small limit T={T} shift {shift} table {table}")
+    # A QK-norm with fp8 pools: 2048 tokens in wide lanes (256 with a table).
+    for T in (limits[0][0], limits[0][0] + 1):
+        run_options(T, 28, 4, 128, torch.bfloat16, seed=T, table_dtype=tdt,
+                    q_norm=torch.bfloat16, k_norm=torch.float32, kv_cache_dtype="fp8_e4m3",
+                    k_scale=0.5, v_scale=2.0, what=f"small limit T={T} norm fp8 table {table}")
     for pairs in ("neox", "interleaved"):
         for T in (1, 40):
             run_options(T, 32, 8, 128, torch.float16, seed=T, table_dtype=tdt, inplace=True,
