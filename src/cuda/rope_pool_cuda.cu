@@ -269,14 +269,24 @@ void launch_small_as(const detail::SmallParams<kNorm, kPools>& prm, bool interle
   LaunchConfig lc(l, stream);
   using detail::rope_pool_small_kernel;
   constexpr int kWide = 2 * detail::kSmallVec;
+  const char* what = "launching the rope_pool small kernel";
+  if (vec == kWide) {
+    // (No wide build for float32 pools: small_vec keeps them narrow.)
+    if constexpr (kPools == detail::kPoolsF32)
+      throw std::logic_error("ropekv: float32 pools reached the small kernel's wide lanes");
+    else
+      return check(cudaLaunchKernelEx(
+                       &lc.cfg, rope_pool_small_kernel<T, false, false, kNorm, kPools, kWide>,
+                       prm),
+                   what);
+  }
   const bool table = prm.cos_sin != nullptr;
   const auto kernel =
-      vec == kWide ? rope_pool_small_kernel<T, false, false, kNorm, kPools, kWide>
-      : table      ? (interleaved ? rope_pool_small_kernel<T, true, true, kNorm, kPools>
-                                  : rope_pool_small_kernel<T, true, false, kNorm, kPools>)
-                   : (interleaved ? rope_pool_small_kernel<T, false, true, kNorm, kPools>
-                                  : rope_pool_small_kernel<T, false, false, kNorm, kPools>);
-  check(cudaLaunchKernelEx(&lc.cfg, kernel, prm), "launching the rope_pool small kernel");
+      table ? (interleaved ? rope_pool_small_kernel<T, true, true, kNorm, kPools>
+                           : rope_pool_small_kernel<T, true, false, kNorm, kPools>)
+            : (interleaved ? rope_pool_small_kernel<T, false, true, kNorm, kPools>
+                           : rope_pool_small_kernel<T, false, false, kNorm, kPools>);
+  check(cudaLaunchKernelEx(&lc.cfg, kernel, prm), what);
 }
 template <class T, int N, bool kContig, int U, int kPools, bool kNorm>
 void launch_options_as(const OptParams& prm, const Launch& l, cudaStream_t stream) {
