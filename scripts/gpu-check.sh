@@ -3,7 +3,8 @@
 # CuPy, nanobind and scikit-build-core (no network needed):
 #
 #   build     the Python package with the CUDA backend (pip, no build isolation)
-#   test      tests/gpu (pytest, CUDA; TEST_ARGS adds pytest arguments, e.g. -k)
+#   test      tests/gpu (pytest, CUDA; TEST_ARGS adds pytest arguments, quoted as
+#             in a shell: TEST_ARGS='-k "small_kernel or options"')
 #   sanitize  compute-sanitizer memcheck, racecheck, initcheck and synccheck on
 #             small cases of every kernel variant (tests/gpu/sanitize_driver.cu)
 #   sansuite  compute-sanitizer memcheck over the GPU pytest suite, racecheck and
@@ -135,7 +136,11 @@ do_build() {
 }
 
 do_test() {
-  (cd /tmp && timeout 300 $PY -m pytest -q -p no:cacheprovider -rs ${TEST_ARGS:-} "$ROOT/tests/gpu")
+  # TEST_ARGS is split as the shell splits words, quotes kept:
+  # TEST_ARGS='-k "small_kernel or options"'.
+  local args=()
+  eval "args=(${TEST_ARGS:-})"
+  (cd /tmp && timeout 300 $PY -m pytest -q -p no:cacheprovider -rs "${args[@]}" "$ROOT/tests/gpu")
 }
 
 do_sanitize() {
