@@ -739,14 +739,15 @@ int main(int argc, char** argv) {
   run_case("small kernel wide lanes bf16", 300, 32, 8, 128, bf16, false, 1, false);
   run_case("small kernel wide lanes f16 D=96, bad slot", 600, 8, 8, 96, f16, true, 1, true);
   using KV = ropekv::KvCacheDtype;
-  // NeoX calls of 257 to 2048 tokens with a QK-norm or pools of another
-  // format (cos/sin computed): the small kernel's option builds in wide lanes.
+  // NeoX calls of 257 to 2048 tokens with a QK-norm or fp8 pools (cos/sin
+  // computed): the small kernel's option builds in wide lanes; with float32
+  // pools (no wide build) the options kernel.
   run_options_case("small kernel wide lanes bf16 norm fp8", 300, 32, 8, 128, bf16, 1, false,
                    KV::kFp8E4M3, false);
-  run_options_case("small kernel wide lanes f16 norm f32 pools", 600, 16, 8, 256, f16, 1, false,
-                   KV::kFloat32, false);
   run_options_case("small kernel wide lanes bf16 fp8 pools", 400, 32, 8, 128, bf16, 1, false,
                    KV::kFp8E4M3, false, false);
+  run_options_case("opt f16 norm f32 pools, 600 tokens", 600, 16, 8, 256, f16, 1, false,
+                   KV::kFloat32, false);
   // With a QK-norm (f32 weights) and float32 or fp8 pools: the small kernel's
   // options build (heads of up to 32 lanes), with or without a table.
   run_options_case("small kernel bf16 table norm fp8", 9, 32, 8, 128, bf16, 1, false,
