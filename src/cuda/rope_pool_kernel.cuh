@@ -1315,18 +1315,21 @@ using SmallParams =
     typename std::conditional<kNorm || kPools != kPoolsSame, OptParams, Params>::type;
 
 // The raw words of N (kSmallVec, or 2 * kSmallVec in wide lanes) QK-norm
-// weights at element e of w (dtype code wdt: 0 float32, N words; else q's
-// dtype, N / 2 words of two), in 16- or 8-byte loads: the launcher takes
-// only contiguous weights aligned to N of them (small_weights_ok in
-// rope_pool_cuda.cu).
-template <int N>
+// weights at element e of w, in 16- or 8-byte loads: WW = N words of dtype
+// code wdt (0 float32, N words; else q's dtype, N / 2 words of two), or
+// WW = N / 2 words of q's dtype alone (wide lanes: float32 weights there
+// held eight more registers across the block's barrier). The launcher takes
+// only contiguous weights aligned to N of them (small_weights_ok and
+// small_vec in rope_pool_cuda.cu).
+template <int N, int WW>
 __device__ __forceinline__ void weight_words(const void* w, int e, int wdt,
-                                             unsigned int (&x)[N]) {
+                                             unsigned int (&x)[WW]) {
   static_assert(N == kSmallVec || N == 2 * kSmallVec, "one or two 16-byte loads");
-  if (wdt == 0) {
+  static_assert(WW == N || WW == N / 2, "float32 or 16-bit words");
+  if (WW == N && wdt == 0) {
     const uint4* u4 = reinterpret_cast<const uint4*>(static_cast<const float*>(w) + e);
 #pragma unroll
-    for (int k = 0; k < N / 4; ++k) {
+    for (int k = 0; k < WW / 4; ++k) {
       const uint4 u = __ldg(u4 + k);
       x[4 * k] = u.x;
       x[4 * k + 1] = u.y;
@@ -1351,12 +1354,12 @@ __device__ __forceinline__ void weight_words(const void* w, int e, int wdt,
 // The weights of weight_words as floats (exact): float32 words as they are,
 // 16-bit ones (q's dtype T) converted in pairs, where they are used (a
 // conversion right after the load would stall the loads issued after it).
-template <class T, int N>
-__device__ __forceinline__ void weight_floats(const unsigned int (&w)[N], int wdt,
+template <class T, int N, int WW>
+__device__ __forceinline__ void weight_floats(const unsigned int (&w)[WW], int wdt,
                                               float (&x)[N]) {
-  if (wdt == 0) {
+  if (WW == N && wdt == 0) {
 #pragma unroll
-    for (int j = 0; j < N; ++j) x[j] = __uint_as_float(w[j]);
+    for (int j = 0; j < N; ++j) x[j] = __uint_as_float(w[j % WW]);
   } else {
 #pragma unroll
     for (int k = 0; k < N / 2; ++k) {
@@ -1388,16 +1391,16 @@ __device__ __forceinline__ void rotate_interleaved(Vec<T, N>& a, Vec<T, N>& b,
 // rounding to T (the order of transform: x * r, times the weight, then the
 // rotation). wa / wb: the weights of a's and b's elements as weight_words
 // of dtype code wdt; c, s as for rotate (NeoX) or rotate_interleaved.
-template <class T, int N, bool kInterleaved>
+template <class T, int N, bool kInterleaved, int WW>
 __device__ __forceinline__ void rotate_normed(Vec<T, N>& a, Vec<T, N>& b, const float (&c)[N],
                                               const float (&s)[N], float r,
-                                              const unsigned int (&wa)[N],
-                                              const unsigned int (&wb)[N], int wdt) {
+                                              const unsigned int (&wa)[WW],
+                                              const unsigned int (&wb)[WW], int wdt) {
   float xa[N], xb[N], fa[N], fb[N];
   to_floats<T, N>(a, xa);
   to_floats<T, N>(b, xb);
-  weight_floats<T, N>(wa, wdt, fa);
-  weight_floats<T, N>(wb, wdt, fb);
+  weight_floats<T, N, WW>(wa, wdt, fa);
+  weight_floats<T, N, WW>(wb, wdt, fb);
 #pragma unroll
   for (int j = 0; j < N; ++j) {
     xa[j] = __fmul_rn(__fmul_rn(xa[j], r), fa[j]);
@@ -1510,18 +1513,24 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
   // weights of 1 and r = 1, whose products are exact: one rotation path.
   const void* w = nullptr;
   int wdt = 0;
-  unsigned int wa[N], wb[N];
+  constexpr int WW = N == kSmallVec ? N : N / 2;  // wide lanes: 16-bit weights only
+  unsigned int wa[WW], wb[WW];
   if constexpr (kNorm) {
     w = is_q ? p.o.q_norm : p.o.k_norm;
     if (w != nullptr) {
       wdt = is_q ? p.o.qn_dtype : p.o.kn_dtype;
       if (active) {
-        weight_words<N>(w, lane * N, wdt, wa);
-        weight_words<N>(w, p.half + lane * N, wdt, wb);
+        weight_words<N, WW>(w, lane * N, wdt, wa);
+        weight_words<N, WW>(w, p.half + lane * N, wdt, wb);
       }
-    } else {
+    } else if constexpr (WW == N) {
 #pragma unroll
-      for (int j = 0; j < N; ++j) wa[j] = wb[j] = 0x3F800000u;  // 1.0f, dtype code 0
+      for (int j = 0; j < WW; ++j) wa[j] = wb[j] = 0x3F800000u;  // 1.0f, dtype code 0
+    } else {
+      wdt = 1;  // pairs of 1.0 in q's dtype (any nonzero code: 16-bit words)
+#pragma unroll
+      for (int j = 0; j < WW; ++j)
+        wa[j] = wb[j] = std::is_same<T, __half>::value ? 0x3C003C00u : 0x3F803F80u;
     }
   }
   const long long position = load_index_at(pos_at, p.pos64);
@@ -1604,7 +1613,7 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
   }
   if (!active) return;
   if constexpr (kNorm)
-    rotate_normed<T, N, kInterleaved>(a, b, cc, ss, r, wa, wb, wdt);
+    rotate_normed<T, N, kInterleaved, WW>(a, b, cc, ss, r, wa, wb, wdt);
   else if constexpr (kInterleaved)
     rotate_interleaved<T, N>(a, b, cc, ss);
   else

@@ -229,7 +229,8 @@ void run_case(const char* name, int T, int Hq, int Hk, int D, DLDataType dt, boo
 // token names. The math is the pytest suite's job.
 void run_options_case(const char* name, int T, int Hq, int Hk, int D, DLDataType dt,
                       int64_t last_stride, bool interleaved, ropekv::KvCacheDtype pool_type,
-                      bool table = true, bool norm = true, bool norm_same_pools = false) {
+                      bool table = true, bool norm = true, bool norm_same_pools = false,
+                      bool norm_in_dtype = false) {
   const int esize = dt.bits / 8;
   const bool fp8 = pool_type == ropekv::KvCacheDtype::kFp8E4M3;
   const bool table_only = pool_type == ropekv::KvCacheDtype::kAuto;
@@ -261,14 +262,14 @@ void run_options_case(const char* name, int T, int Hq, int Hk, int D, DLDataType
   Buf kp(np * pesize), vp(np * pesize), cs(size_t(rows) * D * 4), w(size_t(D) * 4);
   auto hq = fill(nq, esize), hk = fill(nk, esize), hv = fill(nk, esize);
   auto hkp = fill(np, pesize), hvp = fill(np, pesize), hcs = fill(size_t(rows) * D, 4),
-       hw = fill(D, 4);
+       hw = fill(D, norm_in_dtype ? esize : 4);
   CK(cudaMemcpy(q.ptr, hq.data(), q.bytes, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(k.ptr, hk.data(), k.bytes, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(v.ptr, hv.data(), v.bytes, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(kp.ptr, hkp.data(), kp.bytes, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(vp.ptr, hvp.data(), vp.bytes, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(cs.ptr, hcs.data(), cs.bytes, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(w.ptr, hw.data(), w.bytes, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(w.ptr, hw.data(), hw.size(), cudaMemcpyHostToDevice));
   CK(cudaMemset(qr.ptr, 0xFF, qr.bytes));  // NaN in every float format
   CK(cudaMemset(kr.ptr, 0xFF, kr.bytes));
   std::vector<int64_t> pos(T), slot(T);
@@ -292,7 +293,8 @@ void run_options_case(const char* name, int T, int Hq, int Hk, int D, DLDataType
                             view(dslot.ptr, it, 1, s1, nullptr), view(kp.ptr, pt, 3, sp, nullptr),
                             view(vp.ptr, pt, 3, sp, nullptr), view(qr.ptr, dt, 3, sq, stq),
                             view(kr.ptr, dt, 3, sk, stk),    view(cs.ptr, f32, 2, scs, nullptr),
-                            view(w.ptr, f32, 1, sw, nullptr), view(w.ptr, f32, 1, sw, nullptr)};
+                            view(w.ptr, norm_in_dtype ? dt : f32, 1, sw, nullptr),
+                            view(w.ptr, norm_in_dtype ? dt : f32, 1, sw, nullptr)};
   if ((table_only && !norm_same_pools) || !norm) t.q_norm_weight = t.k_norm_weight = DLTensor{};
   if (!table) t.cos_sin_cache = DLTensor{};  // cos/sin from rope_base: token 1 is written too
   ropekv::RopeConfig cfg;
@@ -739,11 +741,16 @@ int main(int argc, char** argv) {
   run_case("small kernel wide lanes bf16", 300, 32, 8, 128, bf16, false, 1, false);
   run_case("small kernel wide lanes f16 D=96, bad slot", 600, 8, 8, 96, f16, true, 1, true);
   using KV = ropekv::KvCacheDtype;
-  // NeoX calls of 257 to 2048 tokens with a QK-norm or fp8 pools (cos/sin
-  // computed): the small kernel's option builds in wide lanes; with float32
-  // pools (no wide build) the options kernel.
+  // NeoX calls of 257 to 2048 tokens with a QK-norm (weights in q's dtype)
+  // or fp8 pools (cos/sin computed): the small kernel's option builds in
+  // wide lanes; with float32 pools or float32 weights (no wide build) the
+  // options kernel.
   run_options_case("small kernel wide lanes bf16 norm fp8", 300, 32, 8, 128, bf16, 1, false,
-                   KV::kFp8E4M3, false);
+                   KV::kFp8E4M3, false, true, false, true);
+  run_options_case("small kernel wide lanes f16 norm, D=256", 500, 16, 8, 256, f16, 1, false,
+                   KV::kAuto, false, true, true, true);
+  run_options_case("opt bf16 norm (float32 weights) fp8, 300 tokens", 300, 32, 8, 128, bf16, 1,
+                   false, KV::kFp8E4M3, false);
   run_options_case("small kernel wide lanes bf16 fp8 pools", 400, 32, 8, 128, bf16, 1, false,
                    KV::kFp8E4M3, false, false);
   run_options_case("opt f16 norm f32 pools, 600 tokens", 600, 16, 8, 256, f16, 1, false,

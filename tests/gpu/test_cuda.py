@@ -1331,6 +1331,31 @@ def test_small_kernel_options(pool, dtype):
                             **scales())
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("pool", ["auto", "fp8_e4m3", "fp8_e5m2"])
+def test_small_kernel_wide_lanes_qk_norm(pool, dtype):
+    """A QK-norm in the small kernel's wide lanes (NeoX, no table, 257 to 2048
+    tokens, weights in q's dtype: the wide builds hold 16-bit weights only)
+    on heads of 8, 16 and 32 lanes (D = 128, 256, 512): weights of both heads,
+    of k only and of q only (the other heads take pairs of 1.0 in q's
+    dtype), a norm_eps large enough to move r by far more than the
+    tolerance, fp8 scales that divide and powers of two; float32 weights of
+    one head send the call to the options kernel (test_small_kernel_routing),
+    the same results."""
+    dt = DTYPES[dtype]
+    fp8 = pool.startswith("fp8")
+    norms = [(dt, dt), (None, dt), (dt, None), (torch.float32, dt)]
+    for i, (Hq, Hk, D) in enumerate(((28, 4, 128), (16, 8, 256), (4, 2, 512))):
+        for j, T in enumerate((257, 700, 1100)):  # (2048: the limit test's)
+            qn, kn = norms[(i + j) % 4]
+            scales = (dict(k_scale=0.37, v_scale=1.7) if (i + j) % 2 else
+                      dict(k_scale=0.5, v_scale=4.0)) if fp8 else {}
+            run_options(T, Hq, Hk, D, dt, seed=T + D, kv_cache_dtype=pool, q_norm=qn,
+                        k_norm=kn, norm_eps=0.5 if j == 1 else 1e-6,
+                        idx=torch.int32 if (i + j) % 2 else torch.int64,
+                        what=f"wide norm {pool} {Hq}/{Hk}/{D} T={T} norms {qn} {kn}", **scales)
+
+
 @cuda_only
 def test_small_kernel_routing():
     """Which kernel a Llama-shaped decode call runs (names from the PyTorch
@@ -1343,11 +1368,14 @@ def test_small_kernel_routing():
     2048 with NeoX pairs (at 4096 tokens its kOptSteps build, U = 4, for pools of q's dtype
     alone, kPools 3, or with float32, 1), and for plain interleaved pairs past
     512 tokens. NeoX calls of 257 to 2048 tokens without a table: the small
-    kernel in wide lanes (template argument kN 8, else 4); plain ones past
-    2048 the plain kernel. Every other test passes on either kernel."""
+    kernel in wide lanes (template argument kN 8, else 4), with a QK-norm
+    only where its weights are q's dtype (float32 ones: the options kernel);
+    plain ones past 2048 the plain kernel. Every other test passes on either
+    kernel."""
     import re
     from torch.profiler import ProfilerActivity, profile
     norm = dict(q_norm=torch.float32, k_norm=torch.bfloat16)
+    norm16 = dict(q_norm=torch.bfloat16, k_norm=torch.bfloat16)
     small, options = "rope_pool_small_kernel", "rope_pool_options_kernel"
     cases = [(1, dict(kv_cache_dtype="fp8_e4m3", **norm), small, ("true", "5")),
              (1, dict(kv_cache_dtype="fp8_e4m3", k_scale=0.37, **norm), small, ("true", "2")),
@@ -1362,8 +1390,11 @@ def test_small_kernel_routing():
              (512, dict(is_neox=False), small, ("false", "3", "4")),
              (513, dict(is_neox=False), options, None),
              (2049, {}, "rope_pool_kernel", None),
-             (257, norm, small, ("true", "3", "8")),
-             (2048, dict(kv_cache_dtype="fp8_e4m3", **norm), small, ("true", "5", "8")),
+             (257, norm16, small, ("true", "3", "8")),
+             (300, dict(k_norm=torch.bfloat16), small, ("true", "3", "8")),
+             (2048, dict(kv_cache_dtype="fp8_e4m3", **norm16), small, ("true", "5", "8")),
+             (257, norm, options, None),
+             (2048, dict(kv_cache_dtype="fp8_e4m3", **norm), options, None),
              (300, dict(kv_cache_dtype="float32"), options, None),
              (300, dict(kv_cache_dtype="fp8_e4m3", k_scale=0.37), options, None),
              (300, dict(is_neox=False, **norm), options, None),
@@ -1403,10 +1434,11 @@ def test_small_kernel_limits_in_place_and_8_byte_alignment(table):
         for T in (limit, limit + 1):
             run_options(T, 28, 4, 128, torch.bfloat16, seed=T, table_dtype=tdt, shift=shift,
                         what=f"small limit T={T} shift {shift} table {table}")
-    # A QK-norm with fp8 pools: 2048 tokens in wide lanes (256 with a table).
+    # A QK-norm (weights in q's dtype) with fp8 pools: 2048 tokens in wide
+    # lanes (256 with a table).
     for T in (limits[0][0], limits[0][0] + 1):
         run_options(T, 28, 4, 128, torch.bfloat16, seed=T, table_dtype=tdt,
-                    q_norm=torch.bfloat16, k_norm=torch.float32, kv_cache_dtype="fp8_e4m3",
+                    q_norm=torch.bfloat16, k_norm=torch.bfloat16, kv_cache_dtype="fp8_e4m3",
                     k_scale=0.5, v_scale=2.0, what=f"small limit T={T} norm fp8 table {table}")
     for pairs in ("neox", "interleaved"):
         for T in (1, 40):
