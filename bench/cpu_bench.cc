@@ -42,96 +42,23 @@
 //
 // Run:  build-bench/bench/ropekv_cpu_bench --benchmark_counters_tabular=true
 #include <benchmark/benchmark.h>
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
-#include <sys/mman.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <memory>
-#include <numeric>
 #include <random>
-#include <string>
 #include <vector>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
+#include "cold_protocol.h"
 #include "ropekv/ropekv.h"
 
 namespace {
 
-struct Model {
-  const char* name;
-  int64_t hq, hk, d;
-  double base;
-};
-
-constexpr Model kModels[] = {
-    {"Llama-3.1-8B", 32, 8, 128, 500000.0},
-    {"Qwen2.5-7B", 28, 4, 128, 1000000.0},
-    {"Gemma-2-9B", 16, 8, 256, 10000.0},
-};
-
-// Size of the last-level cache, from sysfs (sysconf's value is wrong in some
-// VMs); 32 MiB when unknown.
-int64_t llc_bytes() {
-  int64_t best = 0;
-  for (int i = 0; i < 8; ++i) {
-    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i);
-    std::ifstream f(dir + "/size");
-    std::string v;
-    if (!(f >> v) || v.empty()) continue;
-    int64_t n = std::atoll(v.c_str());
-    if (v.back() == 'K') n <<= 10;
-    if (v.back() == 'M') n <<= 20;
-    best = std::max(best, n);
-  }
-  return best > 0 ? best : int64_t{32} << 20;
-}
-
-// ROPEKV_BENCH_HUGE_PAGES=all (or 1), pools or io: the benchmark's buffers of
-// 2 MiB and more (all of them, the two pools, or the input/output sets) are
-// 2 MiB aligned and asked for transparent huge pages (madvise) before their
-// first touch, to measure what the TLB costs the cold calls: by default, where
-// THP is "madvise", none of them is on huge pages.
-enum class Role { kPool, kIo };
-bool huge_pages(Role role) {
-  static const std::string mode = [] {
-    const char* e = std::getenv("ROPEKV_BENCH_HUGE_PAGES");
-    return std::string(e == nullptr ? "" : e);
-  }();
-  return mode == "all" || mode == "1" || (mode == "pools" && role == Role::kPool) ||
-         (mode == "io" && role == Role::kIo);
-}
-
-// 64-byte aligned, zero-initialised (pages touched) buffer.
-struct Buffer {
-  std::unique_ptr<uint8_t, decltype(&std::free)> p{nullptr, &std::free};
-  size_t n = 0;
-  explicit Buffer(size_t bytes = 0, Role role = Role::kIo) {
-    n = std::max<size_t>(bytes, 64);
-    constexpr size_t kHuge = size_t{2} << 20;
-    if (huge_pages(role) && n >= kHuge) {
-      const size_t padded = (n + kHuge - 1) / kHuge * kHuge;
-      p.reset(static_cast<uint8_t*>(std::aligned_alloc(kHuge, padded)));
-      // (A refusal would leave 4 KiB pages under a huge-page label: say so.)
-      if (madvise(p.get(), padded, MADV_HUGEPAGE) != 0) std::perror("madvise(MADV_HUGEPAGE)");
-    } else {
-      p.reset(static_cast<uint8_t*>(std::aligned_alloc(64, (n + 63) / 64 * 64)));
-    }
-    std::memset(p.get(), 0, n);
-  }
-  uint8_t* get() const { return p.get(); }
-};
+using bench::Buffer;
+using bench::kModels;
+using bench::Model;
+using bench::Role;
 
 DLTensor view(void* data, DLDataType dt, int ndim, int64_t* shape) {
   DLTensor t{};
@@ -148,77 +75,6 @@ uint16_t to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
   return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
-// SPEC section 7: E * (2*T*Hq*D + 3*T*Hk*D) + EP * 2*W*Hk*D + T * (4 + 4),
-// EP the pools' element size, plus what an option reads per token.
-int64_t spec_bytes(const Model& m, int64_t T, int64_t E, int64_t EP = 0, int64_t extra = 0) {
-  if (EP == 0) EP = E;
-  return E * (2 * T * m.hq * m.d + 3 * T * m.hk * m.d) + EP * 2 * T * m.hk * m.d + T * 8 +
-         T * extra;
-}
-
-// Copies n bytes (both 16-byte aligned, n a multiple of 16) with
-// non-temporal stores: no read-for-ownership of the destination.
-void stream_copy(uint8_t* d, const uint8_t* s, size_t n) {
-#if defined(__SSE2__)
-  for (size_t i = 0; i + 16 <= n; i += 16)
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i),
-                     _mm_load_si128(reinterpret_cast<const __m128i*>(s + i)));
-  _mm_sfence();
-#else
-  std::memcpy(d, s, n);
-#endif
-}
-
-// Timed copy of `n` bytes per call (glibc's memcpy, or with `stream` a
-// non-temporal-store copy), rotating over `sets` buffer pairs, on `threads`
-// threads (each piece at least 64 KiB, as ropekv's own rule).
-double memcpy_seconds_per_call(size_t n, int threads, int64_t sets, double min_seconds,
-                               bool stream = false) {
-  if (stream) n = n / 64 * 64;
-  auto cp = [stream](uint8_t* d, const uint8_t* s, size_t k) {
-    if (stream) stream_copy(d, s, k);
-    else std::memcpy(d, s, k);
-  };
-  Buffer src(n * sets), dst(n * sets);
-  std::memset(src.get(), 1, n * sets);
-  const int64_t by_size = std::max<int64_t>(1, static_cast<int64_t>(n) / (64 * 1024));
-  const int nt = static_cast<int>(std::min<int64_t>(threads, by_size));
-  auto copy = [&](int64_t s) {
-    uint8_t* d = dst.get() + s * n;
-    const uint8_t* sp = src.get() + s * n;
-    if (nt <= 1) {
-      cp(d, sp, n);
-      return;
-    }
-#ifdef _OPENMP
-#pragma omp parallel num_threads(nt)
-    {
-      const int i = omp_get_thread_num(), k = omp_get_num_threads();
-      const size_t chunk = (n / k + 63) / 64 * 64;
-      const size_t b = std::min(n, chunk * i), e = std::min(n, b + chunk);
-      if (e > b) cp(d + b, sp + b, e - b);
-    }
-#endif
-  };
-  for (int64_t s = 0; s < sets; ++s) copy(s);  // warm-up (page faults)
-  double best = 1e30;
-  for (int rep = 0; rep < 5; ++rep) {
-    int64_t iters = 0, s = 0;
-    const auto t0 = std::chrono::steady_clock::now();
-    double el = 0;
-    do {
-      copy(s);
-      s = (s + 1) % sets;
-      ++iters;
-      if ((iters & 7) == 0 || n > (1 << 20))
-        el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    } while (el < min_seconds / 5);
-    el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    best = std::min(best, el / iters);
-  }
-  return best;
 }
 
 // Cache states. kWarm: q, k, v, positions and the outputs are one set
@@ -246,7 +102,6 @@ void BM_RopePool(benchmark::State& state, Model m, bool bf16, int threads, Cache
   const int64_t T = state.range(0);
   const int64_t E = bf16 ? 2 : 4;
   const DLDataType dt = bf16 ? DLDataType{kDLBfloat, 16, 1} : DLDataType{kDLFloat, 32, 1};
-  const int64_t llc = llc_bytes();
   const int64_t EP = option == kF32Pools                                              ? 4
                      : option == kFp8Pools || option == kQwen3Like || option == kFp8AnyScale ? 1
                                                                                          : E;
@@ -254,22 +109,14 @@ void BM_RopePool(benchmark::State& state, Model m, bool bf16, int threads, Cache
                              : EP == 4 ? DLDataType{kDLFloat, 32, 1}
                                        : DLDataType{kDLUInt, 8, 1};
 
-  // Pools: each at least 2x the LLC, and at least 2T rows.
+  // Pools and the rotating input/output and slot sets (bench/cold_protocol.h).
   const int64_t row_bytes = m.hk * m.d * EP;
-  const int64_t P = std::max<int64_t>(2 * T, (2 * llc + row_bytes - 1) / row_bytes);
-  Buffer k_pool(P * row_bytes, Role::kPool), v_pool(P * row_bytes, Role::kPool);
-
-  // Input/output sets, and slot sets (the pool rows touched by all slot sets
-  // together also exceed 2x the LLC).
   const int64_t q_elems = T * m.hq * m.d, k_elems = T * m.hk * m.d;
-  const int64_t set_bytes = E * (2 * q_elems + 3 * k_elems) + 8 * T;
-  const int64_t in_sets =
-      warm ? 1 : std::clamp<int64_t>((2 * llc + set_bytes - 1) / set_bytes, 1, 8192);
-  const int64_t slot_sets =
-      cache == kHot
-          ? 1
-          : std::clamp<int64_t>((2 * llc + 2 * T * row_bytes - 1) / (2 * T * row_bytes), 1, 8192);
-  const int64_t sets = std::max(in_sets, slot_sets);
+  const bench::ColdLayout lay =
+      bench::cold_layout(T, row_bytes, E * (2 * q_elems + 3 * k_elems) + 8 * T, warm,
+                         cache == kHot);
+  const int64_t P = lay.P, in_sets = lay.in_sets, slot_sets = lay.slot_sets, sets = lay.sets();
+  Buffer k_pool(P * row_bytes, Role::kPool), v_pool(P * row_bytes, Role::kPool);
   Buffer q(in_sets * q_elems * E), k(in_sets * k_elems * E), v(in_sets * k_elems * E);
   Buffer q_rot(in_sets * q_elems * E), k_rot(in_sets * k_elems * E);
   Buffer pos(in_sets * T * 4), slot(slot_sets * T * 4);
@@ -285,27 +132,8 @@ void BM_RopePool(benchmark::State& state, Model m, bool bf16, int threads, Cache
   fill(q, in_sets * q_elems);
   fill(k, in_sets * k_elems);
   fill(v, in_sets * k_elems);
-  // Slots: consecutive chunks of random permutations of the pool rows (each
-  // call's slots distinct); positions: T consecutive positions from a random
-  // start below 128k.
-  std::vector<int32_t> perm(P);
-  std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), rng);
-  int64_t next = 0;
-  for (int64_t s = 0; s < slot_sets; ++s) {
-    if (next + T > P) {
-      std::shuffle(perm.begin(), perm.end(), rng);
-      next = 0;
-    }
-    int32_t* sl = reinterpret_cast<int32_t*>(slot.get()) + s * T;
-    for (int64_t t = 0; t < T; ++t) sl[t] = perm[next++];
-  }
-  std::uniform_int_distribution<int32_t> pos_dist(0, 131071);
-  for (int64_t s = 0; s < in_sets; ++s) {
-    int32_t* ps = reinterpret_cast<int32_t*>(pos.get()) + s * T;
-    const int32_t p0 = pos_dist(rng);
-    for (int64_t t = 0; t < T; ++t) ps[t] = p0 + static_cast<int32_t>(t);
-  }
+  bench::fill_slots_and_positions(lay, T, reinterpret_cast<int32_t*>(slot.get()),
+                                  reinterpret_cast<int32_t*>(pos.get()), rng);
 
   int64_t sq[3] = {T, m.hq, m.d}, sk[3] = {T, m.hk, m.d}, sp[3] = {P, m.hk, m.d}, s1[1] = {T};
   const DLDataType i32{kDLInt, 32, 1};
@@ -389,22 +217,9 @@ void BM_RopePool(benchmark::State& state, Model m, bool bf16, int threads, Cache
     if (++c == sets) c = 0;
   }
   const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const double per_call = el / static_cast<double>(state.iterations());
 
-  // The memcpy reference: cold (rotating buffers) for the cold family, one
-  // hot buffer pair for the warm family.
-  const int64_t bytes = spec_bytes(m, T, E, EP, extra);
-  const int64_t mc_sets = warm ? 1 : std::clamp<int64_t>((2 * llc + bytes - 1) / bytes, 1, 8192);
-  const double mc = memcpy_seconds_per_call(static_cast<size_t>(bytes / 2), threads, mc_sets,
-                                            std::clamp(el, 0.05, 0.5));
-  const double nt = memcpy_seconds_per_call(static_cast<size_t>(bytes / 2), threads, mc_sets,
-                                            std::clamp(el, 0.05, 0.5), /*stream=*/true);
-  state.counters["us_per_call"] = per_call * 1e6;
-  state.counters["us_per_token"] = per_call * 1e6 / static_cast<double>(T);
-  state.counters["GB/s"] = static_cast<double>(bytes) / per_call * 1e-9;
-  state.counters["memcpy_GB/s"] = static_cast<double>(2 * (bytes / 2)) / mc * 1e-9;
-  state.counters["vs_memcpy"] = mc / per_call;
-  state.counters["ntcopy_GB/s"] = static_cast<double>(2 * (bytes / 2 / 64 * 64)) / nt * 1e-9;
+  const int64_t bytes = bench::spec_bytes(m, T, E, EP, extra);
+  bench::set_counters(state, bytes, T, threads, warm, el);
   state.counters["sets"] = static_cast<double>(sets);
   state.SetLabel(ropekv::cpu_target());
 }
@@ -511,7 +326,7 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::AddCustomContext("ropekv_cpu_target", ropekv::cpu_target());
-  benchmark::AddCustomContext("llc_bytes", std::to_string(llc_bytes()));
+  benchmark::AddCustomContext("llc_bytes", std::to_string(bench::llc_bytes()));
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;
