@@ -144,6 +144,8 @@ inline double memcpy_seconds_per_call(size_t n, int threads, int64_t sets, doubl
       const size_t b = std::min(n, chunk * i), e = std::min(n, b + chunk);
       if (e > b) cp(d + b, sp + b, e - b);
     }
+#else
+#error "the copy reference needs OpenMP for its threads"
 #endif
   };
   for (int64_t s = 0; s < sets; ++s) copy(s);  // warm-up (page faults)
