@@ -443,8 +443,8 @@ int64_t small_tokens(bool plain, bool wide) {
 // Elements per lane of a small-kernel call: 2 * kSmallVec (16-byte vectors,
 // "wide lanes") for NeoX calls without a table (plain, with a QK-norm whose
 // weights are q's dtype, with fp8 pools) of more than wide_small_tokens() =
-// 256 tokens whose arrays all take them, else kSmallVec (8 bytes). Wide lanes hold twice the bytes in
-// flight per thread, and a token's heads fill half the blocks (H200, cold
+// 256 tokens whose arrays all take them, else kSmallVec (8 bytes). Wide
+// lanes hold twice the bytes in flight per thread, and a token's heads fill half the blocks (H200, cold
 // L2, 50-call graphs; docs/performance.md, *Wide lanes*): at T = 512
 // Llama-3.1-8B 5.49 -> 5.00 us, Gemma-2-9B 7.06 -> 6.39; at T = 256 and below
 // they were slower for three of the four shapes (Gemma-2 at T = 256 4.18 ->
@@ -454,16 +454,16 @@ int64_t small_tokens(bool plain, bool wide) {
 // 2048. The wide QK-norm builds hold 16-bit weights only (48 registers
 // against 63-80 with float32 ones allowed): 6.83 -> 6.52 us at T = 512,
 // 19.1 -> 17.3 at 2048, 3.96 -> 4.06 at 257; float32 weights take the
-// options kernel there. For tuning (read once): ROPEKV_CUDA_SMALL_WIDE=N, wide lanes above N
-// tokens.
+// options kernel there. For tuning (read once): ROPEKV_CUDA_SMALL_WIDE=N,
+// wide lanes above N tokens.
+int64_t wide_small_tokens() {
+  static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_WIDE", -1);
+  return forced >= 0 ? forced : 256;
+}
 // QK-norm weights that wide lanes take: q's dtype (the wide builds hold
 // 16-bit weights only), as small_weights_ok says for their 16-byte loads.
 bool wide_weights_ok(const Weight& w, FloatType dtype) {
   return w.data == nullptr || (w.dtype == dtype && small_weights_ok(w, 2 * detail::kSmallVec));
-}
-int64_t wide_small_tokens() {
-  static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_WIDE", -1);
-  return forced >= 0 ? forced : 256;
 }
 int64_t small_vec(const Problem& p, int64_t esize) {
   const int64_t wide = 2 * detail::kSmallVec;

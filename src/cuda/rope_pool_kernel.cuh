@@ -1359,7 +1359,7 @@ __device__ __forceinline__ void weight_floats(const unsigned int (&w)[WW], int w
                                               float (&x)[N]) {
   if (WW == N && wdt == 0) {
 #pragma unroll
-    for (int j = 0; j < N; ++j) x[j] = __uint_as_float(w[j % WW]);
+    for (int j = 0; j < N; ++j) x[j] = __uint_as_float(w[j % WW]);  // (WW == N here)
   } else {
 #pragma unroll
     for (int k = 0; k < N / 2; ++k) {
