@@ -262,7 +262,8 @@ void launch_as(const Params& prm, const Launch& l, cudaStream_t stream) {
 
 // The small kernel's build for a QK-norm or not (kNorm) and a pool format
 // (kPools); prm: detail::SmallParams<kNorm, kPools>. Wide lanes (vec =
-// 2 * kSmallVec) are NeoX with cos/sin computed (small_vec).
+// 2 * kSmallVec) have cos/sin computed, NeoX pairs or plain interleaved ones
+// (small_vec).
 template <class T, bool kNorm, int kPools>
 void launch_small_as(const detail::SmallParams<kNorm, kPools>& prm, bool interleaved,
                      int64_t vec, const Launch& l, cudaStream_t stream) {
@@ -272,13 +273,21 @@ void launch_small_as(const detail::SmallParams<kNorm, kPools>& prm, bool interle
   const char* what = "launching the rope_pool small kernel";
   if (vec == kWide) {
     // (No wide build for float32 pools: small_vec keeps them narrow.)
-    if constexpr (kPools == detail::kPoolsF32)
+    if constexpr (kPools == detail::kPoolsF32) {
       throw std::logic_error("ropekv: float32 pools reached the small kernel's wide lanes");
-    else
+    } else if constexpr (!kNorm && kPools == detail::kPoolsSame) {
+      const auto kernel =
+          interleaved ? rope_pool_small_kernel<T, false, true, false, kPools, kWide>
+                      : rope_pool_small_kernel<T, false, false, false, kPools, kWide>;
+      return check(cudaLaunchKernelEx(&lc.cfg, kernel, prm), what);
+    } else {
+      if (interleaved)  // (small_vec keeps interleaved pairs with options narrow)
+        throw std::logic_error("ropekv: interleaved options reached the small kernel's wide lanes");
       return check(cudaLaunchKernelEx(
                        &lc.cfg, rope_pool_small_kernel<T, false, false, kNorm, kPools, kWide>,
                        prm),
                    what);
+    }
   }
   const bool table = prm.cos_sin != nullptr;
   const auto kernel =
@@ -424,8 +433,8 @@ bool small_weights_ok(const Weight& w, int64_t vec = detail::kSmallVec) {
 }
 
 // Tokens up to which a call takes the small kernel (small_kernel): 2048 for
-// calls in wide lanes (small_vec), 512 for other plain calls
-// (interleaved pairs and rope scaling included), 256 with a cos_sin_cache, a
+// calls in wide lanes (small_vec; plain interleaved pairs included), 512 for
+// other plain calls (rope scaling included), 256 with a cos_sin_cache, a
 // QK-norm or float32 / fp8 pools (alone: 0.4-0.8 us faster than the options
 // kernel at T = 256, Llama-3.1-8B). Against the kernels it replaced (H200,
 // cold L2, four shapes): faster up to T = 256 for every shape, and at T = 512
@@ -442,8 +451,9 @@ int64_t small_tokens(bool plain, bool wide) {
 
 // Elements per lane of a small-kernel call: 2 * kSmallVec (16-byte vectors,
 // "wide lanes") for NeoX calls without a table (plain, with a QK-norm whose
-// weights are q's dtype, with fp8 pools) of more than wide_small_tokens() =
-// 256 tokens whose arrays all take them, else kSmallVec (8 bytes). Wide
+// weights are q's dtype, with fp8 pools) and plain interleaved ones of more
+// than wide_small_tokens() = 256 tokens whose arrays all take them, else
+// kSmallVec (8 bytes). Wide
 // lanes hold twice the bytes in flight per thread, and a token's heads fill half the blocks (H200, cold
 // L2, 50-call graphs; docs/performance.md, *Wide lanes*): at T = 512
 // Llama-3.1-8B 5.49 -> 5.00 us, Gemma-2-9B 7.06 -> 6.39; at T = 256 and below
@@ -454,8 +464,10 @@ int64_t small_tokens(bool plain, bool wide) {
 // 2048. The wide QK-norm builds hold 16-bit weights only (48 registers
 // against 63-80 with float32 ones allowed): 6.83 -> 6.52 us at T = 512,
 // 19.1 -> 17.3 at 2048, 3.96 -> 4.06 at 257; float32 weights take the
-// options kernel there. For tuning (read once): ROPEKV_CUDA_SMALL_WIDE=N,
-// wide lanes above N tokens.
+// options kernel there. Plain interleaved pairs (two builds more, 40
+// registers as the NeoX one): 5.47 -> 4.97 us at T = 512, the plain NeoX
+// call's time. For tuning (read once): ROPEKV_CUDA_SMALL_WIDE=N, wide lanes
+// above N tokens.
 int64_t wide_small_tokens() {
   static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_WIDE", -1);
   return forced >= 0 ? forced : 256;
@@ -468,10 +480,13 @@ bool wide_weights_ok(const Weight& w, FloatType dtype) {
 int64_t small_vec(const Problem& p, int64_t esize) {
   const int64_t wide = 2 * detail::kSmallVec;
   // (Float32 pools of 16-bit data were 2-6 % slower in wide lanes at T = 512
-  // and 2048 than on the options kernel: they stay there past 256 tokens.)
-  const bool neox_computed = p.cos_sin_cache.data == nullptr && p.is_neox &&
-                             (p.pool_type == pool_type_of(p.dtype) || is_fp8(p.pool_type));
-  return neox_computed && p.num_tokens > wide_small_tokens() && (p.rotary_dim / 2) % wide == 0 &&
+  // and 2048 than on the options kernel: they stay there past 256 tokens.
+  // Interleaved pairs take wide lanes in the plain build only.)
+  const bool same_pools = p.pool_type == pool_type_of(p.dtype);
+  const bool norm = p.q_norm.data != nullptr || p.k_norm.data != nullptr;
+  const bool computed = p.cos_sin_cache.data == nullptr &&
+                        (p.is_neox ? same_pools || is_fp8(p.pool_type) : same_pools && !norm);
+  return computed && p.num_tokens > wide_small_tokens() && (p.rotary_dim / 2) % wide == 0 &&
                  vector_ok(p, wide, esize, element_size(p.pool_type)) &&
                  wide_weights_ok(p.q_norm, p.dtype) && wide_weights_ok(p.k_norm, p.dtype)
              ? wide

@@ -1440,11 +1440,12 @@ __device__ __forceinline__ void rotate_normed(Vec<T, N>& a, Vec<T, N>& b, const 
 // build before) was twice the plain one's length. Block (L, HB): HB heads
 // of one token, each q head or kv head (with its v) taken by L = half / kN
 // lanes; a lane loads the vectors of kN elements at kN * l and half + kN * l
-// (kN = kSmallVec = 4; 8, "wide lanes", in the NeoX builds without a table
-// that calls of 257 to 2048 tokens take: twice the bytes in flight per
-// thread).
+// (kN = kSmallVec = 4; 8, "wide lanes", in the NeoX builds and the plain
+// interleaved build without a table that calls of 257 to 2048 tokens take:
+// twice the bytes in flight per thread).
 // With kN = 4 (NeoX: pairs 4l.. with half + 4l..; interleaved: the pairs 2l,
-// 2l + 1 and half / 2 + 2l, half / 2 + 2l + 1 they hold, so that loads and
+// 2l + 1 and half / 2 + 2l, half / 2 + 2l + 1 they hold (kN = 8: 4l..4l + 3
+// and half / 2 + 4l..), so that loads and
 // stores stay contiguous runs); grid (T, ceil((Hq + Hk) / HB)). Each block makes the token's
 // cos/sin once into shared memory (one frequency per thread, one barrier),
 // and its heads share them; with a table each lane reads its own from the
@@ -1473,9 +1474,9 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
                     kPools == kPoolsFp8Mul,
                 "one pool format per build");
   constexpr int N = kN;
-  static_assert(N == kSmallVec || (N == 2 * kSmallVec && !kTable && !kInterleaved),
-                "the interleaved lanes take two pairs of each vector; wide lanes: NeoX, "
-                "cos/sin computed");
+  static_assert(N == kSmallVec ||
+                    (N == 2 * kSmallVec && !kTable && (!kInterleaved || (!kNorm && kPools == kPoolsSame))),
+                "wide lanes: cos/sin computed; with interleaved pairs the plain build only");
   const int lane = threadIdx.x, threads = blockDim.x * blockDim.y;
   const int tid = threadIdx.y * blockDim.x + lane;
   const long long t = blockIdx.x;
@@ -1603,7 +1604,7 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
     if constexpr (kInterleaved) {
 #pragma unroll
       for (int j = 0; j < N; ++j) {
-        const int f = (j < 2 ? 0 : p.half / 2) + 2 * lane + (j & 1);
+        const int f = (j < N / 2 ? 0 : p.half / 2) + N / 2 * lane + j % (N / 2);
         cc[j] = cs_smem[f];
         ss[j] = cs_smem[p.half + f];
       }

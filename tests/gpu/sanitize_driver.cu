@@ -751,6 +751,9 @@ int main(int argc, char** argv) {
                    KV::kAuto, false, true, true, true);
   run_options_case("opt bf16 norm (float32 weights) fp8, 300 tokens", 300, 32, 8, 128, bf16, 1,
                    false, KV::kFp8E4M3, false);
+  // Plain interleaved pairs of 257 to 2048 tokens: wide lanes too.
+  run_options_case("small kernel wide lanes bf16 interleaved", 700, 32, 8, 128, bf16, 1, true,
+                   KV::kAuto, false, false);
   run_options_case("small kernel wide lanes bf16 fp8 pools", 400, 32, 8, 128, bf16, 1, false,
                    KV::kFp8E4M3, false, false);
   run_options_case("opt f16 norm f32 pools, 600 tokens", 600, 16, 8, 256, f16, 1, false,

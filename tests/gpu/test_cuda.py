@@ -1262,8 +1262,8 @@ def test_split_call_reports_each_bad_token_once(opt):
 # T = 17..64) holding whole heads of one token, D / 8 lanes per head (from
 # one lane at D = 8 to 128 at D = 1024, one head per 128-thread block), the
 # last block of a token partly empty when the heads do not fill it. Plain
-# NeoX calls of 257 to 2048 tokens whose half head_dim is a multiple of 8
-# take it in wide lanes (D / 16 lanes per head: 8 bytes more per lane, from
+# calls (NeoX or interleaved) of 257 to 2048 tokens whose half head_dim is a
+# multiple of 8 take it in wide lanes (D / 16 lanes per head: 8 bytes more per lane, from
 # D = 80); 257 and 513 tokens run the kernels beyond the other limits, 2049
 # beyond the wide lanes'.
 SMALL_SHAPES = [(3, 1, 8), (5, 3, 24), (28, 4, 128), (7, 2, 80), (32, 32, 96), (16, 8, 256),
@@ -1277,7 +1277,7 @@ def test_small_kernel_shapes(dtype, table, pairs):
     dt = DTYPES[dtype]
     tdt = {"none": None, "float32": torch.float32, "same": dt}[table]
     for i, (Hq, Hk, D) in enumerate(SMALL_SHAPES):
-        wide = (1500, 2049) if table == "none" and pairs == "neox" else ()
+        wide = (1500, 2049) if table == "none" else ()
         for T in (1, 3, 40, 257, 513) + wide:
             run_options(T, Hq, Hk, D, dt, seed=T + D, table_dtype=tdt,
                         is_neox=pairs == "neox", idx=torch.int32 if (i + T) % 2 else torch.int64,
@@ -1367,11 +1367,11 @@ def test_small_kernel_routing():
     for options past 256 tokens with interleaved pairs or float32 pools, past
     2048 with NeoX pairs (at 4096 tokens its kOptSteps build, U = 4, for pools of q's dtype
     alone, kPools 3, or with float32, 1), and for plain interleaved pairs past
-    512 tokens. NeoX calls of 257 to 2048 tokens without a table: the small
-    kernel in wide lanes (template argument kN 8, else 4), with a QK-norm
-    only where its weights are q's dtype (float32 ones: the options kernel);
-    plain ones past 2048 the plain kernel. Every other test passes on either
-    kernel."""
+    2048 tokens. NeoX calls of 257 to 2048 tokens without a table, and plain
+    interleaved ones: the small kernel in wide lanes (template argument kN 8,
+    else 4), with a QK-norm only where its weights are q's dtype (float32
+    ones: the options kernel); plain NeoX ones past 2048 the plain kernel.
+    Every other test passes on either kernel."""
     import re
     from torch.profiler import ProfilerActivity, profile
     norm = dict(q_norm=torch.float32, k_norm=torch.bfloat16)
@@ -1387,8 +1387,10 @@ def test_small_kernel_routing():
              (1, {}, small, ("false", "3", "4")),
              (257, {}, small, ("false", "3", "8")),
              (2048, {}, small, ("false", "3", "8")),
-             (512, dict(is_neox=False), small, ("false", "3", "4")),
-             (513, dict(is_neox=False), options, None),
+             (256, dict(is_neox=False), small, ("false", "3", "4")),
+             (257, dict(is_neox=False), small, ("false", "3", "8")),
+             (2048, dict(is_neox=False), small, ("false", "3", "8")),
+             (2049, dict(is_neox=False), options, None),
              (2049, {}, "rope_pool_kernel", None),
              (257, norm16, small, ("true", "3", "8")),
              (300, dict(k_norm=torch.bfloat16), small, ("true", "3", "8")),
