@@ -89,13 +89,17 @@ inline int64_t load_index(const View1& a, IndexType t, int64_t i) {
                               : static_cast<const int64_t*>(a.data)[i * a.stride];
 }
 
+/// Whether the call has a QK-norm (of q, of k or of both).
+inline bool has_qk_norm(const Problem& p) {
+  return p.q_norm.data != nullptr || p.k_norm.data != nullptr;
+}
+
 /// Whether the call takes the backends' fast paths: the original op, its
 /// frequencies scaled or not (any rope_scaling: yarn's attention factor
 /// scales the per-token cos/sin these paths make anyway).
 inline bool is_plain(const Problem& p) {
   return p.is_neox && p.pool_type == pool_type_of(p.dtype) &&
-         p.cos_sin_cache.data == nullptr && p.q_norm.data == nullptr &&
-         p.k_norm.data == nullptr;
+         p.cos_sin_cache.data == nullptr && !has_qk_norm(p);
 }
 
 /// Checks every rule of the contract and builds the Problem. Throws Error.

@@ -282,7 +282,8 @@ void launch_small_as(const detail::SmallParams<kNorm, kPools>& prm, bool interle
       return check(cudaLaunchKernelEx(&lc.cfg, kernel, prm), what);
     } else {
       if (interleaved)  // (small_vec keeps interleaved pairs with options narrow)
-        throw std::logic_error("ropekv: interleaved options reached the small kernel's wide lanes");
+        throw std::logic_error(
+            "ropekv: interleaved options reached the small kernel's wide lanes");
       return check(cudaLaunchKernelEx(
                        &lc.cfg, rope_pool_small_kernel<T, false, false, kNorm, kPools, kWide>,
                        prm),
@@ -453,9 +454,9 @@ int64_t small_tokens(bool plain, bool wide) {
 // "wide lanes") for NeoX calls without a table (plain, with a QK-norm whose
 // weights are q's dtype, with fp8 pools) and plain interleaved ones of more
 // than wide_small_tokens() = 256 tokens whose arrays all take them, else
-// kSmallVec (8 bytes). Wide
-// lanes hold twice the bytes in flight per thread, and a token's heads fill half the blocks (H200, cold
-// L2, 50-call graphs; docs/performance.md, *Wide lanes*): at T = 512
+// kSmallVec (8 bytes). Wide lanes hold twice the bytes in flight per
+// thread, and a token's heads fill half the blocks (H200, cold L2, 50-call
+// graphs; docs/performance.md, *Wide lanes*): at T = 512
 // Llama-3.1-8B 5.49 -> 5.00 us, Gemma-2-9B 7.06 -> 6.39; at T = 256 and below
 // they were slower for three of the four shapes (Gemma-2 at T = 256 4.18 ->
 // 4.47). With options, against the options kernel that took them past 256
@@ -483,7 +484,7 @@ int64_t small_vec(const Problem& p, int64_t esize) {
   // and 2048 than on the options kernel: they stay there past 256 tokens.
   // Interleaved pairs take wide lanes in the plain build only.)
   const bool same_pools = p.pool_type == pool_type_of(p.dtype);
-  const bool norm = p.q_norm.data != nullptr || p.k_norm.data != nullptr;
+  const bool norm = has_qk_norm(p);
   const bool computed = p.cos_sin_cache.data == nullptr &&
                         (p.is_neox ? same_pools || is_fp8(p.pool_type) : same_pools && !norm);
   return computed && p.num_tokens > wide_small_tokens() && (p.rotary_dim / 2) % wide == 0 &&
@@ -525,7 +526,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 bool table_kernel(const Problem& p, int64_t esize) {
   const CosSinCache& cs = p.cos_sin_cache;
   if (cs.data == nullptr || !p.is_neox || p.pool_type != pool_type_of(p.dtype) ||
-      p.q_norm.data != nullptr || p.k_norm.data != nullptr)
+      has_qk_norm(p))
     return false;
   const int64_t tes = cs.dtype == FloatType::kF32 ? 4 : 2;
   return cs.stride[1] == 1 && reinterpret_cast<uintptr_t>(cs.data) % 16 == 0 &&
@@ -579,7 +580,7 @@ detail::Options options_of(const Problem& p, int steps) {
 bool small_kernel(const Problem& p, int64_t esize) {
   const int64_t lanes = p.rotary_dim / 2 / detail::kSmallVec;
   const CosSinCache& cs = p.cos_sin_cache;
-  const bool norm = p.q_norm.data != nullptr || p.k_norm.data != nullptr;
+  const bool norm = has_qk_norm(p);
   const bool plain = cs.data == nullptr && !norm && p.pool_type == pool_type_of(p.dtype);
   const bool wide = esize == 2 && small_vec(p, esize) != detail::kSmallVec;
   if (esize != 2 || p.rotary_dim != p.head_dim || p.num_tokens > small_tokens(plain, wide) ||
@@ -604,7 +605,7 @@ bool small_kernel(const Problem& p, int64_t esize) {
 template <class T>
 void launch_small_build(const Params& prm, const Problem& p, const Launch& l, int64_t vec,
                         cudaStream_t stream) {
-  const bool norm = p.q_norm.data != nullptr || p.k_norm.data != nullptr;
+  const bool norm = has_qk_norm(p);
   const bool interleaved = !p.is_neox;
   if (!norm && p.pool_type == pool_type_of(p.dtype))
     return launch_small_as<T, false, detail::kPoolsSame>(prm, interleaved, vec, l, stream);
@@ -645,7 +646,7 @@ void launch_small(Params& prm, const Problem& p, const DeviceState& st, cudaStre
   l.blocks_y = static_cast<unsigned int>(ceil_div(heads, per_block));
   l.threads = static_cast<int>(lanes);
   l.threads_y = static_cast<unsigned int>(per_block);
-  const bool norm = p.q_norm.data != nullptr || p.k_norm.data != nullptr;
+  const bool norm = has_qk_norm(p);
   // The cos/sin of the token (not with a table), then with a QK-norm each
   // thread's sum of squares.
   l.smem = ((prm.cos_sin != nullptr ? 0 : p.rotary_dim) + (norm ? per_block * lanes : 0)) *
@@ -744,7 +745,7 @@ void run(const Problem& p, const ExecOptions& options) {
   if (small_kernel(p, esize)) return launch_small(prm, p, st, stream);
   const bool table = table_kernel(p, esize);
   const bool plain_call = is_plain(p) || table;
-  const bool norm = p.q_norm.data != nullptr || p.k_norm.data != nullptr;  // (not plain)
+  const bool norm = has_qk_norm(p);  // (not plain)
   bool contig = true;
   int vec = 1;
   if (table) {

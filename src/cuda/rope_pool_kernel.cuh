@@ -1474,8 +1474,8 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
                     kPools == kPoolsFp8Mul,
                 "one pool format per build");
   constexpr int N = kN;
-  static_assert(N == kSmallVec ||
-                    (N == 2 * kSmallVec && !kTable && (!kInterleaved || (!kNorm && kPools == kPoolsSame))),
+  static_assert(N == kSmallVec || (N == 2 * kSmallVec && !kTable &&
+                                    (!kInterleaved || (!kNorm && kPools == kPoolsSame))),
                 "wide lanes: cos/sin computed; with interleaved pairs the plain build only");
   const int lane = threadIdx.x, threads = blockDim.x * blockDim.y;
   const int tid = threadIdx.y * blockDim.x + lane;

@@ -1263,9 +1263,9 @@ def test_split_call_reports_each_bad_token_once(opt):
 # one lane at D = 8 to 128 at D = 1024, one head per 128-thread block), the
 # last block of a token partly empty when the heads do not fill it. Plain
 # calls (NeoX or interleaved) of 257 to 2048 tokens whose half head_dim is a
-# multiple of 8 take it in wide lanes (D / 16 lanes per head: 8 bytes more per lane, from
-# D = 80); 257 and 513 tokens run the kernels beyond the other limits, 2049
-# beyond the wide lanes'.
+# multiple of 8 take it in wide lanes (D / 16 lanes per head: 8 bytes more
+# per lane, from D = 80); 257 and 513 tokens run the kernels beyond the
+# other limits, 2049 beyond the wide lanes'.
 SMALL_SHAPES = [(3, 1, 8), (5, 3, 24), (28, 4, 128), (7, 2, 80), (32, 32, 96), (16, 8, 256),
                 (4, 2, 512), (3, 1, 1024)]
 
