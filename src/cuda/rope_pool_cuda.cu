@@ -433,8 +433,9 @@ bool small_weights_ok(const Weight& w, int64_t vec = detail::kSmallVec) {
   return w.stride == 1 && reinterpret_cast<uintptr_t>(w.data) % bytes == 0;
 }
 
-// Tokens up to which a call takes the small kernel (small_kernel): 2048 for
-// calls in wide lanes (small_vec; plain interleaved pairs included), 512 for
+// Tokens up to which a call takes the small kernel (small_kernel): in wide
+// lanes (small_vec; plain interleaved pairs included) 8192 where a head's
+// wide lanes are a power of two (head_dim 128, 256, ...), else 2048; 512 for
 // other plain calls (rope scaling included), 256 with a cos_sin_cache, a
 // QK-norm or float32 / fp8 pools (alone: 0.4-0.8 us faster than the options
 // kernel at T = 256, Llama-3.1-8B). Against the kernels it replaced (H200,
@@ -443,11 +444,20 @@ bool small_weights_ok(const Weight& w, int64_t vec = detail::kSmallVec) {
 // Llama-3.1-8B; with a table 13-22 % slower at T = 512 for three shapes;
 // with a QK-norm and fp8 pools (Llama) 19 % faster at T = 256 and 27 %
 // slower at 512. In wide lanes, against the plain kernel: 0-9 % faster at
-// T = 512-2048 for the four shapes (docs/performance.md, *Wide lanes*). For
-// tuning (read once): ROPEKV_CUDA_SMALL_TOKENS=N sets every limit (0: never).
-int64_t small_tokens(bool plain, bool wide) {
+// T = 512-2048 for the four shapes (docs/performance.md, *Wide lanes*). Past
+// 2048, against the kernels that took those calls (Llama-3.1-8B unless
+// named): at T = 4096 a QK-norm 35.5 -> 32.0 us, with fp8 pools 37.3 -> 31.1,
+// fp8 pools 28.7 -> 26.7, plain 29.7 -> 28.7 (Qwen2.5-7B 22.9 -> 21.5); at
+// 8192 61.3 against 62.5, 59.2 against 66.9, 52.0 against 52.9, plain even;
+// at 32768 a QK-norm 4 % slower. Phi-3-mini's heads of 6 wide lanes ran
+// 4-7 % slower at 4096-8192, hence the power of two (*Wide lanes past 2048
+// tokens*). For tuning (read once): ROPEKV_CUDA_SMALL_TOKENS=N sets every
+// limit (0: never).
+int64_t small_tokens(bool plain, bool wide, int64_t wide_lanes) {
   static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_TOKENS", -1);
-  return forced >= 0 ? forced : wide ? 2048 : plain ? 512 : 256;
+  if (forced >= 0) return forced;
+  if (wide) return (wide_lanes & (wide_lanes - 1)) == 0 ? 8192 : 2048;
+  return plain ? 512 : 256;
 }
 
 // Elements per lane of a small-kernel call: 2 * kSmallVec (16-byte vectors,
@@ -583,7 +593,7 @@ bool small_kernel(const Problem& p, int64_t esize) {
   const bool norm = has_qk_norm(p);
   const bool plain = cs.data == nullptr && !norm && p.pool_type == pool_type_of(p.dtype);
   const bool wide = esize == 2 && small_vec(p, esize) != detail::kSmallVec;
-  if (esize != 2 || p.rotary_dim != p.head_dim || p.num_tokens > small_tokens(plain, wide) ||
+  if (esize != 2 || p.rotary_dim != p.head_dim || p.num_tokens > small_tokens(plain, wide, lanes / 2) ||
       forced_unroll() != 0 || lanes < 1 || lanes > 128 ||
       p.num_qo_heads + p.num_kv_heads > 65535 ||
       (norm && (lanes > 32 || (lanes & (lanes - 1)) != 0 || !small_weights_ok(p.q_norm) ||
@@ -653,7 +663,7 @@ void launch_small(Params& prm, const Problem& p, const DeviceState& st, cudaStre
            sizeof(float);
   l.pdl = st.pdl;
   // Every parameter line before the wait (see param_lines): the small
-  // kernel was measured so at every size it takes (T <= 2048 in wide lanes).
+  // kernel was measured so at every size it takes (T <= 8192 in wide lanes).
   prm.early_params = 1;
   if (p.dtype == FloatType::kF16) return launch_small_build<__half>(prm, p, l, vec, stream);
   return launch_small_build<__nv_bfloat16>(prm, p, l, vec, stream);

@@ -52,12 +52,13 @@
 // table, a QK-norm or another pool format) run rope_pool_small_kernel
 // instead (end of this file): plain, interleaved, with a cos_sin_cache, a
 // QK-norm on heads of up to 256, float32 or fp8 pools, one build for each
-// QK-norm or not and pool format; NeoX calls of 257 to 2048 tokens
-// without a table (plain, with a QK-norm, with fp8 pools) run its builds in
-// wide lanes (16-byte vectors). Its QK-norm sums a head's squares in another
+// QK-norm or not and pool format; NeoX calls of 257 to 8192 tokens (2048
+// where a head's wide lanes are not a power of two) without a table (plain,
+// with a QK-norm, with fp8 pools) and plain interleaved ones run its builds
+// in wide lanes (16-byte vectors). Its QK-norm sums a head's squares in another
 // order than the options kernel (4- or 8-element lane chunks, then the
 // lanes' sums in four strided runs), so a QK-norm result can differ by one
-// rounding between calls of different sizes (256 / 257 tokens, 2048 / 2049);
+// rounding between calls of different sizes (256 / 257 tokens, 8192 / 8193);
 // either is within the contract's bound, and each is reproducible.
 #pragma once
 
@@ -1441,7 +1442,7 @@ __device__ __forceinline__ void rotate_normed(Vec<T, N>& a, Vec<T, N>& b, const 
 // of one token, each q head or kv head (with its v) taken by L = half / kN
 // lanes; a lane loads the vectors of kN elements at kN * l and half + kN * l
 // (kN = kSmallVec = 4; 8, "wide lanes", in the NeoX builds and the plain
-// interleaved build without a table that calls of 257 to 2048 tokens take:
+// interleaved build without a table that calls of 257 to 8192 tokens take:
 // twice the bytes in flight per thread).
 // With kN = 4 (NeoX: pairs 4l.. with half + 4l..; interleaved: the pairs 2l,
 // 2l + 1 and half / 2 + 2l, half / 2 + 2l + 1 they hold (kN = 8: 4l..4l + 3

@@ -736,12 +736,12 @@ int main(int argc, char** argv) {
   run_case("f32 D=600 (inv_freq past table)", 2, 2, 1, 600, f32, false, 1, false);
   run_case("bf16 out-of-range slot", 8, 8, 2, 128, bf16, false, 1, true);
   run_case("f16 out-of-range slot, int64", 3, 8, 2, 64, f16, true, 1, true);
-  // Plain NeoX calls of 257 to 2048 tokens: the small kernel in wide lanes
-  // (16-byte vectors; D = 96: 6 lanes per head).
+  // Plain NeoX calls of 257 to 8192 tokens (2048 for heads of 6 lanes):
+  // the small kernel in wide lanes (16-byte vectors; D = 96: 6 lanes per head).
   run_case("small kernel wide lanes bf16", 300, 32, 8, 128, bf16, false, 1, false);
   run_case("small kernel wide lanes f16 D=96, bad slot", 600, 8, 8, 96, f16, true, 1, true);
   using KV = ropekv::KvCacheDtype;
-  // NeoX calls of 257 to 2048 tokens with a QK-norm (weights in q's dtype)
+  // NeoX calls of 257 to 8192 tokens with a QK-norm (weights in q's dtype)
   // or fp8 pools (cos/sin computed): the small kernel's option builds in
   // wide lanes; with float32 pools or float32 weights (no wide build) the
   // options kernel.
@@ -749,9 +749,11 @@ int main(int argc, char** argv) {
                    KV::kFp8E4M3, false, true, false, true);
   run_options_case("small kernel wide lanes f16 norm, D=256", 500, 16, 8, 256, f16, 1, false,
                    KV::kAuto, false, true, true, true);
+  run_options_case("small kernel wide lanes bf16 norm, 5000 tokens", 5000, 32, 8, 128, bf16, 1,
+                   false, KV::kAuto, false, true, true, true);
   run_options_case("opt bf16 norm (float32 weights) fp8, 300 tokens", 300, 32, 8, 128, bf16, 1,
                    false, KV::kFp8E4M3, false);
-  // Plain interleaved pairs of 257 to 2048 tokens: wide lanes too.
+  // Plain interleaved pairs of 257 to 8192 tokens: wide lanes too.
   run_options_case("small kernel wide lanes bf16 interleaved", 700, 32, 8, 128, bf16, 1, true,
                    KV::kAuto, false, false);
   run_options_case("small kernel wide lanes bf16 fp8 pools", 400, 32, 8, 128, bf16, 1, false,

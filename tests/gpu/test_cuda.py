@@ -1264,8 +1264,9 @@ def test_split_call_reports_each_bad_token_once(opt):
 # last block of a token partly empty when the heads do not fill it. Plain
 # calls (NeoX or interleaved) of 257 to 2048 tokens whose half head_dim is a
 # multiple of 8 take it in wide lanes (D / 16 lanes per head: 8 bytes more
-# per lane, from D = 80); 257 and 513 tokens run the kernels beyond the
-# other limits, 2049 beyond the wide lanes'.
+# per lane, from D = 80), up to 8192 tokens where D / 16 is a power of two;
+# 257 and 513 tokens run the kernels beyond the other limits, 2049 beyond
+# the wide lanes' of D = 80 and 96 (test_small_kernel_limits_... has 8193).
 SMALL_SHAPES = [(3, 1, 8), (5, 3, 24), (28, 4, 128), (7, 2, 80), (32, 32, 96), (16, 8, 256),
                 (4, 2, 512), (3, 1, 1024)]
 
@@ -1293,7 +1294,7 @@ def test_small_kernel_options(pool, dtype):
     interleaved pairs, with or without a table. It takes a QK-norm for heads
     of 8 to 256 (1 to 32 lanes, a power of two) with contiguous weights, and
     fp8 pools without a QK-norm for power-of-two scales only; NeoX calls
-    without a table of 257 to 2048 tokens in wide lanes (D = 128, 256, T =
+    without a table of 257 to 8192 tokens in wide lanes (D = 128, 256, T =
     257 and 1100 here); the others of SMALL_SHAPES (24, 80, 96, 512, 1024),
     strided weights, other calls past 256 tokens and fp8 pools alone whose
     scales divide go to the options kernel; in place for some."""
@@ -1334,7 +1335,7 @@ def test_small_kernel_options(pool, dtype):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("pool", ["auto", "fp8_e4m3", "fp8_e5m2"])
 def test_small_kernel_wide_lanes_qk_norm(pool, dtype):
-    """A QK-norm in the small kernel's wide lanes (NeoX, no table, 257 to 2048
+    """A QK-norm in the small kernel's wide lanes (NeoX, no table, 257 to 8192
     tokens, weights in q's dtype: the wide builds hold 16-bit weights only)
     on heads of 8, 16 and 32 lanes (D = 128, 256, 512): weights of both heads,
     of k only and of q only (the other heads take pairs of 1.0 in q's
@@ -1346,7 +1347,7 @@ def test_small_kernel_wide_lanes_qk_norm(pool, dtype):
     fp8 = pool.startswith("fp8")
     norms = [(dt, dt), (None, dt), (dt, None), (torch.float32, dt)]
     for i, (Hq, Hk, D) in enumerate(((28, 4, 128), (16, 8, 256), (4, 2, 512))):
-        for j, T in enumerate((257, 700, 1100)):  # (2048: the limit test's)
+        for j, T in enumerate((257, 700, 3000)):  # (8192: the limit test's)
             qn, kn = norms[(i + j) % 4]
             scales = (dict(k_scale=0.37, v_scale=1.7) if (i + j) % 2 else
                       dict(k_scale=0.5, v_scale=4.0)) if fp8 else {}
@@ -1364,13 +1365,14 @@ def test_small_kernel_routing():
     whose scales divide, 5 fp8 with power-of-two scales) for a QK-norm with
     any pools, float32 pools, fp8 pools with power-of-two scales and the
     plain call; the options kernel for fp8 pools alone whose scales divide,
-    for options past 256 tokens with interleaved pairs or float32 pools, past
-    2048 with NeoX pairs (at 4096 tokens its kOptSteps build, U = 4, for pools of q's dtype
-    alone, kPools 3, or with float32, 1), and for plain interleaved pairs past
-    2048 tokens. NeoX calls of 257 to 2048 tokens without a table, and plain
-    interleaved ones: the small kernel in wide lanes (template argument kN 8,
-    else 4), with a QK-norm only where its weights are q's dtype (float32
-    ones: the options kernel); plain NeoX ones past 2048 the plain kernel.
+    for options past 256 tokens with interleaved pairs or float32 pools or
+    QK-norm weights, past 8192 with NeoX pairs (at 4096 tokens its kOptSteps
+    build, U = 4, for pools of q's dtype alone, kPools 3, or with float32, 1),
+    and for plain interleaved pairs past 8192 tokens. NeoX calls of 257 to
+    8192 tokens without a table, and plain interleaved ones: the small kernel
+    in wide lanes (template argument kN 8, else 4), with a QK-norm only where
+    its weights are q's dtype; plain NeoX ones past 8192 the plain kernel.
+    Heads of 6 wide lanes (D = 96): the wide lanes up to 2048 tokens only.
     Every other test passes on either kernel."""
     import re
     from torch.profiler import ProfilerActivity, profile
@@ -1390,11 +1392,16 @@ def test_small_kernel_routing():
              (256, dict(is_neox=False), small, ("false", "3", "4")),
              (257, dict(is_neox=False), small, ("false", "3", "8")),
              (2048, dict(is_neox=False), small, ("false", "3", "8")),
-             (2049, dict(is_neox=False), options, None),
-             (2049, {}, "rope_pool_kernel", None),
+             (8192, {}, small, ("false", "3", "8")),
+             (8192, dict(is_neox=False), small, ("false", "3", "8")),
+             (8193, dict(is_neox=False), options, None),
+             (8193, {}, "rope_pool_kernel", None),
+             (2048, dict(D=96), small, ("false", "3", "8")),
+             (2049, dict(D=96), "rope_pool_kernel", None),
              (257, norm16, small, ("true", "3", "8")),
              (300, dict(k_norm=torch.bfloat16), small, ("true", "3", "8")),
-             (2048, dict(kv_cache_dtype="fp8_e4m3", **norm16), small, ("true", "5", "8")),
+             (8192, dict(kv_cache_dtype="fp8_e4m3", **norm16), small, ("true", "5", "8")),
+             (8193, norm16, options, None),
              (257, norm, options, None),
              (2048, dict(kv_cache_dtype="fp8_e4m3", **norm), options, None),
              (300, dict(kv_cache_dtype="float32"), options, None),
@@ -1404,7 +1411,8 @@ def test_small_kernel_routing():
              (4096, norm, options, ("4", "3", "true")),
              (4096, dict(kv_cache_dtype="float32", **norm), options, ("4", "1", "true"))]
     for T, opts, want, build in cases:
-        t, kw = options_case(T, 32, 8, 128, torch.bfloat16, **opts)
+        opts = dict(opts)
+        t, kw = options_case(T, 32, 8, opts.pop("D", 128), torch.bfloat16, **opts)
         options_call(t, kw)  # (the first call makes the library's tables)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -1426,17 +1434,17 @@ def test_small_kernel_routing():
 
 @pytest.mark.parametrize("table", ["none", "float32"])
 def test_small_kernel_limits_in_place_and_8_byte_alignment(table):
-    """The small kernel at its token limits (2048 in wide lanes, plain or
-    with a QK-norm and fp8 pools; 512 for plain inputs 8-byte but not 16-byte
+    """The small kernel at its token limits (8192 in wide lanes of D = 128,
+    plain or with a QK-norm and fp8 pools; 512 for plain inputs 8-byte but not 16-byte
     aligned, 4 elements into a buffer, which only its narrow lanes take as
     vectors; 256 with a table), in place, and on such 8-byte aligned inputs."""
     tdt = None if table == "none" else torch.float32
-    limits = ((2048, 0), (512, 4)) if tdt is None else ((256, 0),)
+    limits = ((8192, 0), (512, 4)) if tdt is None else ((256, 0),)
     for limit, shift in limits:
         for T in (limit, limit + 1):
             run_options(T, 28, 4, 128, torch.bfloat16, seed=T, table_dtype=tdt, shift=shift,
                         what=f"small limit T={T} shift {shift} table {table}")
-    # A QK-norm (weights in q's dtype) with fp8 pools: 2048 tokens in wide
+    # A QK-norm (weights in q's dtype) with fp8 pools: 8192 tokens in wide
     # lanes (256 with a table).
     for T in (limits[0][0], limits[0][0] + 1):
         run_options(T, 28, 4, 128, torch.bfloat16, seed=T, table_dtype=tdt,
