@@ -140,7 +140,7 @@ do_test() {
   # TEST_ARGS='-k "small_kernel or options"'.
   local args=()
   eval "args=(${TEST_ARGS:-})"
-  (cd /tmp && timeout 420 $PY -m pytest -q -p no:cacheprovider -rs "${args[@]}" "$ROOT/tests/gpu")
+  (cd /tmp && timeout 480 $PY -m pytest -q -p no:cacheprovider -rs "${args[@]}" "$ROOT/tests/gpu")
 }
 
 do_sanitize() {
