@@ -511,9 +511,12 @@ int64_t small_vec(const Problem& p, int64_t esize) {
 // 512; 64 lost at T = 1 and 512 (docs/performance.md, *Small calls*). For
 // tuning (read once): ROPEKV_CUDA_SMALL_THREADS=N, 32 to
 // detail::kSmallThreads.
-int64_t small_threads(int64_t tokens) {
+int64_t forced_small_threads() {
   static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_THREADS", 0);
-  if (forced > 0) return std::clamp<int64_t>(forced, 32, detail::kSmallThreads);
+  return forced > 0 ? std::clamp<int64_t>(forced, 32, detail::kSmallThreads) : 0;
+}
+int64_t small_threads(int64_t tokens) {
+  if (const int64_t forced = forced_small_threads()) return forced;
   return tokens > 16 && tokens <= 64 ? 256 : 128;
 }
 
@@ -643,20 +646,36 @@ void launch_small_build(const Params& prm, const Problem& p, const Launch& l, in
   return pools(std::false_type());
 }
 
-// The small kernel's launch: HB heads of L lanes per block, up to
-// small_threads(T) threads, grid (T, ceil((Hq + Hk) / HB)).
+// Heads per block of a small-kernel call of `heads` heads of `lanes` lanes:
+// small_threads(T) / lanes (at least one), except for a QK-norm in wide
+// lanes whose heads do not fill such blocks evenly: the fewest blocks of at
+// most kSmallThreads threads, each with an equal share of the heads. Those
+// builds hold 48 registers, 42 warps per SM, and Llama-3.1-8B's 40 heads in
+// blocks of 16 + 16 + 8 left 2 of a token's 12 warps empty; as 20 + 20
+// (H200, cold L2): T = 512 6.51 -> 5.24 us, 1024 10.01 -> 9.52, 8192 60.9 ->
+// 59.5; with fp8 pools 6.61 -> 5.11 and 58.8 -> 55.7. The plain and fp8
+// builds (40 registers) were even or 1 % slower so, and keep their blocks
+// (docs/performance.md, *Wide lanes*).
+int64_t small_heads_per_block(int64_t tokens, int64_t heads, int64_t lanes, bool wide_norm) {
+  const int64_t per_block = std::min(heads, std::max<int64_t>(1, small_threads(tokens) / lanes));
+  if (!wide_norm || heads % per_block == 0 || forced_small_threads() != 0) return per_block;
+  return ceil_div(heads, ceil_div(heads * lanes, detail::kSmallThreads));
+}
+
+// The small kernel's launch: HB heads of L lanes per block
+// (small_heads_per_block), grid (T, ceil((Hq + Hk) / HB)).
 void launch_small(Params& prm, const Problem& p, const DeviceState& st, cudaStream_t stream) {
   const int64_t vec = small_vec(p, element_size(p.dtype));
   const int64_t lanes = p.rotary_dim / 2 / vec;
   const int64_t heads = p.num_qo_heads + p.num_kv_heads;
+  const bool norm = has_qk_norm(p);
   const int64_t per_block =
-      std::min(heads, std::max<int64_t>(1, small_threads(p.num_tokens) / lanes));
+      small_heads_per_block(p.num_tokens, heads, lanes, norm && vec != detail::kSmallVec);
   Launch l;
   l.blocks = p.num_tokens;
   l.blocks_y = static_cast<unsigned int>(ceil_div(heads, per_block));
   l.threads = static_cast<int>(lanes);
   l.threads_y = static_cast<unsigned int>(per_block);
-  const bool norm = has_qk_norm(p);
   // The cos/sin of the token (not with a table), then with a QK-norm each
   // thread's sum of squares.
   l.smem = ((prm.cos_sin != nullptr ? 0 : p.rotary_dim) + (norm ? per_block * lanes : 0)) *

@@ -1337,7 +1337,8 @@ def test_small_kernel_options(pool, dtype):
 def test_small_kernel_wide_lanes_qk_norm(pool, dtype):
     """A QK-norm in the small kernel's wide lanes (NeoX, no table, 257 to 8192
     tokens, weights in q's dtype: the wide builds hold 16-bit weights only)
-    on heads of 8, 16 and 32 lanes (D = 128, 256, 512): weights of both heads,
+    on heads of 8, 16 and 32 lanes (D = 128, 256, 512; 32 + 8 heads of 8 lanes in
+    two blocks of 20 per token, the others in blocks they fill): weights of both heads,
     of k only and of q only (the other heads take pairs of 1.0 in q's
     dtype), a norm_eps large enough to move r by far more than the
     tolerance, fp8 scales that divide and powers of two; float32 weights of
@@ -1346,7 +1347,7 @@ def test_small_kernel_wide_lanes_qk_norm(pool, dtype):
     dt = DTYPES[dtype]
     fp8 = pool.startswith("fp8")
     norms = [(dt, dt), (None, dt), (dt, None), (torch.float32, dt)]
-    for i, (Hq, Hk, D) in enumerate(((28, 4, 128), (16, 8, 256), (4, 2, 512))):
+    for i, (Hq, Hk, D) in enumerate(((28, 4, 128), (16, 8, 256), (4, 2, 512), (32, 8, 128))):
         for j, T in enumerate((257, 700, 3000)):  # (8192: the limit test's)
             qn, kn = norms[(i + j) % 4]
             scales = (dict(k_scale=0.37, v_scale=1.7) if (i + j) % 2 else
