@@ -13,6 +13,9 @@
 //                destination before it is written): glibc 2.36's memcpy does
 //                not stream at these sizes, so this is the machine's higher
 //                copy ceiling, which ropekv's own streaming stores approach
+//   pattern_GB/s (cold plain rows) the call's own rows copied with its store
+//                policy and threads, no arithmetic (pattern_call below)
+//   vs_pattern   GB/s / pattern_GB/s
 //
 // Cold caches, as in a serving engine where the pool is far larger than any
 // cache and the previous layer has long evicted this one:
@@ -42,6 +45,12 @@
 //
 // Run:  build-bench/bench/ropekv_cpu_bench --benchmark_counters_tabular=true
 #include <benchmark/benchmark.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -95,6 +104,83 @@ constexpr const char* kOptionNames[] = {"plain",  "interleaved", "llama3",      
                                         "cos_sin_cache", "qk_norm", "f32_pools", "fp8_pools",
                                         "qknorm+fp8+yarn", "fp8_pools_0.37"};
 constexpr int64_t kCacheRows = 131072;  // positions are below 128k
+
+// The access pattern of a plain call without its arithmetic: each token's q
+// and k rows copied to q_rot and k_rot, its k and v rows to the pool rows its
+// slot names, with ropekv's store policy (src/cpu: the rows of a pool of at
+// least 8 MiB non-temporal; q_rot and k_rot too once a call writes 8 MiB,
+// else ordinary stores, which read each cold line before writing it), on
+// the threads ropekv would take (64 KiB per thread at least; contiguous
+// token ranges). What the call could reach if its arithmetic were free: the
+// "pattern" counters, a reference for the memory side alone.
+void copy_row(uint8_t* d, const uint8_t* s, int64_t n, bool stream) {
+#if defined(__SSE2__)
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+    if (stream) _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), x);
+    else _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), x);
+  }
+#else
+  (void)stream;
+  std::memcpy(d, s, static_cast<size_t>(n));
+#endif
+}
+
+void pattern_call(const ropekv::RopePoolTensors& a, int64_t T, int64_t q_row, int64_t k_row,
+                  bool stream_out, int threads) {
+  auto tokens = [&](int64_t t0, int64_t t1) {
+    const int32_t* slots = static_cast<const int32_t*>(a.slots.data);
+    const auto* q = static_cast<const uint8_t*>(a.q.data);
+    const auto* k = static_cast<const uint8_t*>(a.k.data);
+    const auto* v = static_cast<const uint8_t*>(a.v.data);
+    auto* q_rot = static_cast<uint8_t*>(a.q_rot.data);
+    auto* k_rot = static_cast<uint8_t*>(a.k_rot.data);
+    auto* k_pool = static_cast<uint8_t*>(a.k_pool.data);
+    auto* v_pool = static_cast<uint8_t*>(a.v_pool.data);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t row = slots[t];
+      copy_row(q_rot + t * q_row, q + t * q_row, q_row, stream_out);
+      copy_row(k_rot + t * k_row, k + t * k_row, k_row, stream_out);
+      copy_row(k_pool + row * k_row, k + t * k_row, k_row, true);
+      copy_row(v_pool + row * k_row, v + t * k_row, k_row, true);
+    }
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+  };
+  if (threads <= 1) return tokens(0, T);
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
+    tokens(T * i / n, T * (i + 1) / n);
+  }
+}
+
+// Seconds per call of pattern_call over the rotating sets (best of 5 runs
+// of min_seconds / 5 each, as the copy references).
+double pattern_seconds_per_call(const std::vector<ropekv::RopePoolTensors>& calls, int64_t T,
+                                int64_t q_row, int64_t k_row, int64_t bytes, int threads,
+                                double min_seconds) {
+  const bool stream_out = T * (q_row + 3 * k_row) >= (int64_t{8} << 20);
+  const int nt = static_cast<int>(
+      std::min<int64_t>({threads, std::max<int64_t>(1, bytes / (64 * 1024)), T}));
+  for (const auto& a : calls) pattern_call(a, T, q_row, k_row, stream_out, nt);  // warm-up
+  double best = 1e30;
+  const int64_t sets = static_cast<int64_t>(calls.size());
+  for (int rep = 0; rep < 5; ++rep) {
+    int64_t iters = 0, c = 0;
+    const auto t0 = std::chrono::steady_clock::now();
+    double el = 0;
+    do {
+      pattern_call(calls[c], T, q_row, k_row, stream_out, nt);
+      c = (c + 1) % sets;
+      ++iters;
+      el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    } while (el < min_seconds / 5);
+    best = std::min(best, el / static_cast<double>(iters));
+  }
+  return best;
+}
 
 void BM_RopePool(benchmark::State& state, Model m, bool bf16, int threads, Cache cache,
                  Option option) {
@@ -221,6 +307,13 @@ void BM_RopePool(benchmark::State& state, Model m, bool bf16, int threads, Cache
   const int64_t bytes = bench::spec_bytes(m, T, E, EP, extra);
   bench::set_counters(state, bytes, T, threads, warm, el);
   state.counters["sets"] = static_cast<double>(sets);
+  if (cache == kCold && option == kPlain) {
+    const double per_call = el / static_cast<double>(state.iterations());
+    const double ps = pattern_seconds_per_call(calls, T, m.hq * m.d * E, m.hk * m.d * E, bytes,
+                                               threads, std::clamp(el, 0.05, 0.5));
+    state.counters["pattern_GB/s"] = static_cast<double>(bytes) / ps * 1e-9;
+    state.counters["vs_pattern"] = ps / per_call;
+  }
   state.SetLabel(ropekv::cpu_target());
 }
 
