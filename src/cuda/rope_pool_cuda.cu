@@ -596,8 +596,9 @@ bool small_kernel(const Problem& p, int64_t esize) {
   const bool norm = has_qk_norm(p);
   const bool plain = cs.data == nullptr && !norm && p.pool_type == pool_type_of(p.dtype);
   const bool wide = esize == 2 && small_vec(p, esize) != detail::kSmallVec;
-  if (esize != 2 || p.rotary_dim != p.head_dim || p.num_tokens > small_tokens(plain, wide, lanes / 2) ||
-      forced_unroll() != 0 || lanes < 1 || lanes > 128 ||
+  if (esize != 2 || p.rotary_dim != p.head_dim ||
+      p.num_tokens > small_tokens(plain, wide, lanes / 2) || forced_unroll() != 0 || lanes < 1 ||
+      lanes > 128 ||
       p.num_qo_heads + p.num_kv_heads > 65535 ||
       (norm && (lanes > 32 || (lanes & (lanes - 1)) != 0 || !small_weights_ok(p.q_norm) ||
                 !small_weights_ok(p.k_norm))) ||
@@ -655,7 +656,7 @@ void launch_small_build(const Params& prm, const Problem& p, const Launch& l, in
 // (H200, cold L2): T = 512 6.51 -> 5.24 us, 1024 10.01 -> 9.52, 8192 60.9 ->
 // 59.5; with fp8 pools 6.61 -> 5.11 and 58.8 -> 55.7. The plain and fp8
 // builds (40 registers) were even or 1 % slower so, and keep their blocks
-// (docs/performance.md, *Wide lanes*).
+// (docs/performance.md, *Balanced blocks for the wide QK-norm*).
 int64_t small_heads_per_block(int64_t tokens, int64_t heads, int64_t lanes, bool wide_norm) {
   const int64_t per_block = std::min(heads, std::max<int64_t>(1, small_threads(tokens) / lanes));
   if (!wide_norm || heads % per_block == 0 || forced_small_threads() != 0) return per_block;
