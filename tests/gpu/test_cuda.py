@@ -1366,8 +1366,8 @@ def test_small_kernel_routing():
     whose scales divide, 5 fp8 with power-of-two scales) for a QK-norm with
     any pools, float32 pools, fp8 pools with power-of-two scales and the
     plain call; the options kernel for fp8 pools alone whose scales divide,
-    for options past 256 tokens with interleaved pairs or float32 pools or
-    QK-norm weights, past 8192 with NeoX pairs (at 4096 tokens its kOptSteps
+    for options past 256 tokens with interleaved pairs, float32 pools or
+    float32 QK-norm weights, past 8192 with NeoX pairs (at 4096 tokens its kOptSteps
     build, U = 4, for pools of q's dtype alone, kPools 3, or with float32, 1),
     and for plain interleaved pairs past 8192 tokens. NeoX calls of 257 to
     8192 tokens without a table, and plain interleaved ones: the small kernel
