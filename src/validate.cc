@@ -41,7 +41,17 @@ std::string dtype_str(DLDataType d) {
     case kDLInt: base = "int"; break;
     case kDLUInt: base = "uint"; break;
     case kDLComplex: base = "complex"; break;
-    default: return "dtype code " + std::to_string(d.code);
+    default: {
+      // Codes of later DLPack versions than this header's (1.1: bool, then
+      // the narrow floats PyTorch and JAX export), by number.
+      static const char* const kLater[] = {
+          "bool",          "float8_e3m4",   "float8_e4m3",    "float8_e4m3b11fnuz",
+          "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+          "float8_e8m0fnu", "float6_e2m3fn", "float6_e3m2fn", "float4_e2m1fn"};
+      const int i = static_cast<int>(d.code) - 6;
+      if (i >= 0 && i < static_cast<int>(sizeof(kLater) / sizeof(kLater[0]))) return kLater[i];
+      return "dtype code " + std::to_string(d.code);
+    }
   }
   return std::string(base) + std::to_string(d.bits);
 }

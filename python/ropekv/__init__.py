@@ -129,6 +129,15 @@ def _check_numpy_layout(x: Any, name: str) -> None:
                          f"({dt.itemsize} bytes each): pass a copy (numpy.ascontiguousarray)")
 
 
+def _dlpack_dtype(dt: Any) -> bool:
+    """Whether numpy dtype dt has a DLPack type: bool, integers, float16/32/64,
+    complex64/128 (not long double, nor ml_dtypes' other narrow floats and
+    ints, which numpy keeps as kind "V" or one-byte "f")."""
+    k = dt.kind
+    return k in "biu" or (k == "f" and dt.itemsize in (2, 4, 8)) or (k == "c" and
+                                                                     dt.itemsize in (8, 16))
+
+
 def _as_array(x: Any, name: str, written: bool = False) -> Tuple[Any, bool, bool]:
     """Returns (what the binding takes, is_bf16_view, is_read_only); whether
     memory of an unknown kind is read-only is asked only where the call
@@ -152,6 +161,13 @@ def _as_array(x: Any, name: str, written: bool = False) -> Tuple[Any, bool, bool
             return x.view(_np.uint16), True, read_only
         if dt in _FP8_DTYPES:
             return x.view(_np.uint8), False, read_only
+        if not _dlpack_dtype(dt):
+            # (The binding could not even take it: a TypeError naming its
+            # signature, not the contract's ValueError.)
+            raise ValueError(
+                f"{name} has dtype {dt.name}, which ropekv does not take: q, k, v and the "
+                f"outputs float16, bfloat16 or float32; pools of those or float8_e4m3fn / "
+                f"float8_e5m2 (or their uint8 bits); positions and slots int32 or int64")
         return x, False, read_only
     if fw == "torch":
         import torch
@@ -409,7 +425,15 @@ def _scaling_params(rope_scaling: Any) -> Optional[Tuple[float, ...]]:
     if isinstance(rope_scaling, str):
         import json
 
-        rope_scaling = json.loads(rope_scaling)
+        if rope_scaling.strip() == "default":  # the rope_type of plain RoPE, bare
+            return None
+        try:
+            rope_scaling = json.loads(rope_scaling)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"rope_scaling text is not JSON ({e.msg} at character {e.pos}): "
+                             f"pass a dict, its JSON text, \"default\" or None") from None
+        if rope_scaling is None:  # JSON null
+            return None
     if not isinstance(rope_scaling, dict):
         raise ValueError(f"rope_scaling must be a dict (a Hugging Face config's rope_scaling) "
                          f"or None, got {type(rope_scaling).__name__}")
@@ -550,10 +574,11 @@ def rope_pool_fused(
             original_max_position_embeddings) or ``"yarn"`` (factor,
             original_max_position_embeddings; optional beta_fast=32,
             beta_slow=1, attention_factor, mscale, mscale_all_dim, truncate);
-            ``"default"`` or None is plain RoPE. Frequencies are transformers'
+            the rope_type ``"default"`` (or that bare string), JSON ``null``
+            or None is plain RoPE. Frequencies are transformers'
             rope initialisation formulas in double, rounded once to fp32;
             yarn also multiplies cos and sin by its attention factor. Unknown
-            types and missing fields raise ValueError.
+            types, missing fields and text that is not JSON raise ValueError.
         cos_sin_cache: ``[max_position, R]`` float32 or q's dtype, vLLM's
             layout: row p is ``cos(p * inv_freq)`` in columns ``[0, R/2)``
             and ``sin`` in ``[R/2, R)``. Used instead of rope_base (so any
@@ -686,7 +711,7 @@ def rope_pool_fused(
             dt = x.dtype
             # numpy's own dtypes (ml_dtypes' fp8 types report kind "f" or "V"
             # with one byte), or ml_dtypes bf16 as its bits.
-            plain = dt.kind in "iub" or (dt.kind == "f" and dt.itemsize > 1)
+            plain = dt.kind in "iub" or (dt.kind == "f" and dt.itemsize in (2, 4, 8))
             if (plain or dt == _BF16) and dt.isnative and x.flags.aligned:
                 converted.append(x if plain else x.view(_np.uint16))
                 bf16_mask |= int(not plain) << i

@@ -183,6 +183,59 @@ def test_float64_inputs(rng):
     expect_error(arrays, kw, "q/k/v dtype must be float16, bfloat16 or float32, got float64")
 
 
+def test_bool_positions_name_their_dtype(rng):
+    arrays, kw = make_call(rng)
+    arrays["positions"] = arrays["positions"] % 2 == 0
+    expect_error(arrays, kw, "positions must be an int32 or int64 array, got bool")
+
+
+def test_torch_narrow_float_pools_name_their_dtype(rng):
+    """PyTorch float8 pools other than e4m3fn / e5m2 reach the contract
+    through DLPack (codes of DLPack 1.1, newer than its header here): the
+    message names them."""
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch, "float8_e4m3fnuz"):
+        pytest.skip("no float8_e4m3fnuz in this PyTorch")
+    arrays, kw = make_call(rng)
+    t = {n: torch.from_numpy(a) for n, a in arrays.items()}
+    t["k_pool"] = t["k_pool"].to(torch.float8_e4m3fnuz)
+    t["v_pool"] = t["v_pool"].to(torch.float8_e5m2fnuz)
+    before = {n: x.clone() for n, x in t.items()}
+    with pytest.raises(ValueError, match=r"^pool dtypes must match q/k/v dtype, got k_pool "
+                                         r"float8_e4m3fnuz, v_pool float8_e5m2fnuz for q/k/v "
+                                         r"float32"):
+        call(t, kw)
+    for n, x in t.items():
+        assert torch.equal(x.view(torch.uint8) if x.element_size() == 1 else x,
+                           before[n].view(torch.uint8) if x.element_size() == 1 else before[n])
+
+
+NARROW = ["float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e4m3b11fnuz", "float8_e4m3",
+          "float8_e3m4", "float8_e8m0fnu", "float6_e2m3fn", "float4_e2m1fn", "int4", "uint4"]
+
+
+@pytest.mark.parametrize("name", NARROW + ["longdouble"])
+@pytest.mark.parametrize("which", ["k_pool", "q"])
+def test_dtypes_without_a_dlpack_type_raise_value_error(rng, name, which):
+    """numpy arrays of a dtype DLPack has no type for (ml_dtypes' narrow
+    floats and ints other than float8_e4m3fn / float8_e5m2, long double): the
+    contract's ValueError naming the dtype, not the binding's TypeError, and
+    every array as it was; with kv_cache_dtype="fp8_e4m3" too."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    dt = np.longdouble if name == "longdouble" else getattr(ml_dtypes, name, None)
+    if dt is None:
+        pytest.skip(f"ml_dtypes {ml_dtypes.__version__} has no {name}")
+    arrays, kw = make_call(rng)
+    with np.errstate(invalid="ignore"):  # (int4 / uint4 of random floats)
+        arrays[which] = arrays[which].astype(dt)
+        if which == "k_pool":
+            arrays["v_pool"] = arrays["v_pool"].astype(dt)
+    for extra in ({}, {"kv_cache_dtype": "fp8_e4m3"}):
+        msg = expect_error(arrays, dict(kw, **extra), f"{which} has dtype {np.dtype(dt).name}, "
+                                                      "which ropekv does not take")
+        assert "float8_e4m3fn" in msg
+
+
 @pytest.mark.parametrize("head_dim", [7, 0])
 def test_bad_head_dim(rng, head_dim):
     arrays, kw = make_call(rng)

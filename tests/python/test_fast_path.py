@@ -444,6 +444,31 @@ def test_bad_rope_scaling_raises_the_general_paths_error(framework, bad):
     expect_same_error(MAKE[framework]("float32"), dict(KW, rope_scaling=bad))
 
 
+def test_rope_scaling_text_that_is_not_json_names_the_argument():
+    with pytest.raises(ValueError, match=r"^rope_scaling text is not JSON \(Expecting value at "
+                                         r"character 0\): pass a dict, its JSON text"):
+        ropekv._scaling_params("{not json"[1:])
+    with pytest.raises(ValueError, match=r"^rope_scaling text is not JSON"):
+        ropekv.rope_inv_freq(16, 1e4, None, "linear")
+
+
+@pytest.mark.parametrize("framework", ["torch", "numpy"])
+@pytest.mark.parametrize("none", ["default", " default ", "null", '{"rope_type": "default"}'])
+def test_rope_scaling_text_for_plain_rope(framework, none):
+    """The bare string "default", JSON null and a "default" rope_type mean
+    plain RoPE: the same bits as rope_scaling=None."""
+    seed = new_seed()
+    c, plain = MAKE[framework]("float32", seed), MAKE[framework]("float32", seed)
+    got = ropekv.rope_pool_fused(*args_of(c), q_out=c["q_out"], k_out=c["k_out"],
+                                 **dict(KW, rope_scaling=none))
+    want = ropekv.rope_pool_fused(*args_of(plain), q_out=plain["q_out"], k_out=plain["k_out"],
+                                  **KW)
+    for g, w in zip(got, want):
+        assert bits(np_of(g)) == bits(np_of(w))
+    for g, w in zip(ropekv.rope_inv_freq(16, 1e4, None, none), ropekv.rope_inv_freq(16, 1e4)):
+        np.testing.assert_array_equal(g, w)
+
+
 @pytest.mark.parametrize("framework", ["torch", "numpy"])
 def test_remembered_rope_scaling_is_exact(framework, monkeypatch):
     """The fast path remembers parsed rope_scaling dicts by their items and
