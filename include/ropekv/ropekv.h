@@ -162,9 +162,11 @@ struct RopePoolTensors {
   /// Optional [max_position, R] f32 or q's dtype, vLLM's layout: row p holds
   /// cos(p * inv_freq[i]) in columns [0, R/2) and the sines in [R/2, R).
   /// Replaces rope_base; every position must be in [0, max_position).
-  DLTensor cos_sin_cache;
-  DLTensor q_norm_weight;  ///< optional [D] f32 or q's dtype: QK-norm of q
-  DLTensor k_norm_weight;  ///< optional [D] f32 or q's dtype: QK-norm of k
+  /// (The optional members start zeroed, absent, so that `{q, k, ..., k_rot}`
+  /// leaves them so without -Wmissing-field-initializers warnings.)
+  DLTensor cos_sin_cache{};
+  DLTensor q_norm_weight{};  ///< optional [D] f32 or q's dtype: QK-norm of q
+  DLTensor k_norm_weight{};  ///< optional [D] f32 or q's dtype: QK-norm of k
 };
 
 /// Rotates q and k with RoPE and scatters k_rot and v into the pools.
