@@ -102,17 +102,33 @@ inline int64_t spec_bytes(const Model& m, int64_t T, int64_t E, int64_t EP = 0, 
          T * extra;
 }
 
-// Copies n bytes (both 16-byte aligned, n a multiple of 16) with
-// non-temporal stores: no read-for-ownership of the destination.
-inline void stream_copy(uint8_t* d, const uint8_t* s, size_t n) {
+// Copies n bytes (n a multiple of 16) in 16-byte vectors: with `stream`
+// non-temporal stores (no read-for-ownership of the destination, which must
+// be 16-byte aligned; store_fence() orders them), else ordinary ones.
+inline void copy16(uint8_t* d, const uint8_t* s, size_t n, bool stream) {
 #if defined(__SSE2__)
-  for (size_t i = 0; i + 16 <= n; i += 16)
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i),
-                     _mm_load_si128(reinterpret_cast<const __m128i*>(s + i)));
-  _mm_sfence();
+  for (size_t i = 0; i + 16 <= n; i += 16) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+    if (stream) _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), x);
+    else _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), x);
+  }
 #else
+  (void)stream;
   std::memcpy(d, s, n);
 #endif
+}
+
+inline void store_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+// A non-temporal-store copy of n bytes (both 16-byte aligned, n a multiple
+// of 16), fenced.
+inline void stream_copy(uint8_t* d, const uint8_t* s, size_t n) {
+  copy16(d, s, n, true);
+  store_fence();
 }
 
 // Timed copy of `n` bytes per call (glibc's memcpy, or with `stream` a

@@ -45,12 +45,6 @@
 //
 // Run:  build-bench/bench/ropekv_cpu_bench --benchmark_counters_tabular=true
 #include <benchmark/benchmark.h>
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include <algorithm>
 #include <chrono>
@@ -112,20 +106,8 @@ constexpr int64_t kCacheRows = 131072;  // positions are below 128k
 // else ordinary stores, which read each cold line before writing it), on
 // the threads ropekv would take (64 KiB per thread at least; contiguous
 // token ranges). What the call could reach if its arithmetic were free: the
-// "pattern" counters, a reference for the memory side alone.
-void copy_row(uint8_t* d, const uint8_t* s, int64_t n, bool stream) {
-#if defined(__SSE2__)
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
-    if (stream) _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), x);
-    else _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), x);
-  }
-#else
-  (void)stream;
-  std::memcpy(d, s, static_cast<size_t>(n));
-#endif
-}
-
+// "pattern" counters, a reference for the memory side alone (omp.h and the
+// copy come with cold_protocol.h, which requires OpenMP).
 void pattern_call(const ropekv::RopePoolTensors& a, int64_t T, int64_t q_row, int64_t k_row,
                   bool stream_out, int threads) {
   auto tokens = [&](int64_t t0, int64_t t1) {
@@ -139,14 +121,12 @@ void pattern_call(const ropekv::RopePoolTensors& a, int64_t T, int64_t q_row, in
     auto* v_pool = static_cast<uint8_t*>(a.v_pool.data);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t row = slots[t];
-      copy_row(q_rot + t * q_row, q + t * q_row, q_row, stream_out);
-      copy_row(k_rot + t * k_row, k + t * k_row, k_row, stream_out);
-      copy_row(k_pool + row * k_row, k + t * k_row, k_row, true);
-      copy_row(v_pool + row * k_row, v + t * k_row, k_row, true);
+      bench::copy16(q_rot + t * q_row, q + t * q_row, q_row, stream_out);
+      bench::copy16(k_rot + t * k_row, k + t * k_row, k_row, stream_out);
+      bench::copy16(k_pool + row * k_row, k + t * k_row, k_row, true);
+      bench::copy16(v_pool + row * k_row, v + t * k_row, k_row, true);
     }
-#if defined(__SSE2__)
-    _mm_sfence();
-#endif
+    bench::store_fence();
   };
   if (threads <= 1) return tokens(0, T);
 #pragma omp parallel num_threads(threads)

@@ -598,8 +598,7 @@ bool small_kernel(const Problem& p, int64_t esize) {
   const bool wide = esize == 2 && small_vec(p, esize) != detail::kSmallVec;
   if (esize != 2 || p.rotary_dim != p.head_dim ||
       p.num_tokens > small_tokens(plain, wide, lanes / 2) || forced_unroll() != 0 || lanes < 1 ||
-      lanes > 128 ||
-      p.num_qo_heads + p.num_kv_heads > 65535 ||
+      lanes > 128 || p.num_qo_heads + p.num_kv_heads > 65535 ||
       (norm && (lanes > 32 || (lanes & (lanes - 1)) != 0 || !small_weights_ok(p.q_norm) ||
                 !small_weights_ok(p.k_norm))) ||
       (!norm && is_fp8(p.pool_type) &&

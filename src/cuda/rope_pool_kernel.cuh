@@ -55,8 +55,8 @@
 // QK-norm or not and pool format; NeoX calls of 257 to 8192 tokens (2048
 // where a head's wide lanes are not a power of two) without a table (plain,
 // with a QK-norm, with fp8 pools) and plain interleaved ones run its builds
-// in wide lanes (16-byte vectors). Its QK-norm sums a head's squares in another
-// order than the options kernel (4- or 8-element lane chunks, then the
+// in wide lanes (16-byte vectors). Its QK-norm sums a head's squares in
+// another order than the options kernel (4- or 8-element lane chunks, then the
 // lanes' sums in four strided runs), so a QK-norm result can differ by one
 // rounding between calls of different sizes (256 / 257 tokens, 8192 / 8193);
 // either is within the contract's bound, and each is reproducible.
@@ -1446,8 +1446,8 @@ __device__ __forceinline__ void rotate_normed(Vec<T, N>& a, Vec<T, N>& b, const 
 // twice the bytes in flight per thread).
 // With kN = 4 (NeoX: pairs 4l.. with half + 4l..; interleaved: the pairs 2l,
 // 2l + 1 and half / 2 + 2l, half / 2 + 2l + 1 they hold (kN = 8: 4l..4l + 3
-// and half / 2 + 4l..), so that loads and
-// stores stay contiguous runs); grid (T, ceil((Hq + Hk) / HB)). Each block makes the token's
+// and half / 2 + 4l..), so that loads and stores stay contiguous runs); grid
+// (T, ceil((Hq + Hk) / HB)). Each block makes the token's
 // cos/sin once into shared memory (one frequency per thread, one barrier),
 // and its heads share them; with a table each lane reads its own from the
 // token's row (no shared memory, no barrier). With a QK-norm, a head's sum
