@@ -1,7 +1,8 @@
 // CPU benchmark of ropekv::rope_pool_fused (Google Benchmark).
 //
 // Shapes of real models (SPEC section 6), f32 and bf16, T in
-// {1, 16, 128, 1024, 8192}, 1 and 2 threads. Each row reports:
+// {1, 16, 128, 1024, 8192}, 1 and 2 threads (ROPEKV_BENCH_THREADS below).
+// Each row reports:
 //
 //   us_per_call  wall time of one call (also the benchmark's own Time column)
 //   GB/s         SPEC section 7 bytes / time
@@ -43,14 +44,20 @@
 // bytes count the pools at their real element size and the cos_sin_cache
 // rows read.
 //
+// ROPEKV_BENCH_THREADS (a comma list, default 1,2) sets the thread counts of
+// the cold and options families, e.g. 1,2,4,8,16 on a machine whose memory
+// takes more than two cores to fill.
+//
 // Run:  build-bench/bench/ropekv_cpu_bench --benchmark_counters_tabular=true
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cold_protocol.h"
@@ -339,12 +346,30 @@ void BM_Validate(benchmark::State& state) {
   for (auto _ : state) ropekv::validate(t, cfg);
 }
 
+// The thread counts of the cold and options families: ROPEKV_BENCH_THREADS
+// (positive counts, comma-separated), else 1 and 2.
+std::vector<int> bench_threads() {
+  std::vector<int> counts;
+  if (const char* e = std::getenv("ROPEKV_BENCH_THREADS")) {
+    for (const char* c = e; *c != 0;) {
+      char* end = nullptr;
+      const long n = std::strtol(c, &end, 10);
+      if (end == c) break;
+      if (n > 0) counts.push_back(static_cast<int>(n));
+      c = *end == ',' ? end + 1 : end;
+    }
+  }
+  if (counts.empty()) counts = {1, 2};
+  return counts;
+}
+
 void register_all() {
+  const std::vector<int> thread_counts = bench_threads();
   benchmark::RegisterBenchmark("validate/Llama-3.1-8B/bf16", BM_Validate)
       ->ArgName("T")->Arg(1)->Arg(128)->UseRealTime()->Unit(benchmark::kMicrosecond);
   for (const Model& m : kModels) {
     for (bool bf16 : {false, true}) {
-      for (int threads : {1, 2}) {
+      for (int threads : thread_counts) {
         for (Cache cache : {kCold, kWarm, kHot}) {
           const char* family = cache == kCold ? "cold/" : cache == kWarm ? "warm/" : "hot/";
           const std::string name = std::string(family) + m.name + "/" +
@@ -364,7 +389,7 @@ void register_all() {
     }
   }
   // Each option next to the plain call: Llama-3.1-8B, bf16, cold caches.
-  for (int threads : {1, 2}) {
+  for (int threads : thread_counts) {
     for (int o = kPlain; o <= kFp8AnyScale; ++o) {
       const std::string name = std::string("options/") + kOptionNames[o] + "/threads:" +
                                std::to_string(threads);
