@@ -29,6 +29,13 @@
 #             each drop one part of the critical path (not a default step; PROBE_ARGS
 #             picks a mode: onestep, headpar)
 #   cputest   the CPU Python suite tests/python
+#   cpuscale  the CPU benchmark's options family (Llama-3.1-8B bf16, cold, T = 8192)
+#             on this machine's cores at CPUSCALE_THREADS (default 16 8 4 2 1), each
+#             count a process of its own (CPUSCALE_LIMIT seconds, default 90): does
+#             an option cost its bytes once enough cores fill the memory? Runs a
+#             bench binary built elsewhere and carried in .cpubench/ with its shared
+#             libraries (cmake --build build --target ropekv_cpu_bench; copy it,
+#             libbenchmark and libhwy there; not a default step)
 #   pyover    bench/py_overhead.py --cuda, twice: host time per call from Python
 #             with CUDA tensors (fast path, its attribute reader, general path,
 #             torch.ops; not a default step)
@@ -240,6 +247,20 @@ do_pyover() {
   for i in 1 2; do timeout 240 $PY bench/py_overhead.py --cuda || return 1; done
 }
 
+do_cpuscale() {
+  local th rc=0
+  [ -x .cpubench/ropekv_cpu_bench ] || { echo "no .cpubench/ropekv_cpu_bench (carry it)"; return 1; }
+  nproc
+  grep -m1 'model name' /proc/cpuinfo
+  for th in ${CPUSCALE_THREADS:-16 8 4 2 1}; do
+    LD_LIBRARY_PATH=$ROOT/.cpubench${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} ROPEKV_BENCH_THREADS=$th \
+      timeout "${CPUSCALE_LIMIT:-90}" .cpubench/ropekv_cpu_bench \
+      --benchmark_filter="${CPUSCALE_FILTER:-options/(plain|qk_norm|fp8_pools|qknorm.fp8.yarn)/threads:[0-9]+/T:8192/}" \
+      --benchmark_min_time=0.3 --benchmark_repetitions=1 || rc=1
+  done
+  return $rc
+}
+
 do_cputest() {
   (cd /tmp && timeout 180 $PY -m pytest -q -p no:cacheprovider --continue-on-collection-errors \
      "$ROOT/tests/python")
@@ -322,6 +343,7 @@ for s in "${STEPS[@]}"; do
     small) step small do_small ;;
     probe) step probe do_probe ;;
     cputest) step cputest do_cputest ;;
+    cpuscale) step cpuscale do_cpuscale ;;
     pyover) step pyover do_pyover ;;
     bench) step bench do_bench ;;
     options) step options do_options ;;
