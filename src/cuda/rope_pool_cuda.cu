@@ -435,7 +435,8 @@ bool small_weights_ok(const Weight& w, int64_t vec = detail::kSmallVec) {
 
 // Tokens up to which a call takes the small kernel (small_kernel): in wide
 // lanes (small_vec; plain interleaved pairs included) 8192 where a head's
-// wide lanes are a power of two (head_dim 128, 256, ...), else 2048; 512 for
+// wide lanes are a power of two (head_dim 128, 256, ...; a QK-norm with fp8
+// pools: every call, see below), else 2048; 512 for
 // other plain calls (rope scaling included), 256 with a cos_sin_cache, a
 // QK-norm or float32 / fp8 pools (alone: 0.4-0.8 us faster than the options
 // kernel at T = 256, Llama-3.1-8B). Against the kernels it replaced (H200,
@@ -451,12 +452,17 @@ bool small_weights_ok(const Weight& w, int64_t vec = detail::kSmallVec) {
 // 8192 61.3 against 62.5, 59.2 against 66.9, 52.0 against 52.9, plain even;
 // at 32768 a QK-norm 4 % slower. Phi-3-mini's heads of 6 wide lanes ran
 // 4-7 % slower at 4096-8192, hence the power of two (*Wide lanes past 2048
-// tokens*). For tuning (read once): ROPEKV_CUDA_SMALL_TOKENS=N sets every
-// limit (0: never).
-int64_t small_tokens(bool plain, bool wide, int64_t wide_lanes) {
+// tokens*). A QK-norm with fp8 pools has no limit there: against the options
+// kernel, T = 16384 124.9 -> 108.5 us, 32768 239.4 -> 214.3 (a QK-norm alone
+// 117.5 -> 116.9 and 227.6 -> 230.3, so it keeps 8192; *Wide lanes for a
+// QK-norm with fp8 pools past 8192 tokens*). For tuning (read once):
+// ROPEKV_CUDA_SMALL_TOKENS=N sets every limit (0: never).
+int64_t small_tokens(bool plain, bool wide, int64_t wide_lanes, bool norm_fp8) {
   static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_TOKENS", -1);
   if (forced >= 0) return forced;
-  if (wide) return (wide_lanes & (wide_lanes - 1)) == 0 ? 8192 : 2048;
+  if (wide && (wide_lanes & (wide_lanes - 1)) == 0)
+    return norm_fp8 ? INT_MAX : 8192;  // (INT_MAX: the grid's most blocks in x, one per token)
+  if (wide) return 2048;
   return plain ? 512 : 256;
 }
 
@@ -597,8 +603,8 @@ bool small_kernel(const Problem& p, int64_t esize) {
   const bool plain = cs.data == nullptr && !norm && p.pool_type == pool_type_of(p.dtype);
   const bool wide = esize == 2 && small_vec(p, esize) != detail::kSmallVec;
   if (esize != 2 || p.rotary_dim != p.head_dim ||
-      p.num_tokens > small_tokens(plain, wide, lanes / 2) || forced_unroll() != 0 || lanes < 1 ||
-      lanes > 128 || p.num_qo_heads + p.num_kv_heads > 65535 ||
+      p.num_tokens > small_tokens(plain, wide, lanes / 2, norm && is_fp8(p.pool_type)) ||
+      forced_unroll() != 0 || lanes < 1 || lanes > 128 || p.num_qo_heads + p.num_kv_heads > 65535 ||
       (norm && (lanes > 32 || (lanes & (lanes - 1)) != 0 || !small_weights_ok(p.q_norm) ||
                 !small_weights_ok(p.k_norm))) ||
       (!norm && is_fp8(p.pool_type) &&

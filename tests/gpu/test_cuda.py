@@ -1372,7 +1372,8 @@ def test_small_kernel_routing():
     and for plain interleaved pairs past 8192 tokens. NeoX calls of 257 to
     8192 tokens without a table, and plain interleaved ones: the small kernel
     in wide lanes (template argument kN 8, else 4), with a QK-norm only where
-    its weights are q's dtype; plain NeoX ones past 8192 the plain kernel.
+    its weights are q's dtype, and with such a QK-norm and fp8 pools at any
+    number of tokens; plain NeoX ones past 8192 the plain kernel.
     Heads of 6 wide lanes (D = 96): the wide lanes up to 2048 tokens only.
     Every other test passes on either kernel."""
     import re
@@ -1402,6 +1403,8 @@ def test_small_kernel_routing():
              (257, norm16, small, ("true", "3", "8")),
              (300, dict(k_norm=torch.bfloat16), small, ("true", "3", "8")),
              (8192, dict(kv_cache_dtype="fp8_e4m3", **norm16), small, ("true", "5", "8")),
+             (8193, dict(kv_cache_dtype="fp8_e4m3", **norm16), small, ("true", "5", "8")),
+             (20000, dict(kv_cache_dtype="fp8_e4m3", **norm16), small, ("true", "5", "8")),
              (8193, norm16, options, None),
              (257, norm, options, None),
              (2048, dict(kv_cache_dtype="fp8_e4m3", **norm), options, None),
@@ -1436,7 +1439,8 @@ def test_small_kernel_routing():
 @pytest.mark.parametrize("table", ["none", "float32"])
 def test_small_kernel_limits_in_place_and_8_byte_alignment(table):
     """The small kernel at its token limits (8192 in wide lanes of D = 128,
-    plain or with a QK-norm and fp8 pools; 512 for plain inputs 8-byte but not 16-byte
+    plain; a QK-norm with fp8 pools, which has none there, on both sides of
+    it; 512 for plain inputs 8-byte but not 16-byte
     aligned, 4 elements into a buffer, which only its narrow lanes take as
     vectors; 256 with a table), in place, and on such 8-byte aligned inputs."""
     tdt = None if table == "none" else torch.float32
@@ -1445,8 +1449,8 @@ def test_small_kernel_limits_in_place_and_8_byte_alignment(table):
         for T in (limit, limit + 1):
             run_options(T, 28, 4, 128, torch.bfloat16, seed=T, table_dtype=tdt, shift=shift,
                         what=f"small limit T={T} shift {shift} table {table}")
-    # A QK-norm (weights in q's dtype) with fp8 pools: 8192 tokens in wide
-    # lanes (256 with a table).
+    # A QK-norm (weights in q's dtype) with fp8 pools: wide lanes at any T
+    # (the options kernel took them past 8192 before; 256 with a table).
     for T in (limits[0][0], limits[0][0] + 1):
         run_options(T, 28, 4, 128, torch.bfloat16, seed=T, table_dtype=tdt,
                     q_norm=torch.bfloat16, k_norm=torch.bfloat16, kv_cache_dtype="fp8_e4m3",
