@@ -452,8 +452,8 @@ bool small_weights_ok(const Weight& w, int64_t vec = detail::kSmallVec) {
 // 8192 61.3 against 62.5, 59.2 against 66.9, 52.0 against 52.9, plain even;
 // at 32768 a QK-norm 4 % slower. Phi-3-mini's heads of 6 wide lanes ran
 // 4-7 % slower at 4096-8192, hence the power of two (*Wide lanes past 2048
-// tokens*). A QK-norm with fp8 pools has no limit there: against the options
-// kernel, T = 16384 124.9 -> 108.5 us, 32768 239.4 -> 214.3 (a QK-norm alone
+// tokens*). A QK-norm with fp8 pools has no limit there but the grid's: against the
+// options kernel, T = 16384 124.9 -> 108.5 us, 32768 239.4 -> 214.3 (a QK-norm alone
 // 117.5 -> 116.9 and 227.6 -> 230.3, so it keeps 8192; *Wide lanes for a
 // QK-norm with fp8 pools past 8192 tokens*). For tuning (read once):
 // ROPEKV_CUDA_SMALL_TOKENS=N sets every limit (0: never).
