@@ -122,6 +122,11 @@ struct WriteSame {
   HWY_INLINE void Put(typename Ops::V o, PT* dst) const {
     Ops::template Put<kStream && kCanStream>(o, dst);
   }
+  template <bool kStream>
+  HWY_INLINE void Put2(typename Ops::V o1, PT* d1, typename Ops::V o2, PT* d2) const {
+    Put<kStream>(o1, d1);
+    Put<kStream>(o2, d2);
+  }
 };
 
 template <class Ops>
@@ -139,10 +144,125 @@ struct WriteF32 {
       hn::StoreU(v, DF(), dst);
     }
   }
+  template <bool kStream>
+  HWY_INLINE void Put2(typename Ops::V o1, PT* d1, typename Ops::V o2, PT* d2) const {
+    Put<kStream>(o1, d1);
+    Put<kStream>(o2, d2);
+  }
 };
 
+// fp8 codes of 16-bit values (bf16, f16) times 2^k, made from their bits in
+// 16-bit lanes: two packed vectors per step, twice the values per vector
+// operation of EncodeFp8's fp32 lanes, with no widening and no multiply.
+// The codes are encode_fp8(fp32(x * 2^k)) exactly: x * 2^k is exact in fp32
+// wherever its code is not 0 or saturated, and the rounding below is that of
+// encode_fp8 on the input's mantissa (nearest even). Only where every
+// operation is one AVX-512 instruction (16-bit variable shifts among them),
+// and only for the k of Fp8From16::Make: bf16 |k| <= 64 (bf16 subnormals
+// then code 0); f16 where its subnormals map to fp8 subnormals or 0 and
+// 448 (57344) * 2^-k is an f16 normal (E4M3 -7 <= k <= 8, E5M2 k = 0).
+// Elsewhere WriteFp8 takes EncodeFp8.
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+template <class Ops, Fp8Kind kKind>
+struct Fp8From16 {
+  static constexpr bool kAvailable = !std::is_same_v<typename Ops::T, float>;
+  static constexpr bool kBf16 = std::is_base_of_v<BF16, Ops>;
+  // The input format: exponent and mantissa bits, bias.
+  static constexpr int kE = kBf16 ? 8 : 5, kM = kBf16 ? 7 : 10, kB = kBf16 ? 127 : 15;
+  using C = Fp8Consts<kKind>;
+  static constexpr int kMo = C::kMantissa, kBo = C::kBias;
+  static constexpr int kShift = kM - kMo;  // mantissa bits dropped for a normal code
+  using DW = hn::Repartition<uint16_t, DF>;  // two packed vectors of q's dtype
+  using VW = hn::Vec<DW>;
+
+  bool on = false;
+  uint16_t clamp = 0, round_off = 0, sh_base = 0, bias_base = 0, sub_below = 0;
+
+  // For x * 2^k (k = -log2(scale)); `on` false where the call takes EncodeFp8.
+  static Fp8From16 Make(float scale) {
+    Fp8From16 f;
+    if (!kAvailable || !ExactReciprocal(scale)) return f;
+    int e2 = 0;
+    std::frexp(scale, &e2);
+    const int k = 1 - e2;  // scale = 2^(e2 - 1)
+    const int lo = kBf16 ? -64 : (kKind == Fp8Kind::kE4M3 ? -7 : 0);
+    const int hi = kBf16 ? 64 : (kKind == Fp8Kind::kE4M3 ? 8 : 0);
+    if (k < lo || k > hi) return f;
+    const int emax = kKind == Fp8Kind::kE4M3 ? 8 : 15;  // largest finite: 1.75 * 2^emax
+    f.on = true;
+    // Saturation: |x| above the largest finite value / 2^k (Inf too) is
+    // clamped to it, whose code is the largest finite one.
+    f.clamp = static_cast<uint16_t>(((emax - k + kB) << kM) | (3u << (kM - 2)));
+    // Normal codes: (a + 2^(s-1) - 1 + odd + (rebias << s)) >> s, the
+    // rebias k + bo - bi in the exponent field (wrapping 16-bit arithmetic).
+    const int rebias = (k + kBo - kB) * (1 << kMo);
+    f.round_off = static_cast<uint16_t>(((1 << (kShift - 1)) - 1) + rebias * (1 << kShift));
+    // Subnormal codes: the significand rounded to nearest even after a right
+    // shift by sh = sh_base - e (e >= 1), i.e. (sig + 2^(sh-1) - 1 + odd) >> sh,
+    // 2^(sh-1) - 1 = 0xFFFF >> (17 - sh) = 0xFFFF >> (bias_base + e). Shifts
+    // of 16 or more give 0.
+    const int sh_base = kM - kMo + 1 + kB - k - kBo;
+    f.sh_base = static_cast<uint16_t>(sh_base);
+    f.bias_base = static_cast<uint16_t>(17 - sh_base);
+    f.sub_below = static_cast<uint16_t>(kB - k - kBo + 1);  // exponent fields below: subnormal code
+    return f;
+  }
+
+  HWY_INLINE VW Encode(VW b) const {
+    const DW d;
+    const VW a0 = hn::And(b, hn::Set(d, 0x7FFF));
+    const auto nan = hn::Gt(a0, hn::Set(d, static_cast<uint16_t>(((1 << kE) - 1) << kM)));
+    const VW a = hn::Min(a0, hn::Set(d, clamp));
+    const VW one = hn::Set(d, 1);
+    const VW odd = hn::And(hn::ShiftRight<kShift>(a), one);
+    const VW normal = hn::ShiftRight<kShift>(hn::Add(hn::Add(a, hn::Set(d, round_off)), odd));
+    const VW e = hn::ShiftRight<kM>(a);
+    VW sig = hn::And(a, hn::Set(d, (1 << kM) - 1));
+    VW es = e;
+    if constexpr (kBf16) {
+      sig = hn::Or(sig, hn::Set(d, 1 << kM));  // (bf16 subnormals give code 0 for these k)
+    } else {  // f16 subnormals: no implicit bit, exponent 1
+      sig = hn::Or(sig, hn::ShiftLeft<kM>(hn::Min(e, one)));
+      es = hn::Max(e, one);
+    }
+    const VW sh = hn::Sub(hn::Set(d, sh_base), es);
+    const VW half_m1 = hn::Shr(hn::Set(d, 0xFFFF), hn::Add(hn::Set(d, bias_base), es));
+    const VW sub = hn::Shr(hn::Add(hn::Add(sig, half_m1), hn::And(hn::Shr(sig, sh), one)), sh);
+    VW code = hn::IfThenElse(hn::Lt(e, hn::Set(d, sub_below)), sub, normal);
+    code = hn::Or(hn::And(code, hn::Set(d, 0x7F)), hn::And(hn::ShiftRight<8>(b), hn::Set(d, 0x80)));
+    return hn::IfThenElse(nan, hn::Set(d, 0x7F), code);
+  }
+
+  // The codes of o1 at d1 and of o2 at d2 (kStream: non-temporally).
+  template <bool kStream>
+  HWY_INLINE void Put2(typename Ops::V o1, uint8_t* d1, typename Ops::V o2, uint8_t* d2) const {
+    const DW d;
+    const hn::Rebind<uint8_t, DW> d8;
+    const auto codes = hn::TruncateTo(d8, Encode(hn::Combine(d, o2, o1)));
+    const hn::Half<decltype(d8)> dh;
+    if constexpr (kStream) {
+      hn::Stream(hn::LowerHalf(dh, codes), dh, d1);
+      hn::Stream(hn::UpperHalf(dh, codes), dh, d2);
+    } else {
+      hn::StoreU(hn::LowerHalf(dh, codes), dh, d1);
+      hn::StoreU(hn::UpperHalf(dh, codes), dh, d2);
+    }
+  }
+};
+#else
+template <class Ops, Fp8Kind kKind>
+struct Fp8From16 {  // (EncodeFp8 everywhere on this target)
+  static constexpr bool kAvailable = false;
+  bool on = false;
+  static Fp8From16 Make(float) { return {}; }
+  template <bool kStream>
+  void Put2(typename Ops::V, uint8_t*, typename Ops::V, uint8_t*) const {}
+};
+#endif
+
 // encode_fp8(fp32(x / scale)); x * (1 / scale) where that is the same
-// number (ExactReciprocal), picked once per call.
+// number (ExactReciprocal), picked once per call; pairs of vectors of 16-bit
+// values through Fp8From16 where it applies.
 template <class Ops, Fp8Kind kKind>
 struct WriteFp8 {
   using PT = uint8_t;
@@ -150,8 +270,11 @@ struct WriteFp8 {
   static constexpr bool kCanStream = hn::MaxLanes(DF()) * sizeof(PT) >= 16;
   bool div;
   VF s;
+  Fp8From16<Ops, kKind> narrow;
   explicit WriteFp8(float scale)
-      : div(!ExactReciprocal(scale)), s(hn::Set(DF(), div ? scale : 1.0f / scale)) {}
+      : div(!ExactReciprocal(scale)),
+        s(hn::Set(DF(), div ? scale : 1.0f / scale)),
+        narrow(Fp8From16<Ops, kKind>::Make(scale)) {}
   template <bool kStream>
   HWY_INLINE void Put(typename Ops::V o, PT* dst) const {
     const VF v = Widen<Ops>(o);
@@ -161,6 +284,14 @@ struct WriteFp8 {
     } else {
       hn::StoreU(code, DU8(), dst);
     }
+  }
+  template <bool kStream>
+  HWY_INLINE void Put2(typename Ops::V o1, PT* d1, typename Ops::V o2, PT* d2) const {
+    if constexpr (Fp8From16<Ops, kKind>::kAvailable) {
+      if (narrow.on) return narrow.template Put2<kStream && kCanStream>(o1, d1, o2, d2);
+    }
+    Put<kStream>(o1, d1);
+    Put<kStream>(o2, d2);
   }
 };
 
@@ -177,6 +308,9 @@ HWY_INLINE void PutVRow(const typename Ops::T* src, typename W::PT* dst, int64_t
   } else {
     const int64_t n = static_cast<int64_t>(hn::Lanes(DF()));
     int64_t d = 0;
+    for (; d + 2 * n <= count; d += 2 * n)
+      w.template Put2<kStream>(LoadPacked<Ops>(src + d), dst + d, LoadPacked<Ops>(src + d + n),
+                               dst + d + n);
     for (; d + n <= count; d += n) w.template Put<kStream>(LoadPacked<Ops>(src + d), dst + d);
     if (d < count) {
       HWY_ALIGN T b[kMaxLanes] = {};
@@ -191,11 +325,14 @@ HWY_INLINE void PutVRow(const typename Ops::T* src, typename W::PT* dst, int64_t
 // Where RotateRowOpt sends a second copy of its output: nowhere (NoSink),
 // a row of q's dtype (RowSink, null = nowhere), or a pool row through a
 // writer (PoolSink, null = nowhere). Put takes a whole packed vector at
-// element i, PutPartial the first m lanes of an fp32 vector (rounded to q's
-// dtype first), CopyRaw elements [i, i + m) of the input unchanged.
+// element i, Put2 two of them (at i1 and i2), PutPartial the first m lanes
+// of an fp32 vector (rounded to q's dtype first), CopyRaw elements [i, i + m)
+// of the input unchanged.
 struct NoSink {
   template <class V>
   HWY_INLINE void Put(V, int64_t) const {}
+  template <class V>
+  HWY_INLINE void Put2(V, int64_t, V, int64_t) const {}
   HWY_INLINE void PutPartial(VF, int64_t, int64_t) const {}
   template <class T>
   HWY_INLINE void CopyRaw(const T*, int64_t, int64_t) const {}
@@ -207,6 +344,10 @@ struct RowSink {
   T* dst;
   HWY_INLINE void Put(typename Ops::V o, int64_t i) const {
     if (dst) Ops::template Put<false>(o, dst + i);
+  }
+  HWY_INLINE void Put2(typename Ops::V o1, int64_t i1, typename Ops::V o2, int64_t i2) const {
+    Put(o1, i1);
+    Put(o2, i2);
   }
   HWY_INLINE void PutPartial(VF v, int64_t i, int64_t m) const {
     if (!dst) return;
@@ -227,6 +368,9 @@ struct PoolSink {
   const W* w;
   HWY_INLINE void Put(typename Ops::V o, int64_t i) const {
     if (dst) w->template Put<kStream>(o, dst + i);
+  }
+  HWY_INLINE void Put2(typename Ops::V o1, int64_t i1, typename Ops::V o2, int64_t i2) const {
+    if (dst) w->template Put2<kStream>(o1, dst + i1, o2, dst + i2);
   }
   HWY_INLINE void PutPartial(VF v, int64_t i, int64_t m) const {  // never with kStream
     if (!dst) return;
@@ -486,8 +630,7 @@ HWY_INLINE void RotateRowOpt(const typename Ops::T* x, typename Ops::T* out, con
       const auto o2 = Ops::Pack(hn::MulAdd(x2, cv, hn::Mul(x1, sv)));
       Ops::template Put<kStream>(o1, out + i);
       Ops::template Put<kStream>(o2, out + half + i);
-      sink.Put(o1, i);
-      sink.Put(o2, half + i);
+      sink.Put2(o1, i, o2, half + i);
     }
     if (i < half) {
       const int64_t m = half - i;
@@ -527,8 +670,7 @@ HWY_INLINE void RotateRowOpt(const typename Ops::T* x, typename Ops::T* out, con
           xb, hn::LoadU(df, c + i + n), hn::Mul(hn::Reverse2(df, xb), hn::LoadU(df, s + i + n))));
       Ops::template Put<kStream>(oa, out + i);
       Ops::template Put<kStream>(ob, out + i + n);
-      sink.Put(oa, i);
-      sink.Put(ob, i + n);
+      sink.Put2(oa, i, ob, i + n);
     }
     for (; i + n <= R; i += n) {
       const VF xv = Prep<kNorm>(Ops::Load(x + i), r, w, i);
