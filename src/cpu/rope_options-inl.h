@@ -24,6 +24,7 @@
 #include <hwy/highway.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -73,11 +74,18 @@ struct PoolFp8 {
   }
 };
 
-// Whether 1 / scale is an exact normal fp32 number (scale a power of two).
-HWY_INLINE bool ExactReciprocal(float scale) {
-  int e = 0;
-  return std::frexp(scale, &e) == 0.5f && e >= -124 && e <= 126;
+// log2(scale) where scale is a power of two whose reciprocal is an exact
+// normal fp32 number (2^-125 .. 2^125), else INT_MIN. From the bits: the
+// pool writers are made for every token.
+HWY_INLINE int ExactReciprocalLog2(float scale) {
+  uint32_t b;
+  std::memcpy(&b, &scale, 4);
+  const int biased = static_cast<int>(b >> 23);  // (a negative scale: 256 and up)
+  return (b & 0x7FFFFFu) == 0 && biased >= 2 && biased <= 252 ? biased - 127 : INT_MIN;
 }
+
+// Whether 1 / scale is an exact normal fp32 number (scale a power of two).
+HWY_INLINE bool ExactReciprocal(float scale) { return ExactReciprocalLog2(scale) != INT_MIN; }
 
 // The packed (storage) vector of Ops at p, bits unchanged.
 template <class Ops>
@@ -161,7 +169,7 @@ struct WriteF32 {
 // and only for the k of Fp8From16::Make: bf16 |k| <= 64 (bf16 subnormals
 // then code 0); f16 where its subnormals map to fp8 subnormals or 0 and
 // 448 (57344) * 2^-k is an f16 normal (E4M3 -7 <= k <= 8, E5M2 k = 0).
-// Elsewhere WriteFp8 takes EncodeFp8.
+// Elsewhere the calls take WriteFp8 (EncodeFp8).
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
 template <class Ops, Fp8Kind kKind>
 struct Fp8From16 {
@@ -181,10 +189,9 @@ struct Fp8From16 {
   // For x * 2^k (k = -log2(scale)); `on` false where the call takes EncodeFp8.
   static Fp8From16 Make(float scale) {
     Fp8From16 f;
-    if (!kAvailable || !ExactReciprocal(scale)) return f;
-    int e2 = 0;
-    std::frexp(scale, &e2);
-    const int k = 1 - e2;  // scale = 2^(e2 - 1)
+    const int log2_scale = ExactReciprocalLog2(scale);
+    if (!kAvailable || log2_scale == INT_MIN) return f;
+    const int k = -log2_scale;
     const int lo = kBf16 ? -64 : (kKind == Fp8Kind::kE4M3 ? -7 : 0);
     const int hi = kBf16 ? 64 : (kKind == Fp8Kind::kE4M3 ? 8 : 0);
     if (k < lo || k > hi) return f;
@@ -251,18 +258,13 @@ struct Fp8From16 {
 };
 #else
 template <class Ops, Fp8Kind kKind>
-struct Fp8From16 {  // (EncodeFp8 everywhere on this target)
+struct Fp8From16 {  // (WriteFp8 everywhere on this target)
   static constexpr bool kAvailable = false;
-  bool on = false;
-  static Fp8From16 Make(float) { return {}; }
-  template <bool kStream>
-  void Put2(typename Ops::V, uint8_t*, typename Ops::V, uint8_t*) const {}
 };
 #endif
 
 // encode_fp8(fp32(x / scale)); x * (1 / scale) where that is the same
-// number (ExactReciprocal), picked once per call; pairs of vectors of 16-bit
-// values through Fp8From16 where it applies.
+// number (ExactReciprocal), picked once per call.
 template <class Ops, Fp8Kind kKind>
 struct WriteFp8 {
   using PT = uint8_t;
@@ -270,11 +272,8 @@ struct WriteFp8 {
   static constexpr bool kCanStream = hn::MaxLanes(DF()) * sizeof(PT) >= 16;
   bool div;
   VF s;
-  Fp8From16<Ops, kKind> narrow;
   explicit WriteFp8(float scale)
-      : div(!ExactReciprocal(scale)),
-        s(hn::Set(DF(), div ? scale : 1.0f / scale)),
-        narrow(Fp8From16<Ops, kKind>::Make(scale)) {}
+      : div(!ExactReciprocal(scale)), s(hn::Set(DF(), div ? scale : 1.0f / scale)) {}
   template <bool kStream>
   HWY_INLINE void Put(typename Ops::V o, PT* dst) const {
     const VF v = Widen<Ops>(o);
@@ -287,11 +286,24 @@ struct WriteFp8 {
   }
   template <bool kStream>
   HWY_INLINE void Put2(typename Ops::V o1, PT* d1, typename Ops::V o2, PT* d2) const {
-    if constexpr (Fp8From16<Ops, kKind>::kAvailable) {
-      if (narrow.on) return narrow.template Put2<kStream && kCanStream>(o1, d1, o2, d2);
-    }
     Put<kStream>(o1, d1);
     Put<kStream>(o2, d2);
+  }
+};
+
+// WriteFp8 for a call whose k_scale and v_scale both take Fp8From16 (its
+// own writer type, so that no loop tests which encoder to run): pairs of
+// vectors through Fp8From16, single ones through WriteFp8's EncodeFp8, the
+// same codes.
+template <class Ops, Fp8Kind kKind>
+struct WriteFp8From16 : WriteFp8<Ops, kKind> {
+  using PT = uint8_t;
+  Fp8From16<Ops, kKind> narrow;
+  explicit WriteFp8From16(float scale)
+      : WriteFp8<Ops, kKind>(scale), narrow(Fp8From16<Ops, kKind>::Make(scale)) {}
+  template <bool kStream>
+  HWY_INLINE void Put2(typename Ops::V o1, PT* d1, typename Ops::V o2, PT* d2) const {
+    narrow.template Put2<kStream && WriteFp8<Ops, kKind>::kCanStream>(o1, d1, o2, d2);
   }
 };
 
@@ -1014,14 +1026,24 @@ HWY_INLINE void RunOptW(const OptWork& w) {
   RunOptT<Ops, W, kInterleaved, false>(w, contiguous ? RowMode::kDirect : RowMode::kStrided);
 }
 
+// fp8 pools: Fp8From16's writer where it takes both scales.
+template <class Ops, Fp8Kind kKind, bool kInterleaved>
+HWY_INLINE void RunOptFp8(const OptWork& w) {
+  if constexpr (Fp8From16<Ops, kKind>::kAvailable) {
+    if (Fp8From16<Ops, kKind>::Make(w.p->k_scale).on && Fp8From16<Ops, kKind>::Make(w.p->v_scale).on)
+      return RunOptW<Ops, WriteFp8From16<Ops, kKind>, kInterleaved>(w);
+  }
+  RunOptW<Ops, WriteFp8<Ops, kKind>, kInterleaved>(w);
+}
+
 // The pool format, once per call.
 template <class Ops, bool kInterleaved>
 HWY_NOINLINE void RunOpt(const OptWork& w) {
   switch (w.p->pool_type) {
     case PoolType::kFp8E4M3:
-      return RunOptW<Ops, WriteFp8<Ops, Fp8Kind::kE4M3>, kInterleaved>(w);
+      return RunOptFp8<Ops, Fp8Kind::kE4M3, kInterleaved>(w);
     case PoolType::kFp8E5M2:
-      return RunOptW<Ops, WriteFp8<Ops, Fp8Kind::kE5M2>, kInterleaved>(w);
+      return RunOptFp8<Ops, Fp8Kind::kE5M2, kInterleaved>(w);
     case PoolType::kF32:
       // (f32 inputs: a float32 pool is q's dtype.)
       if constexpr (!std::is_same_v<typename Ops::T, float>) {

@@ -1031,9 +1031,10 @@ TEST(CpuOptions, Fp8EncoderBitExactOnEveryTarget) {
 
 // Every one of the 65536 bf16 patterns as v through an fp8 pool, bit for bit
 // against the shared scalar encoder of fp32(v / scale), on every target, for
-// power-of-two scales from 2^-65 to 2^70 (x * (1 / scale)) and one that takes
-// the division; and once through a large aligned call (non-temporal pool
-// rows).
+// power-of-two scales from 2^-65 to 2^70 (x * (1 / scale); on AVX-512 the
+// codes of 2^-64 .. 2^64 come from the bf16 bits, the others from fp32
+// lanes) and one that takes the division; and once through a large aligned
+// call (non-temporal pool rows).
 TEST(CpuOptions, Fp8FromEveryBf16PatternOnEveryTarget) {
   std::mt19937_64 rng(test_seed());
   const int64_t D = 256, T = 65536 / D;
@@ -1068,14 +1069,15 @@ TEST(CpuOptions, Fp8FromEveryBf16PatternOnEveryTarget) {
 // Every one of the 65536 f16 patterns as v through an fp8 pool, bit for bit
 // against the shared scalar encoder of fp32(v / scale), on every target: the
 // power-of-two scales whose codes AVX-512 makes from the f16 bits (E4M3
-// 2^-8 to 2^7, E5M2 1; f16 subnormals among them), the first ones past that
-// range on either side (fp32 lanes), and one that takes the division.
+// 2^-8 to 2^7, E5M2 1; f16 subnormals among them; k_scale the same, so that
+// the call takes that writer), the first ones past that range on either side
+// (fp32 lanes), and one that takes the division.
 TEST(CpuOptions, Fp8FromEveryF16PatternOnEveryTarget) {
   std::mt19937_64 rng(test_seed());
   const int64_t D = 256, T = 65536 / D;
   for (PoolKind kind : {PoolKind::kE4M3, PoolKind::kE5M2}) {
     std::vector<double> scales = {0.1};
-    const int lo = kind == PoolKind::kE4M3 ? -8 : -1, hi = kind == PoolKind::kE4M3 ? 8 : 1;
+    const int lo = kind == PoolKind::kE4M3 ? -9 : -1, hi = kind == PoolKind::kE4M3 ? 8 : 1;
     for (int j = lo; j <= hi; ++j) scales.push_back(std::ldexp(1.0, j));
     for (double scale : scales) {
       OptSpec s;
@@ -1087,7 +1089,7 @@ TEST(CpuOptions, Fp8FromEveryF16PatternOnEveryTarget) {
       s.dtype = DType::kF16;
       s.pool = kind;
       s.v_scale = scale;
-      s.k_scale = 1.0 / scale;
+      s.k_scale = scale;
       check_fp8_codes(
           s, rng, [](int64_t i) { return static_cast<uint64_t>(i); },
           [](uint64_t b) { return from_f16(static_cast<uint16_t>(b)); });
