@@ -336,7 +336,8 @@ HWY_INLINE void PutVRow(const typename Ops::T* src, typename W::PT* dst, int64_t
 
 // Where RotateRowOpt sends a second copy of its output: nowhere (NoSink),
 // a row of q's dtype (RowSink, null = nowhere), or a pool row through a
-// writer (PoolSink, null = nowhere). Put takes a whole packed vector at
+// writer (PoolSink, never null: a test in the loop kept the writer's
+// constants from being hoisted out of it). Put takes a whole packed vector at
 // element i, Put2 two of them (at i1 and i2), PutPartial the first m lanes
 // of an fp32 vector (rounded to q's dtype first), CopyRaw elements [i, i + m)
 // of the input unchanged.
@@ -379,13 +380,12 @@ struct PoolSink {
   PT* dst;
   const W* w;
   HWY_INLINE void Put(typename Ops::V o, int64_t i) const {
-    if (dst) w->template Put<kStream>(o, dst + i);
+    w->template Put<kStream>(o, dst + i);
   }
   HWY_INLINE void Put2(typename Ops::V o1, int64_t i1, typename Ops::V o2, int64_t i2) const {
-    if (dst) w->template Put2<kStream>(o1, dst + i1, o2, dst + i2);
+    w->template Put2<kStream>(o1, dst + i1, o2, dst + i2);
   }
   HWY_INLINE void PutPartial(VF v, int64_t i, int64_t m) const {  // never with kStream
-    if (!dst) return;
     HWY_ALIGN T b[kMaxLanes];
     HWY_ALIGN PT pb[kMaxLanes];
     Ops::Store(v, b);
@@ -393,7 +393,7 @@ struct PoolSink {
     std::memcpy(dst + i, pb, static_cast<size_t>(m) * sizeof(PT));
   }
   HWY_INLINE void CopyRaw(const T* x, int64_t i, int64_t m) const {  // never with kStream
-    if (dst) PutVRow<Ops, W, false>(x + i, dst + i, m, *w);
+    PutVRow<Ops, W, false>(x + i, dst + i, m, *w);
   }
 };
 
@@ -792,12 +792,15 @@ HWY_NOINLINE void KHeadsOpt(const Problem& p, const OptionData& od, int64_t t, i
   const W wk(p.k_scale), wv(p.v_scale);
   if (regs) {
     auto head = [&](int64_t hk, float rms) HWY_ATTR __attribute__((always_inline)) {
-      PT* const k_dst = PoolRow<PT>(p.k_pool, slot, hk);
-      PT* const v_dst = PoolRow<PT>(p.v_pool, slot, hk);
+      const T* const k = Row<T>(p.k, t, hk);
+      T* const k_rot = Row<T>(p.k_rot, t, hk);
+      if (slot < 0)
+        return RotateRowOpt<Ops, kInterleaved, kNorm, kStream>(k, k_rot, NoSink(), c, s, od.k_norm,
+                                                               rms, p.rotary_dim, D);
       RotateRowOpt<Ops, kInterleaved, kNorm, kStream>(
-          Row<T>(p.k, t, hk), Row<T>(p.k_rot, t, hk), PoolSink<Ops, W, kPools>{k_dst, &wk}, c, s,
-          od.k_norm, rms, p.rotary_dim, D);
-      if (slot >= 0) PutVRow<Ops, W, kPools>(Row<T>(p.v, t, hk), v_dst, D, wv);
+          k, k_rot, PoolSink<Ops, W, kPools>{PoolRow<PT>(p.k_pool, slot, hk), &wk}, c, s, od.k_norm,
+          rms, p.rotary_dim, D);
+      PutVRow<Ops, W, kPools>(Row<T>(p.v, t, hk), PoolRow<PT>(p.v_pool, slot, hk), D, wv);
     };
     if constexpr (kNorm) {
       RmsPipelined<Ops>(p.k, t, h0, h1, D, p.norm_eps, head);
