@@ -119,21 +119,18 @@ HWY_INLINE VF Widen(typename Ops::V v) {
 // dtype, dst) stores its lanes in the pool's format (kStream:
 // non-temporally, dst aligned; only where kCanStream, a vector of the pool's
 // elements being at least the 16 bytes Highway's Stream writes). The values
-// are those of PoolSame / PoolF32 / PoolFp8 below, from the same bits.
+// are those of PoolSame / PoolF32 / PoolFp8 below, from the same bits. A
+// writer with kPairs also has PutPair, two vectors (to two places) at once.
 template <class Ops>
 struct WriteSame {
   using PT = typename Ops::T;
   static constexpr bool kSame = true;
+  static constexpr bool kPairs = false;
   static constexpr bool kCanStream = hn::MaxLanes(DF()) * sizeof(PT) >= 16;
   explicit WriteSame(float) {}
   template <bool kStream>
   HWY_INLINE void Put(typename Ops::V o, PT* dst) const {
     Ops::template Put<kStream && kCanStream>(o, dst);
-  }
-  template <bool kStream>
-  HWY_INLINE void Put2(typename Ops::V o1, PT* d1, typename Ops::V o2, PT* d2) const {
-    Put<kStream>(o1, d1);
-    Put<kStream>(o2, d2);
   }
 };
 
@@ -141,6 +138,7 @@ template <class Ops>
 struct WriteF32 {
   using PT = float;
   static constexpr bool kSame = false;
+  static constexpr bool kPairs = false;
   static constexpr bool kCanStream = hn::MaxLanes(DF()) * sizeof(PT) >= 16;
   explicit WriteF32(float) {}
   template <bool kStream>
@@ -151,11 +149,6 @@ struct WriteF32 {
     } else {
       hn::StoreU(v, DF(), dst);
     }
-  }
-  template <bool kStream>
-  HWY_INLINE void Put2(typename Ops::V o1, PT* d1, typename Ops::V o2, PT* d2) const {
-    Put<kStream>(o1, d1);
-    Put<kStream>(o2, d2);
   }
 };
 
@@ -242,7 +235,7 @@ struct Fp8From16 {
 
   // The codes of o1 at d1 and of o2 at d2 (kStream: non-temporally).
   template <bool kStream>
-  HWY_INLINE void Put2(typename Ops::V o1, uint8_t* d1, typename Ops::V o2, uint8_t* d2) const {
+  HWY_INLINE void PutPair(typename Ops::V o1, uint8_t* d1, typename Ops::V o2, uint8_t* d2) const {
     const DW d;
     const hn::Rebind<uint8_t, DW> d8;
     const auto codes = hn::TruncateTo(d8, Encode(hn::Combine(d, o2, o1)));
@@ -269,6 +262,7 @@ template <class Ops, Fp8Kind kKind>
 struct WriteFp8 {
   using PT = uint8_t;
   static constexpr bool kSame = false;
+  static constexpr bool kPairs = false;
   static constexpr bool kCanStream = hn::MaxLanes(DF()) * sizeof(PT) >= 16;
   bool div;
   VF s;
@@ -284,11 +278,6 @@ struct WriteFp8 {
       hn::StoreU(code, DU8(), dst);
     }
   }
-  template <bool kStream>
-  HWY_INLINE void Put2(typename Ops::V o1, PT* d1, typename Ops::V o2, PT* d2) const {
-    Put<kStream>(o1, d1);
-    Put<kStream>(o2, d2);
-  }
 };
 
 // WriteFp8 for a call whose k_scale and v_scale both take Fp8From16 (its
@@ -298,12 +287,13 @@ struct WriteFp8 {
 template <class Ops, Fp8Kind kKind>
 struct WriteFp8From16 : WriteFp8<Ops, kKind> {
   using PT = uint8_t;
+  static constexpr bool kPairs = true;
   Fp8From16<Ops, kKind> narrow;
   explicit WriteFp8From16(float scale)
       : WriteFp8<Ops, kKind>(scale), narrow(Fp8From16<Ops, kKind>::Make(scale)) {}
   template <bool kStream>
-  HWY_INLINE void Put2(typename Ops::V o1, PT* d1, typename Ops::V o2, PT* d2) const {
-    narrow.template Put2<kStream && WriteFp8<Ops, kKind>::kCanStream>(o1, d1, o2, d2);
+  HWY_INLINE void PutPair(typename Ops::V o1, PT* d1, typename Ops::V o2, PT* d2) const {
+    narrow.template PutPair<kStream && WriteFp8<Ops, kKind>::kCanStream>(o1, d1, o2, d2);
   }
 };
 
@@ -320,9 +310,11 @@ HWY_INLINE void PutVRow(const typename Ops::T* src, typename W::PT* dst, int64_t
   } else {
     const int64_t n = static_cast<int64_t>(hn::Lanes(DF()));
     int64_t d = 0;
-    for (; d + 2 * n <= count; d += 2 * n)
-      w.template Put2<kStream>(LoadPacked<Ops>(src + d), dst + d, LoadPacked<Ops>(src + d + n),
-                               dst + d + n);
+    if constexpr (W::kPairs) {
+      for (; d + 2 * n <= count; d += 2 * n)
+        w.template PutPair<kStream>(LoadPacked<Ops>(src + d), dst + d, LoadPacked<Ops>(src + d + n),
+                                 dst + d + n);
+    }
     for (; d + n <= count; d += n) w.template Put<kStream>(LoadPacked<Ops>(src + d), dst + d);
     if (d < count) {
       HWY_ALIGN T b[kMaxLanes] = {};
@@ -338,14 +330,14 @@ HWY_INLINE void PutVRow(const typename Ops::T* src, typename W::PT* dst, int64_t
 // a row of q's dtype (RowSink, null = nowhere), or a pool row through a
 // writer (PoolSink, never null: a test in the loop kept the writer's
 // constants from being hoisted out of it). Put takes a whole packed vector at
-// element i, Put2 two of them (at i1 and i2), PutPartial the first m lanes
+// element i, PutPair two of them (at i1 and i2), PutPartial the first m lanes
 // of an fp32 vector (rounded to q's dtype first), CopyRaw elements [i, i + m)
 // of the input unchanged.
 struct NoSink {
   template <class V>
   HWY_INLINE void Put(V, int64_t) const {}
   template <class V>
-  HWY_INLINE void Put2(V, int64_t, V, int64_t) const {}
+  HWY_INLINE void PutPair(V, int64_t, V, int64_t) const {}
   HWY_INLINE void PutPartial(VF, int64_t, int64_t) const {}
   template <class T>
   HWY_INLINE void CopyRaw(const T*, int64_t, int64_t) const {}
@@ -358,7 +350,7 @@ struct RowSink {
   HWY_INLINE void Put(typename Ops::V o, int64_t i) const {
     if (dst) Ops::template Put<false>(o, dst + i);
   }
-  HWY_INLINE void Put2(typename Ops::V o1, int64_t i1, typename Ops::V o2, int64_t i2) const {
+  HWY_INLINE void PutPair(typename Ops::V o1, int64_t i1, typename Ops::V o2, int64_t i2) const {
     Put(o1, i1);
     Put(o2, i2);
   }
@@ -382,8 +374,13 @@ struct PoolSink {
   HWY_INLINE void Put(typename Ops::V o, int64_t i) const {
     w->template Put<kStream>(o, dst + i);
   }
-  HWY_INLINE void Put2(typename Ops::V o1, int64_t i1, typename Ops::V o2, int64_t i2) const {
-    w->template Put2<kStream>(o1, dst + i1, o2, dst + i2);
+  HWY_INLINE void PutPair(typename Ops::V o1, int64_t i1, typename Ops::V o2, int64_t i2) const {
+    if constexpr (W::kPairs) {
+      w->template PutPair<kStream>(o1, dst + i1, o2, dst + i2);
+    } else {
+      Put(o1, i1);
+      Put(o2, i2);
+    }
   }
   HWY_INLINE void PutPartial(VF v, int64_t i, int64_t m) const {  // never with kStream
     HWY_ALIGN T b[kMaxLanes];
@@ -642,7 +639,7 @@ HWY_INLINE void RotateRowOpt(const typename Ops::T* x, typename Ops::T* out, con
       const auto o2 = Ops::Pack(hn::MulAdd(x2, cv, hn::Mul(x1, sv)));
       Ops::template Put<kStream>(o1, out + i);
       Ops::template Put<kStream>(o2, out + half + i);
-      sink.Put2(o1, i, o2, half + i);
+      sink.PutPair(o1, i, o2, half + i);
     }
     if (i < half) {
       const int64_t m = half - i;
@@ -682,7 +679,7 @@ HWY_INLINE void RotateRowOpt(const typename Ops::T* x, typename Ops::T* out, con
           xb, hn::LoadU(df, c + i + n), hn::Mul(hn::Reverse2(df, xb), hn::LoadU(df, s + i + n))));
       Ops::template Put<kStream>(oa, out + i);
       Ops::template Put<kStream>(ob, out + i + n);
-      sink.Put2(oa, i, ob, i + n);
+      sink.PutPair(oa, i, ob, i + n);
     }
     for (; i + n <= R; i += n) {
       const VF xv = Prep<kNorm>(Ops::Load(x + i), r, w, i);
@@ -1033,7 +1030,8 @@ HWY_INLINE void RunOptW(const OptWork& w) {
 template <class Ops, Fp8Kind kKind, bool kInterleaved>
 HWY_INLINE void RunOptFp8(const OptWork& w) {
   if constexpr (Fp8From16<Ops, kKind>::kAvailable) {
-    if (Fp8From16<Ops, kKind>::Make(w.p->k_scale).on && Fp8From16<Ops, kKind>::Make(w.p->v_scale).on)
+    using F = Fp8From16<Ops, kKind>;
+    if (F::Make(w.p->k_scale).on && F::Make(w.p->v_scale).on)
       return RunOptW<Ops, WriteFp8From16<Ops, kKind>, kInterleaved>(w);
   }
   RunOptW<Ops, WriteFp8<Ops, kKind>, kInterleaved>(w);
