@@ -965,6 +965,23 @@ TEST(CpuOptions, SmallCallsIntoLargePools) {
   }
 }
 
+// The call of the fp8 code tests: T tokens of one q head and one kv head of
+// D elements of `dtype`, a pool of T rows of `kind` with these scales.
+OptSpec fp8_code_spec(int64_t T, int64_t D, DType dtype, PoolKind kind, double k_scale,
+                      double v_scale) {
+  OptSpec s;
+  s.T = T;
+  s.Hq = 1;
+  s.Hk = 1;
+  s.D = D;
+  s.P = T;
+  s.dtype = dtype;
+  s.pool = kind;
+  s.k_scale = k_scale;
+  s.v_scale = v_scale;
+  return s;
+}
+
 // The vector fp8 encoder against the table oracle, bit for bit, on every
 // target: v (v_scale 1, then others) holds every sign and exponent with
 // mantissas at and around each rounding boundary, the special values, and
@@ -1014,17 +1031,8 @@ TEST(CpuOptions, Fp8EncoderBitExactOnEveryTarget) {
   const int64_t T = static_cast<int64_t>((bits.size() + D - 1) / D);
   for (PoolKind kind : {PoolKind::kE4M3, PoolKind::kE5M2})
     for (double v_scale : {1.0, 0.1, 3.0}) {
-      OptSpec s;
-      s.T = T;
-      s.Hq = 1;
-      s.Hk = 1;
-      s.D = D;
-      s.P = T;
-      s.pool = kind;
-      s.v_scale = v_scale;
-      s.k_scale = 1.0 / v_scale;
       check_fp8_codes(
-          s, rng, [&](int64_t i) { return bits[static_cast<size_t>(i) % bits.size()]; },
+          fp8_code_spec(T, D, DType::kF32, kind, 1.0 / v_scale, v_scale), rng, [&](int64_t i) { return bits[static_cast<size_t>(i) % bits.size()]; },
           [](uint64_t b) { return f32_from_bits(static_cast<uint32_t>(b)); });
     }
 }
@@ -1049,17 +1057,9 @@ TEST(CpuOptions, Fp8FromEveryBf16PatternOnEveryTarget) {
                       {0.1, false},          {0.5, true}};
   for (PoolKind kind : {PoolKind::kE4M3, PoolKind::kE5M2})
     for (const Run& run : runs) {
-      OptSpec s;
-      s.T = T;
+      OptSpec s = fp8_code_spec(T, D, DType::kBF16, kind, 1.0 / run.scale, run.scale);
       s.Hq = run.large ? 64 : 1;  // large: > 8 MiB written
-      s.Hk = 1;
-      s.D = D;
-      s.P = T;
-      s.dtype = DType::kBF16;
-      s.pool = kind;
       s.align64 = run.large;
-      s.v_scale = run.scale;
-      s.k_scale = 1.0 / run.scale;
       check_fp8_codes(
           s, rng, [](int64_t i) { return static_cast<uint64_t>(i); },
           [](uint64_t b) { return f32_from_bits(static_cast<uint32_t>(b) << 16); });
@@ -1080,18 +1080,8 @@ TEST(CpuOptions, Fp8FromEveryF16PatternOnEveryTarget) {
     const int lo = kind == PoolKind::kE4M3 ? -9 : -1, hi = kind == PoolKind::kE4M3 ? 8 : 1;
     for (int j = lo; j <= hi; ++j) scales.push_back(std::ldexp(1.0, j));
     for (double scale : scales) {
-      OptSpec s;
-      s.T = T;
-      s.Hq = 1;
-      s.Hk = 1;
-      s.D = D;
-      s.P = T;
-      s.dtype = DType::kF16;
-      s.pool = kind;
-      s.v_scale = scale;
-      s.k_scale = scale;
       check_fp8_codes(
-          s, rng, [](int64_t i) { return static_cast<uint64_t>(i); },
+          fp8_code_spec(T, D, DType::kF16, kind, scale, scale), rng, [](int64_t i) { return static_cast<uint64_t>(i); },
           [](uint64_t b) { return from_f16(static_cast<uint16_t>(b)); });
     }
   }
