@@ -312,8 +312,8 @@ HWY_INLINE void PutVRow(const typename Ops::T* src, typename W::PT* dst, int64_t
     int64_t d = 0;
     if constexpr (W::kPairs) {
       for (; d + 2 * n <= count; d += 2 * n)
-        w.template PutPair<kStream>(LoadPacked<Ops>(src + d), dst + d, LoadPacked<Ops>(src + d + n),
-                                 dst + d + n);
+        w.template PutPair<kStream>(LoadPacked<Ops>(src + d), dst + d,
+                                    LoadPacked<Ops>(src + d + n), dst + d + n);
     }
     for (; d + n <= count; d += n) w.template Put<kStream>(LoadPacked<Ops>(src + d), dst + d);
     if (d < count) {
