@@ -141,8 +141,17 @@ inline double memcpy_seconds_per_call(size_t n, int threads, int64_t sets, doubl
     if (stream) stream_copy(d, s, k);
     else std::memcpy(d, s, k);
   };
-  Buffer src(n * sets), dst(n * sets);
-  std::memset(src.get(), 1, n * sets);
+  // Kept for the process and grown as needed: every timed row takes two
+  // copy references, and first-touching 2x the last-level cache anew for
+  // each takes longer than timing them on a large host.
+  static Buffer src, dst;
+  if (src.n < n * sets) {
+    src = Buffer();  // free before allocating the larger pair
+    dst = Buffer();
+    src = Buffer(n * sets);
+    dst = Buffer(n * sets);
+    std::memset(src.get(), 1, n * sets);
+  }
   const int64_t by_size = std::max<int64_t>(1, static_cast<int64_t>(n) / (64 * 1024));
   const int nt = static_cast<int>(std::min<int64_t>(threads, by_size));
   auto copy = [&](int64_t s) {
