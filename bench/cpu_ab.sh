@@ -18,9 +18,11 @@ bench=${5:-build/bench/ropekv_cpu_bench}
 run_side() {  # side label
   local side=$1 bin=$bench env=()
   if [[ $side == *=* ]]; then env=("$side"); elif [ "$side" != - ]; then bin=$side; fi
+  # Console rows (name, time in us, ...): the CSV reporter aborts where rows
+  # carry different counters (the cold plain rows' pattern_GB/s).
   env "${env[@]}" "$bin" --benchmark_filter="$filter" --benchmark_min_time=0.2 \
-      --benchmark_format=csv 2>/dev/null |
-    awk -F, -v s="$2" '$1 ~ /real_time/ {gsub(/"/, "", $1); print s, $1, $4}'
+      --benchmark_color=false 2>/dev/null |
+    awk -v s="$2" '$1 ~ /real_time/ {print s, $1, $2}'
 }
 for _ in $(seq "$rounds"); do
   run_side "$side_a" A

@@ -1,6 +1,6 @@
 // CPU benchmark of ropekv::rope_pool_fused (Google Benchmark).
 //
-// Shapes of real models (SPEC section 6), f32 and bf16, T in
+// Shapes of real models (SPEC section 6), f32, bf16 and f16, T in
 // {1, 16, 128, 1024, 8192}, 1 and 2 threads (ROPEKV_BENCH_THREADS below).
 // Each row reports:
 //
@@ -34,10 +34,10 @@
 //
 // The "warm" family (T = 1 and 16) is the decode case: q, k, v and the
 // outputs reused (in cache, as right after the QKV projection), the pool rows
-// still cold. The "hot" family (T = 1) has everything in cache: compute and
-// call overhead, and the pool rows written back to memory (ropekv stores the
-// rows of a pool this large non-temporally, in cache or not). Their memcpy
-// reference copies one hot buffer.
+// still cold. The "hot" family (T = 1 and 16) has everything in cache:
+// compute and call overhead, and the pool rows written back to memory
+// (ropekv stores the rows of a pool this large non-temporally, in cache or
+// not). Their memcpy reference copies one hot buffer.
 //
 // The "options" family times every option of the call (Llama-3.1-8B, bf16,
 // cold) next to the plain call, "options-warm" the same at T = 1 warm; their
@@ -87,6 +87,20 @@ uint16_t to_bf16(float f) {
   std::memcpy(&u, &f, 4);
   return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
+
+// f16 bits of f, |f| < 1 (the inputs drawn below): rounded half up, below
+// 2^-14 to a signed zero.
+uint16_t to_f16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
+  if (a < 0x38800000u) return static_cast<uint16_t>(sign);
+  return static_cast<uint16_t>(sign | ((a - 0x38000000u + 0x1000u) >> 13));
+}
+
+// The float formats of q, k, v and the outputs.
+enum Dtype { kF32, kBF16, kF16 };
+constexpr const char* kDtypeNames[] = {"f32", "bf16", "f16"};
 
 // Cache states. kWarm: q, k, v, positions and the outputs are one set
 // reused by every iteration (in cache, as right after the QKV projection of
@@ -181,22 +195,24 @@ struct Fixture {
   int64_t bytes = 0;  // SPEC section 7, the pools at their element size
 };
 
-// The fixture of (m, bf16, T, cache, option), built on first use and kept
+// The fixture of (m, dtype, T, cache, option), built on first use and kept
 // while the same one is asked for: Google Benchmark calls a benchmark
 // function several times while it settles the iteration count, and building
 // (first-touching more than twice the last-level cache, filling it with
 // random values) takes longer than timing on a large host.
-const Fixture& fixture(const Model& m, bool bf16, int64_t T, Cache cache, Option option) {
+const Fixture& fixture(const Model& m, Dtype dtype, int64_t T, Cache cache, Option option) {
   static std::unique_ptr<Fixture> kept;
-  std::string key = std::string(m.name) + (bf16 ? "/bf16/" : "/f32/") + std::to_string(T) + "/" +
+  std::string key = std::string(m.name) + "/" + kDtypeNames[dtype] + "/" + std::to_string(T) + "/" +
                     std::to_string(cache) + "/" + std::to_string(option);
   if (kept && kept->key == key) return *kept;
   kept.reset();  // free the previous fixture's memory before allocating this one
   auto f = std::make_unique<Fixture>();
   f->key = std::move(key);
   const bool warm = cache != kCold;
-  const int64_t E = bf16 ? 2 : 4;
-  const DLDataType dt = bf16 ? DLDataType{kDLBfloat, 16, 1} : DLDataType{kDLFloat, 32, 1};
+  const int64_t E = dtype == kF32 ? 4 : 2;
+  const DLDataType dt = dtype == kF32    ? DLDataType{kDLFloat, 32, 1}
+                        : dtype == kBF16 ? DLDataType{kDLBfloat, 16, 1}
+                                         : DLDataType{kDLFloat, 16, 1};
   const int64_t EP = option == kF32Pools                                              ? 4
                      : option == kFp8Pools || option == kQwen3Like || option == kFp8AnyScale ? 1
                                                                                          : E;
@@ -228,8 +244,8 @@ const Fixture& fixture(const Model& m, bool bf16, int64_t T, Cache cache, Option
     const int64_t drawn = std::min<int64_t>(n, int64_t{1} << 20);
     for (int64_t i = 0; i < drawn; ++i) {
       const float x = uni(rng);
-      if (bf16) reinterpret_cast<uint16_t*>(b.get())[i] = to_bf16(x);
-      else reinterpret_cast<float*>(b.get())[i] = x;
+      if (dtype == kF32) reinterpret_cast<float*>(b.get())[i] = x;
+      else reinterpret_cast<uint16_t*>(b.get())[i] = dtype == kBF16 ? to_bf16(x) : to_f16(x);
     }
     for (int64_t i = drawn; i < n; i += drawn)
       std::memcpy(b.get() + i * E, b.get(), static_cast<size_t>(std::min(drawn, n - i) * E));
@@ -326,11 +342,11 @@ const Fixture& fixture(const Model& m, bool bf16, int64_t T, Cache cache, Option
   return *kept;
 }
 
-void BM_RopePool(benchmark::State& state, Model m, bool bf16, int threads, Cache cache,
+void BM_RopePool(benchmark::State& state, Model m, Dtype dtype, int threads, Cache cache,
                  Option option) {
   const bool warm = cache != kCold;
   const int64_t T = state.range(0);
-  const Fixture& f = fixture(m, bf16, T, cache, option);
+  const Fixture& f = fixture(m, dtype, T, cache, option);
   const auto& calls = f.calls;
   const int64_t sets = static_cast<int64_t>(calls.size());
   ropekv::ExecOptions opt;
@@ -350,7 +366,7 @@ void BM_RopePool(benchmark::State& state, Model m, bool bf16, int threads, Cache
   state.counters["sets"] = static_cast<double>(sets);
   if (cache == kCold && option == kPlain) {
     const double per_call = el / static_cast<double>(state.iterations());
-    const int64_t E = bf16 ? 2 : 4;
+    const int64_t E = dtype == kF32 ? 4 : 2;
     const double ps = pattern_seconds_per_call(calls, T, m.hq * m.d * E, m.hk * m.d * E, f.bytes,
                                                threads, std::clamp(el, 0.05, 0.5));
     state.counters["pattern_GB/s"] = static_cast<double>(f.bytes) / ps * 1e-9;
@@ -423,22 +439,22 @@ void register_all() {
   benchmark::RegisterBenchmark("validate/Llama-3.1-8B/bf16", BM_Validate)
       ->ArgName("T")->Arg(1)->Arg(128)->UseRealTime()->Unit(benchmark::kMicrosecond);
   for (const Model& m : kModels) {
-    for (bool bf16 : {false, true}) {
+    for (Dtype dtype : {kF32, kBF16, kF16}) {
       for (int threads : thread_counts) {
         for (Cache cache : {kCold, kWarm, kHot}) {
           const char* family = cache == kCold ? "cold/" : cache == kWarm ? "warm/" : "hot/";
           const std::string name = std::string(family) + m.name + "/" +
-                                   (bf16 ? "bf16" : "f32") + "/threads:" +
+                                   kDtypeNames[dtype] + "/threads:" +
                                    std::to_string(threads);
           auto* b =
-              benchmark::RegisterBenchmark(name.c_str(), BM_RopePool, m, bf16, threads, cache, kPlain);
+              benchmark::RegisterBenchmark(name.c_str(), BM_RopePool, m, dtype, threads, cache, kPlain);
           b->ArgName("T")->UseRealTime()->Unit(benchmark::kMicrosecond);
           if (cache == kCold)
             b->Arg(1)->Arg(16)->Arg(128)->Arg(1024)->Arg(8192);
           else if (cache == kWarm)
             b->Arg(1)->Arg(16);
           else
-            b->Arg(1);
+            b->Arg(1)->Arg(16);
         }
       }
     }
@@ -448,7 +464,7 @@ void register_all() {
     for (int o = kPlain; o <= kFp8AnyScale; ++o) {
       const std::string name = std::string("options/") + kOptionNames[o] + "/threads:" +
                                std::to_string(threads);
-      auto* b = benchmark::RegisterBenchmark(name.c_str(), BM_RopePool, kModels[0], true,
+      auto* b = benchmark::RegisterBenchmark(name.c_str(), BM_RopePool, kModels[0], kBF16,
                                              threads, kCold, static_cast<Option>(o));
       b->ArgName("T")->UseRealTime()->Unit(benchmark::kMicrosecond);
       b->Arg(1)->Arg(128)->Arg(1024)->Arg(8192);
@@ -458,7 +474,7 @@ void register_all() {
   // in cache (the "hot" family), T = 16 (426 KB a call).
   for (int o = kPlain; o <= kFp8AnyScale; ++o) {
     const std::string name = std::string("options-hot/") + kOptionNames[o] + "/threads:1";
-    auto* b = benchmark::RegisterBenchmark(name.c_str(), BM_RopePool, kModels[0], true, 1, kHot,
+    auto* b = benchmark::RegisterBenchmark(name.c_str(), BM_RopePool, kModels[0], kBF16, 1, kHot,
                                            static_cast<Option>(o));
     b->ArgName("T")->UseRealTime()->Unit(benchmark::kMicrosecond)->Arg(16);
   }
@@ -466,7 +482,7 @@ void register_all() {
   // family).
   for (int o = kPlain; o <= kFp8AnyScale; ++o) {
     const std::string name = std::string("options-warm/") + kOptionNames[o] + "/threads:1";
-    auto* b = benchmark::RegisterBenchmark(name.c_str(), BM_RopePool, kModels[0], true, 1, kWarm,
+    auto* b = benchmark::RegisterBenchmark(name.c_str(), BM_RopePool, kModels[0], kBF16, 1, kWarm,
                                            static_cast<Option>(o));
     b->ArgName("T")->UseRealTime()->Unit(benchmark::kMicrosecond)->Arg(1);
   }

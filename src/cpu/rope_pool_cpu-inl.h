@@ -171,9 +171,15 @@ struct F16 {
 #endif
   }
   // Round to nearest even on every target, subnormals and overflow to Inf
-  // included (the rounding trick of F. Giesen's float_to_half_fast3_rtne:
-  // integer rounding for normals, an fp32 add for subnormals).
+  // included. F16C's conversion does it in one instruction (Highway passes
+  // the immediate nearest-even mode, whatever MXCSR says); elsewhere the
+  // rounding trick of F. Giesen's float_to_half_fast3_rtne: integer rounding
+  // for normals, an fp32 add for subnormals. The two differ only in which
+  // NaN they give (F16C keeps the payload's top bits, the trick 0x7E00).
   static HWY_INLINE VU16 Pack(VF v) {
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
+    return hn::BitCast(DU16(), hn::DemoteTo(DF16(), v));
+#else
     const DI32 di;
     const DF df;
     const auto u = hn::BitCast(di, v);
@@ -191,6 +197,7 @@ struct F16 {
     r = hn::IfThenElse(hn::Lt(a, hn::Set(di, 143 << 23)), r, inf_or_nan);
     r = hn::Or(r, hn::BitCast(di, hn::ShiftRight<16>(hn::BitCast(DU32(), sign))));
     return hn::DemoteTo(DU16(), hn::And(r, hn::Set(di, 0xFFFF)));
+#endif
   }
   using V = VU16;
   template <bool kStream>
