@@ -35,7 +35,9 @@
 #             an option cost its bytes once enough cores fill the memory? Runs a
 #             bench binary built elsewhere and carried in .cpubench/ with its shared
 #             libraries (cmake --build build --target ropekv_cpu_bench; copy it,
-#             libbenchmark and libhwy there; not a default step)
+#             libbenchmark and libhwy there; not a default step). CPUSCALE_BINS
+#             (names in .cpubench/, default ropekv_cpu_bench) and CPUSCALE_ROUNDS
+#             (default 1): builds of two commits timed in alternating processes
 #   pyover    bench/py_overhead.py --cuda, twice: host time per call from Python
 #             with CUDA tensors (fast path, its attribute reader, general path,
 #             torch.ops; not a default step)
@@ -249,14 +251,22 @@ do_pyover() {
 
 do_cpuscale() {
   local th rc=0
-  [ -x .cpubench/ropekv_cpu_bench ] || { echo "no .cpubench/ropekv_cpu_bench (carry it)"; return 1; }
+  local bin round
+  for bin in ${CPUSCALE_BINS:-ropekv_cpu_bench}; do
+    [ -x ".cpubench/$bin" ] || { echo "no .cpubench/$bin (carry it)"; return 1; }
+  done
   nproc
   grep -m1 'model name' /proc/cpuinfo
-  for th in ${CPUSCALE_THREADS:-16 8 4 2 1}; do
-    LD_LIBRARY_PATH=$ROOT/.cpubench${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} ROPEKV_BENCH_THREADS=$th \
-      timeout "${CPUSCALE_LIMIT:-90}" .cpubench/ropekv_cpu_bench \
-      --benchmark_filter="${CPUSCALE_FILTER:-options/(plain|qk_norm|fp8_pools|qknorm.fp8.yarn)/threads:[0-9]+/T:8192/}" \
-      --benchmark_min_time=0.3 --benchmark_repetitions=1 || rc=1
+  for round in $(seq "${CPUSCALE_ROUNDS:-1}"); do
+    for th in ${CPUSCALE_THREADS:-16 8 4 2 1}; do
+      for bin in ${CPUSCALE_BINS:-ropekv_cpu_bench}; do
+        echo "== round $round, $th threads, $bin"
+        LD_LIBRARY_PATH=$ROOT/.cpubench${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} ROPEKV_BENCH_THREADS=$th \
+          timeout "${CPUSCALE_LIMIT:-90}" ".cpubench/$bin" \
+          --benchmark_filter="${CPUSCALE_FILTER:-options/(plain|qk_norm|fp8_pools|qknorm.fp8.yarn)/threads:[0-9]+/T:8192/}" \
+          --benchmark_min_time=0.3 --benchmark_repetitions=1 || rc=1
+      done
+    done
   done
   return $rc
 }
