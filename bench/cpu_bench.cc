@@ -443,11 +443,10 @@ void register_all() {
       for (int threads : thread_counts) {
         for (Cache cache : {kCold, kWarm, kHot}) {
           const char* family = cache == kCold ? "cold/" : cache == kWarm ? "warm/" : "hot/";
-          const std::string name = std::string(family) + m.name + "/" +
-                                   kDtypeNames[dtype] + "/threads:" +
-                                   std::to_string(threads);
-          auto* b =
-              benchmark::RegisterBenchmark(name.c_str(), BM_RopePool, m, dtype, threads, cache, kPlain);
+          const std::string name = std::string(family) + m.name + "/" + kDtypeNames[dtype] +
+                                   "/threads:" + std::to_string(threads);
+          auto* b = benchmark::RegisterBenchmark(name.c_str(), BM_RopePool, m, dtype, threads,
+                                                 cache, kPlain);
           b->ArgName("T")->UseRealTime()->Unit(benchmark::kMicrosecond);
           if (cache == kCold)
             b->Arg(1)->Arg(16)->Arg(128)->Arg(1024)->Arg(8192);
