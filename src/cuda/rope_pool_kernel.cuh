@@ -1039,14 +1039,19 @@ __device__ __forceinline__ void transform(Vec<T, N>& a, Vec<T, N>& b, bool pair,
   }
 }
 
-// The QK-norm's r = 1 / sqrt(ss / D + eps), each step correctly rounded (the
-// IEEE division and square root, as on the CPU); ss / D as the product by
-// 2^-log2(D) where D is a power of two (the same correctly rounded quotient).
+// The QK-norm's r = 1 / sqrt(ss / D + eps): ss / D correctly rounded (the
+// product by 2^-log2(D) where D is a power of two: the same quotient), then
+// the hardware reciprocal square root (rsqrtf, within 2 ulp of fp32; the CPU
+// rounds a square root and a division, so the two backends' r can differ
+// by those ulp, far inside one rounding of a 16-bit output). It sits on a
+// decode call's serial path: against the IEEE square root and division,
+// 0.04-0.05 us less at T = 1 to 32 and 0.1 us at T = 512 (H200, cold L2;
+// docs/performance.md, *The QK-norm's reciprocal square root*).
 // pow2: a compile-time true where the caller knows D is one.
 __device__ __forceinline__ float norm_scale(float ss, int D, float eps, bool pow2) {
   const float q = pow2 ? __fmul_rn(ss, __int_as_float((127 - (__ffs(D) - 1)) << 23))
                        : __fdiv_rn(ss, static_cast<float>(D));
-  return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(q, eps)));
+  return rsqrtf(__fadd_rn(q, eps));
 }
 
 // The options kernel's r of step u of a batch (ss: the head sums of its
@@ -1570,10 +1575,11 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
   // QK-norm: each lane's sum of squares goes to shared memory (after the
   // cos/sin) before the block's barrier, and after it every lane of a head
   // adds the head's L sums (L = blockDim.x <= 32, a power of two) in the same
-  // order, then r = 1 / sqrt(ss / D + eps), each step correctly rounded as in
-  // the options kernel. (A butterfly of shuffles instead cost 0.2 us at
-  // T = 1: four dependent steps on the call's critical path.) The table
-  // build has a barrier for it alone.
+  // order, then r = 1 / sqrt(ss / D + eps) by norm_scale, as in the options
+  // kernel. (A butterfly of shuffles instead cost 0.2 us at T = 1: four
+  // dependent steps on the call's critical path; a barrier of the head's
+  // lanes alone (__syncwarp), 0.08 us at T = 1 and 1.6 us at T = 512.) The
+  // table build has a barrier for it alone.
   float* sq_smem = cs_smem + (kTable ? 0 : 2 * p.half);
   if constexpr (kNorm) sq_smem[tid] = active && w != nullptr ? sum_squares<T, N>(a, b, true) : 0.0f;
   if constexpr (!kTable || kNorm) __syncthreads();
