@@ -1578,7 +1578,7 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
   // order, then r = 1 / sqrt(ss / D + eps) by norm_scale, as in the options
   // kernel. (A butterfly of shuffles instead cost 0.2 us at T = 1: four
   // dependent steps on the call's critical path; a barrier of the head's
-  // lanes alone (__syncwarp), 0.08 us at T = 1 and 1.6 us at T = 512.) The
+  // lanes alone (__syncwarp), 0.07 us at T = 1 and 1.6 us at T = 512.) The
   // table build has a barrier for it alone.
   float* sq_smem = cs_smem + (kTable ? 0 : 2 * p.half);
   if constexpr (kNorm) sq_smem[tid] = active && w != nullptr ? sum_squares<T, N>(a, b, true) : 0.0f;
