@@ -1045,7 +1045,7 @@ __device__ __forceinline__ void transform(Vec<T, N>& a, Vec<T, N>& b, bool pair,
 // rounds a square root and a division, so the two backends' r can differ
 // by those ulp, far inside one rounding of a 16-bit output). It sits on a
 // decode call's serial path: against the IEEE square root and division,
-// 0.04-0.05 us less at T = 1 to 32 and 0.1 us at T = 512 (H200, cold L2;
+// 0.04-0.06 us less at T = 1 to 32 and 0.06-0.11 us at T = 512 (H200, cold L2;
 // docs/performance.md, *The QK-norm's reciprocal square root*).
 // pow2: a compile-time true where the caller knows D is one.
 __device__ __forceinline__ float norm_scale(float ss, int D, float eps, bool pow2) {
