@@ -598,39 +598,57 @@ __device__ __forceinline__ void smem_cos_sin(const float* cs_smem, int half, int
   }
 }
 
-// The N values at x of a table of dtype code 0 f32 or (16-bit) 1 f16 /
-// 2 bf16 as floats (exact), in 16-byte loads where they hold more (8-byte
-// ones for N = 2): the launchers check the row stride, the base and half
-// for it.
+// The N values at element i of a table of dtype code 0 f32 or (16-bit) 1 f16 /
+// 2 bf16, as loaded: 16-byte loads where they hold more (8-byte ones for
+// N = 2; the launchers check the row stride, the base and half for it), the
+// conversion apart (table_floats), so that a row's cos and sin loads both go
+// out before either is waited for. Loaded and converted one after the other,
+// a 16-bit table cost a decode call a second memory round trip.
 template <int N>
-__device__ __forceinline__ void table_floats(const void* base, long long i, int dtype,
-                                             float (&x)[N]) {
+struct TableWords {
+  unsigned int w[N];  // f32: one value per word; 16-bit: two per word (N / 2 words)
+};
+template <int N>
+__device__ __forceinline__ TableWords<N> table_load(const void* base, long long i, int dtype) {
+  TableWords<N> r;
   if (dtype == 0) {
-    const float* f = static_cast<const float*>(base) + i;
+    const unsigned int* f = static_cast<const unsigned int*>(base) + i;
     if constexpr (N == 2) {
-      const float2 v = __ldg(reinterpret_cast<const float2*>(f));
-      x[0] = v.x;
-      x[1] = v.y;
+      to_words(__ldg(reinterpret_cast<const uint2*>(f)), r.w);
     } else {
 #pragma unroll
-      for (int j = 0; j < N; j += 4) {
-        const float4 v = __ldg(reinterpret_cast<const float4*>(f + j));
-        x[j] = v.x;
-        x[j + 1] = v.y;
-        x[j + 2] = v.z;
-        x[j + 3] = v.w;
-      }
+      for (int j = 0; j < N; j += 4) to_words(__ldg(reinterpret_cast<const uint4*>(f + j)), r.w + j);
     }
   } else {
     using Raw = typename RawOf<2 * N>::type;
-    unsigned int w[N / 2];
-    to_words(__ldg(reinterpret_cast<const Raw*>(static_cast<const unsigned short*>(base) + i)), w);
+    to_words(__ldg(reinterpret_cast<const Raw*>(static_cast<const unsigned short*>(base) + i)), r.w);
+  }
+  return r;
+}
+// The values of table_load as floats (exact).
+template <int N>
+__device__ __forceinline__ void table_floats(const TableWords<N>& r, int dtype, float (&x)[N]) {
+  if (dtype == 0) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) x[j] = __uint_as_float(r.w[j]);
+  } else {
 #pragma unroll
     for (int j = 0; j < N / 2; ++j) {
-      x[2 * j] = widen(w[j] & 0xFFFFu, dtype);
-      x[2 * j + 1] = widen(w[j] >> 16, dtype);
+      x[2 * j] = widen(r.w[j] & 0xFFFFu, dtype);
+      x[2 * j + 1] = widen(r.w[j] >> 16, dtype);
     }
   }
+}
+
+// table_load and table_floats at once, the conversion in the branch of its
+// dtype (a 16-bit table's load is waited for there).
+template <int N>
+__device__ __forceinline__ void table_row_floats(const void* base, long long i, int dtype,
+                                                 float (&x)[N]) {
+  if (dtype == 0)
+    table_floats<N>(table_load<N>(base, i, 0), 0, x);
+  else
+    table_floats<N>(table_load<N>(base, i, dtype), dtype, x);
 }
 
 // kTable = false: the plain call. kTable = true: the call whose one option
@@ -688,8 +706,11 @@ __global__ void __launch_bounds__(max_block(U)) rope_pool_kernel(const __grid_co
   auto cos_sin_of = [&](int c) {
     if (c >= p.pair_items) return;
     if constexpr (kTable) {
-      table_floats<N>(p.cos_sin, cs_row + c * N, p.cs_dtype, cc);
-      table_floats<N>(p.cos_sin, cs_row + p.half + c * N, p.cs_dtype, ss);
+      // (Each converted as it is loaded: both loads first took this
+      // kernel's table builds from 80 to 95 registers, and calls of 512 to
+      // 2048 tokens 6-9 % longer. A decode call runs the small kernel.)
+      table_row_floats<N>(p.cos_sin, cs_row + c * N, p.cs_dtype, cc);
+      table_row_floats<N>(p.cos_sin, cs_row + p.half + c * N, p.cs_dtype, ss);
     } else {
       smem_cos_sin<N>(cs_smem, p.half, c, cc, ss);
     }
@@ -1434,6 +1455,35 @@ __device__ __forceinline__ void rotate_normed(Vec<T, N>& a, Vec<T, N>& b, const 
   b = from_floats<T, N>(xb);
 }
 
+// The QK-norm's head sum of the small kernel: the L lane sums at hs (shared
+// memory, 16-byte aligned), L a power of two <= 32. For L >= 4 in one order:
+// four running sums of every fourth value (float4 reads), then (s0 + s1) +
+// (s2 + s3); below, in lane order. With L known, every read goes out before
+// the first add: in a loop over a run-time L each read waited for the one
+// before it (4 shared-memory round trips for L = 16).
+template <int L>
+__device__ __forceinline__ float head_sum_of(const float* hs) {
+  float4 v[L / 4];
+#pragma unroll
+  for (int i = 0; i < L / 4; ++i) v[i] = reinterpret_cast<const float4*>(hs)[i];
+  float4 acc = v[0];
+#pragma unroll
+  for (int i = 1; i < L / 4; ++i) {
+    acc.x += v[i].x;
+    acc.y += v[i].y;
+    acc.z += v[i].z;
+    acc.w += v[i].w;
+  }
+  return (acc.x + acc.y) + (acc.z + acc.w);
+}
+__device__ __forceinline__ float head_sum(const float* hs, int L) {
+  // (Ranges, not a switch on L: the compiler makes a switch, or tests of
+  // equality, a jump table, whose constant-bank load a cold call may wait for.)
+  if (L >= 16) return L >= 32 ? head_sum_of<32>(hs) : head_sum_of<16>(hs);
+  if (L >= 4) return L >= 8 ? head_sum_of<8>(hs) : head_sum_of<4>(hs);
+  return L == 2 ? hs[0] + hs[1] : hs[0];
+}
+
 // The kernel of small calls of 16-bit data (decode), full rotary; kTable:
 // cos/sin read from a cos_sin_cache; kInterleaved: GPT-J pairs (2i, 2i+1)
 // instead of NeoX (i, i + half); kNorm: a QK-norm (heads of L = 1..32 lanes,
@@ -1553,19 +1603,28 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
     if (active) {
       const long long row = position * p.cs_s0;
       if constexpr (kInterleaved) {
-        float c2[2], s2[2];
+        TableWords<2> wc[2], ws[2];
+#pragma unroll
         for (int k = 0; k < 2; ++k) {  // a's frequencies, then b's
           const long long f = row + (k == 0 ? 0 : p.half / 2) + 2 * lane;
-          table_floats<2>(p.cos_sin, f, p.cs_dtype, c2);
-          table_floats<2>(p.cos_sin, f + p.half, p.cs_dtype, s2);
+          wc[k] = table_load<2>(p.cos_sin, f, p.cs_dtype);
+          ws[k] = table_load<2>(p.cos_sin, f + p.half, p.cs_dtype);
+        }
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          float c2[2], s2[2];
+          table_floats<2>(wc[k], p.cs_dtype, c2);
+          table_floats<2>(ws[k], p.cs_dtype, s2);
           cc[2 * k] = c2[0];
           cc[2 * k + 1] = c2[1];
           ss[2 * k] = s2[0];
           ss[2 * k + 1] = s2[1];
         }
       } else {
-        table_floats<N>(p.cos_sin, row + lane * N, p.cs_dtype, cc);
-        table_floats<N>(p.cos_sin, row + p.half + lane * N, p.cs_dtype, ss);
+        const TableWords<N> wc = table_load<N>(p.cos_sin, row + lane * N, p.cs_dtype);
+        const TableWords<N> ws = table_load<N>(p.cos_sin, row + p.half + lane * N, p.cs_dtype);
+        table_floats<N>(wc, p.cs_dtype, cc);
+        table_floats<N>(ws, p.cs_dtype, ss);
       }
     }
   } else {
@@ -1575,50 +1634,42 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
   // QK-norm: each lane's sum of squares goes to shared memory (after the
   // cos/sin) before the block's barrier, and after it every lane of a head
   // adds the head's L sums (L = blockDim.x <= 32, a power of two) in the same
-  // order, then r = 1 / sqrt(ss / D + eps) by norm_scale, as in the options
-  // kernel. (A butterfly of shuffles instead cost 0.2 us at T = 1: four
+  // order (head_sum), then r = 1 / sqrt(ss / D + eps) by norm_scale, as in the
+  // options kernel. (A butterfly of shuffles instead cost 0.2 us at T = 1: four
   // dependent steps on the call's critical path; a barrier of the head's
   // lanes alone (__syncwarp), 0.07 us at T = 1 and 1.6 us at T = 512.) The
   // table build has a barrier for it alone.
   float* sq_smem = cs_smem + (kTable ? 0 : 2 * p.half);
   if constexpr (kNorm) sq_smem[tid] = active && w != nullptr ? sum_squares<T, N>(a, b, true) : 0.0f;
   if constexpr (!kTable || kNorm) __syncthreads();
+  auto smem_cs = [&] {
+    if constexpr (!kTable) {
+      if constexpr (kInterleaved) {
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+          const int f = (j < N / 2 ? 0 : p.half / 2) + N / 2 * lane + j % (N / 2);
+          cc[j] = cs_smem[f];
+          ss[j] = cs_smem[p.half + f];
+        }
+      } else {
+        smem_cos_sin<N>(cs_smem, p.half, lane, cc, ss);
+      }
+    }
+  };
+  // With a QK-norm in 4-element lanes the cos/sin are read first, so that
+  // their shared-memory reads go out with the head's sums (0.03-0.08 us less
+  // at T <= 32); in wide lanes that held 16 more registers across the sums
+  // (48 -> 64) and made calls of 512 tokens 1.5 us longer.
+  constexpr bool kCsFirst = !kNorm || N == kSmallVec;
+  if constexpr (kCsFirst) smem_cs();
   float r = 1.0f;
   if constexpr (kNorm) {
-    if (w != nullptr) {
-      const float* hs = sq_smem + threadIdx.y * blockDim.x;
-      float sum = 0.0f;
-      if (blockDim.x >= 4) {  // float4 reads (16-byte aligned: L and 2 * half are multiples of 4)
-        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-        for (int i = 0; i < 32; i += 4) {
-          if (i >= static_cast<int>(blockDim.x)) break;
-          const float4 v = *reinterpret_cast<const float4*>(hs + i);
-          acc.x += v.x;
-          acc.y += v.y;
-          acc.z += v.z;
-          acc.w += v.w;
-        }
-        sum = (acc.x + acc.y) + (acc.z + acc.w);
-      } else {
-        for (int i = 0; i < static_cast<int>(blockDim.x); ++i) sum += hs[i];
-      }
-      // (D = 2 * half is a power of two here: the launcher's rule.)
-      r = norm_scale(sum, 2 * p.half, p.o.norm_eps, true);
-    }
+    // (D = 2 * half is a power of two here: the launcher's rule.)
+    if (w != nullptr)
+      r = norm_scale(head_sum(sq_smem + threadIdx.y * blockDim.x, blockDim.x), 2 * p.half,
+                     p.o.norm_eps, true);
   }
-  if constexpr (!kTable) {
-    if constexpr (kInterleaved) {
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        const int f = (j < N / 2 ? 0 : p.half / 2) + N / 2 * lane + j % (N / 2);
-        cc[j] = cs_smem[f];
-        ss[j] = cs_smem[p.half + f];
-      }
-    } else {
-      smem_cos_sin<N>(cs_smem, p.half, lane, cc, ss);
-    }
-  }
+  if constexpr (!kCsFirst) smem_cs();
   if (!active) return;
   if constexpr (kNorm)
     rotate_normed<T, N, kInterleaved, WW>(a, b, cc, ss, r, wa, wb, wdt);

@@ -11,7 +11,8 @@
 //                              (ROPEKV_DRIVER_OPTIONS: other options, any --cold*)
 //                              (ROPEKV_DRIVER_TOKENS: other T, e.g. 1,8,64)
 //   sanitize_driver --cold-inplace  the same in place (q_rot, k_rot = q, k)
-//   sanitize_driver --cold-table    the same with a float32 cos_sin_cache (2^17 rows)
+//   sanitize_driver --cold-table    the same with a float32 cos_sin_cache (2^17 rows;
+//                              ROPEKV_DRIVER_TABLE=bf16: a bf16 one, q's dtype)
 //   sanitize_driver --cold-interleaved  the same with interleaved pairs (is_neox=False)
 //   sanitize_driver --host     host time per T = 1 call (Llama bf16) and of its parts
 //
@@ -589,6 +590,9 @@ void cold(int options, bool inplace, bool table, bool interleaved) {
   const char* u = std::getenv("ROPEKV_CUDA_UNROLL");
   std::mt19937 rng(11);
   constexpr int64_t kRows = 1 << 17;  // cos_sin_cache rows (positions are below)
+  const char* td = std::getenv("ROPEKV_DRIVER_TABLE");
+  const bool table16 = table && td != nullptr && std::strcmp(td, "bf16") == 0;
+  const DLDataType table_dt = table16 ? DLDataType{kDLBfloat, 16, 1} : DLDataType{kDLFloat, 32, 1};
   for (const Shape& m : kShapes) {
     if (options && m.name != kLlama.name) continue;
     const char* sg = std::getenv("ROPEKV_CUDA_SPLIT_GRID");
@@ -598,9 +602,10 @@ void cold(int options, bool inplace, bool table, bool interleaved) {
     std::printf("U=%s S=%s/%s small=%s/%s cold %-12s%s%s%s%s", u ? u : "auto",
                 sg ? sg : "auto", st ? st : "auto", sm ? sm : "auto", sb ? sb : "auto", m.name,
                 options_name(options), inplace ? " in place" : "",
-                table ? " cos_sin_cache f32" : "", interleaved ? " interleaved" : "");
-    // A float32 [kRows, D] table (values do not matter for the time).
-    Buf tab(table ? size_t(kRows) * m.D * 4 : 4);
+                table ? (table16 ? " cos_sin_cache bf16" : " cos_sin_cache f32") : "",
+                interleaved ? " interleaved" : "");
+    // A [kRows, D] table (values do not matter for the time).
+    Buf tab(table ? size_t(kRows) * m.D * (table16 ? 2 : 4) : 4);
     int64_t tab_shape[2] = {kRows, m.D};
     CK(cudaMemset(tab.ptr, 0x3c, tab.bytes));
     for (int T : driver_tokens()) {
@@ -630,7 +635,7 @@ void cold(int options, bool inplace, bool table, bool interleaved) {
         t.k_rot.data = inplace ? x.k.ptr : x.kr.ptr;
         t.positions.data = x.dpos.ptr;
         t.slots.data = x.dslot.ptr;
-        if (table) t.cos_sin_cache = view(tab.ptr, DLDataType{kDLFloat, 32, 1}, 2, tab_shape, nullptr);
+        if (table) t.cos_sin_cache = view(tab.ptr, table_dt, 2, tab_shape, nullptr);
         ropekv::ExecOptions o;
         o.stream = s;
         ropekv::rope_pool_fused(t, c.cfg, o);
