@@ -1483,6 +1483,27 @@ __device__ __forceinline__ float head_sum(const float* hs, int L) {
   if (L >= 4) return L >= 8 ? head_sum_of<8>(hs) : head_sum_of<4>(hs);
   return L == 2 ? hs[0] + hs[1] : hs[0];
 }
+// The same sum, one float4 read at a time: the wide-lane builds' (see the
+// small kernel).
+__device__ __forceinline__ float head_sum_serial(const float* hs, int L) {
+  float sum = 0.0f;
+  if (L >= 4) {
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int i = 0; i < 32; i += 4) {
+      if (i >= L) break;
+      const float4 v = *reinterpret_cast<const float4*>(hs + i);
+      acc.x += v.x;
+      acc.y += v.y;
+      acc.z += v.z;
+      acc.w += v.w;
+    }
+    sum = (acc.x + acc.y) + (acc.z + acc.w);
+  } else {
+    for (int i = 0; i < L; ++i) sum += hs[i];
+  }
+  return sum;
+}
 
 // The kernel of small calls of 16-bit data (decode), full rotary; kTable:
 // cos/sin read from a cos_sin_cache; kInterleaved: GPT-J pairs (2i, 2i+1)
@@ -1656,20 +1677,25 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
       }
     }
   };
-  // With a QK-norm in 4-element lanes the cos/sin are read first, so that
-  // their shared-memory reads go out with the head's sums (0.03-0.08 us less
-  // at T <= 32); in wide lanes that held 16 more registers across the sums
-  // (48 -> 64) and made calls of 512 tokens 1.5 us longer.
-  constexpr bool kCsFirst = !kNorm || N == kSmallVec;
-  if constexpr (kCsFirst) smem_cs();
+  // In 4-element lanes the cos/sin are read first, so that with a QK-norm
+  // their shared-memory reads go out with the head's sums, which head_sum
+  // reads at once (0.05-0.09 us less at T <= 32). In wide lanes either held
+  // more registers or re-read blockDim.x (48 -> 64 registers, 1.5 us more
+  // at T = 512; or 0.1 us more), so there the cos/sin come after r and the
+  // sums one float4 at a time.
+  constexpr bool kWide = N != kSmallVec;
+  if constexpr (!kWide) smem_cs();
   float r = 1.0f;
   if constexpr (kNorm) {
     // (D = 2 * half is a power of two here: the launcher's rule.)
-    if (w != nullptr)
-      r = norm_scale(head_sum(sq_smem + threadIdx.y * blockDim.x, blockDim.x), 2 * p.half,
+    if (w != nullptr) {
+      const float* hs = sq_smem + threadIdx.y * blockDim.x;
+      const int L = blockDim.x;
+      r = norm_scale(kWide ? head_sum_serial(hs, L) : head_sum(hs, L), 2 * p.half,
                      p.o.norm_eps, true);
+    }
   }
-  if constexpr (!kCsFirst) smem_cs();
+  if constexpr (kWide) smem_cs();
   if (!active) return;
   if constexpr (kNorm)
     rotate_normed<T, N, kInterleaved, WW>(a, b, cc, ss, r, wa, wb, wdt);
