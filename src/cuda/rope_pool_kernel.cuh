@@ -603,7 +603,8 @@ __device__ __forceinline__ void smem_cos_sin(const float* cs_smem, int half, int
 // N = 2; the launchers check the row stride, the base and half for it), the
 // conversion apart (table_floats), so that a row's cos and sin loads both go
 // out before either is waited for. Loaded and converted one after the other,
-// a 16-bit table cost a decode call a second memory round trip.
+// a 16-bit table cost a decode call a second memory round trip (0.2-0.3 us
+// at T = 1; docs/performance.md, *The small kernel's reads*).
 template <int N>
 struct TableWords {
   unsigned int w[N];  // f32: one value per word; 16-bit: two per word (N / 2 words)
@@ -1679,10 +1680,11 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
   };
   // In 4-element lanes the cos/sin are read first, so that with a QK-norm
   // their shared-memory reads go out with the head's sums, which head_sum
-  // reads at once (0.05-0.09 us less at T <= 32). In wide lanes either held
-  // more registers or re-read blockDim.x (48 -> 64 registers, 1.5 us more
-  // at T = 512; or 0.1 us more), so there the cos/sin come after r and the
-  // sums one float4 at a time.
+  // issues at once (0.04-0.11 us less at T <= 32). Wide lanes keep the order
+  // and the sum of before: the cos/sin first took them from 48 to 64
+  // registers (1.5 us more at T = 512), and head_sum there re-read blockDim.x
+  // at each test (0.07 us more; docs/performance.md, *The small kernel's
+  // reads*).
   constexpr bool kWide = N != kSmallVec;
   if constexpr (!kWide) smem_cs();
   float r = 1.0f;
