@@ -317,6 +317,7 @@ def option_cases(D, dt):
         "llama3 scaling": ({"rope_scaling": llama3}, 0, None),
         "yarn scaling": ({"rope_scaling": yarn}, 0, None),
         "cos_sin_cache f32": ({"cos_sin_cache": cache}, 4 * D, None),
+        "cos_sin_cache bf16": ({"cos_sin_cache": cache.to(dt)}, 2 * D, None),
         "QK-norm": ({"q_norm_weight": w, "k_norm_weight": w}, 0, None),
         "float32 pools": ({"kv_cache_dtype": "float32"}, 0, 4),
         "fp8_e4m3 pools": ({"kv_cache_dtype": "fp8_e4m3", "k_scale": 0.5, "v_scale": 0.5}, 0, 1),
