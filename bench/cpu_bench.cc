@@ -469,13 +469,17 @@ void register_all() {
       b->Arg(1)->Arg(128)->Arg(1024)->Arg(8192);
     }
   }
-  // Each option's compute alone: Llama-3.1-8B bf16, one thread, every array
-  // in cache (the "hot" family), T = 16 (426 KB a call).
-  for (int o = kPlain; o <= kFp8AnyScale; ++o) {
-    const std::string name = std::string("options-hot/") + kOptionNames[o] + "/threads:1";
-    auto* b = benchmark::RegisterBenchmark(name.c_str(), BM_RopePool, kModels[0], kBF16, 1, kHot,
-                                           static_cast<Option>(o));
-    b->ArgName("T")->UseRealTime()->Unit(benchmark::kMicrosecond)->Arg(16);
+  // Each option's compute alone: Llama-3.1-8B bf16 ("options-hot") and f16
+  // ("options-hot-f16": its own conversions, and fp8 codes from f16 bits), one
+  // thread, every array in cache (the "hot" family), T = 16 (426 KB a call).
+  for (Dtype dtype : {kBF16, kF16}) {
+    for (int o = kPlain; o <= kFp8AnyScale; ++o) {
+      const std::string name = std::string(dtype == kBF16 ? "options-hot/" : "options-hot-f16/") +
+                               kOptionNames[o] + "/threads:1";
+      auto* b = benchmark::RegisterBenchmark(name.c_str(), BM_RopePool, kModels[0], dtype, 1,
+                                             kHot, static_cast<Option>(o));
+      b->ArgName("T")->UseRealTime()->Unit(benchmark::kMicrosecond)->Arg(16);
+    }
   }
   // The decode case of each option (T = 1, one thread, warm as the "warm"
   // family).
