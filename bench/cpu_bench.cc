@@ -40,9 +40,10 @@
 // not). Their memcpy reference copies one hot buffer.
 //
 // The "options" family times every option of the call (Llama-3.1-8B, bf16,
-// cold) next to the plain call, "options-warm" the same at T = 1 warm; their
-// bytes count the pools at their real element size and the cos_sin_cache
-// rows read.
+// cold) next to the plain call, "options-warm" the same at T = 1 warm,
+// "options-hot" (bf16) and "options-hot-f16" at T = 16 hot (the options'
+// arithmetic alone); their bytes count the pools at their real element size
+// and the cos_sin_cache rows read.
 //
 // ROPEKV_BENCH_THREADS (a comma list, default 1,2) sets the thread counts of
 // the cold and options families, e.g. 1,2,4,8,16 on a machine whose memory
