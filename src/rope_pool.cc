@@ -6,12 +6,12 @@ namespace ropekv {
 
 void rope_pool_fused(const RopePoolTensors& tensors, const RopeConfig& config,
                      const ExecOptions& options) {
-  check_exec_options(options);
   const bool on_cpu = tensors.q.device.device_type == kDLCPU;
   // On the CPU the slots are read here, so an out-of-range slot raises before
   // any write; on a GPU that read would cost a sync, so the kernel guards.
   const Problem p = make_problem(tensors, config, /*check_index_values=*/on_cpu,
                                  /*check_duplicates=*/on_cpu && options.checked);
+  check_exec_options(options);  // (last, as the contract lists it)
   if (p.num_tokens == 0) return;
   if (on_cpu) {
     cpu::run(p, options);

@@ -422,6 +422,11 @@ void check_rope_scaling(const RopeScaling& s) {
              num_str(s.attention_factor));
       if (!std::isfinite(s.mscale) || !std::isfinite(s.mscale_all_dim))
         fail("rope_scaling mscale and mscale_all_dim must be finite");
+      // The kernels multiply cos and sin by the factor in fp32: one beyond
+      // float32's range would store Inf and NaN.
+      if (const double m = attention_factor(s); !std::isfinite(static_cast<float>(m)))
+        fail("rope_scaling attention_factor must be finite as a float32 (the factor of cos and "
+             "sin, given or from mscale and mscale_all_dim), got " + num_str(m));
       return;
   }
   fail("rope_scaling type is unknown");
@@ -459,6 +464,9 @@ void check_options(const RopePoolTensors& t, const RopeConfig& cfg, int64_t R, F
   }
   if (!std::isfinite(cfg.norm_eps) || cfg.norm_eps < 0.0)
     fail("norm_eps must be finite and >= 0, got " + num_str(cfg.norm_eps));
+  // (The QK-norm adds it in fp32: beyond float32's range it would be Inf.)
+  if (!std::isfinite(static_cast<float>(cfg.norm_eps)))
+    fail("norm_eps must be finite and >= 0 as a float32, got " + num_str(cfg.norm_eps));
 
   // A float array of q's dtype or float32.
   auto check_float = [&](const DLTensor& a, const char* name) {

@@ -19,6 +19,7 @@ computed in fp32 and rounded once to the output dtype.
 
 from __future__ import annotations
 
+import numbers
 import operator
 import os
 import sys as _sys
@@ -394,9 +395,10 @@ def _int_arg(value: Any, name: str) -> int:
 
 
 def _threads_arg(value: Any) -> int:
-    """num_threads for the binding (an int; the C++ core caps large counts)."""
+    """num_threads for the binding (an int; the C++ core caps large counts and
+    reports a negative one, after the arrays' checks)."""
     v = _int_arg(value, "num_threads")
-    if v < 0:
+    if v < -2**31:  # (beyond the binding's int: reported here)
         raise ValueError(f"num_threads must be >= 0 (0: OpenMP's default), got {v}")
     return min(v, 2**31 - 1)
 
@@ -454,7 +456,8 @@ def _scaling_params(rope_scaling: Any) -> Optional[Tuple[float, ...]]:
         got = rope_scaling.get(key)
         values[key] = default if got is None else got
     for key, val in values.items():
-        if isinstance(val, bool) and key != "truncate" or not isinstance(val, (int, float)):
+        # (numbers.Real: numpy's scalars too, as a config read by numpy has them)
+        if isinstance(val, bool) and key != "truncate" or not isinstance(val, numbers.Real):
             raise ValueError(f"rope_scaling {key!r} must be a number, got {val!r}")
         try:
             float(val)
@@ -704,7 +707,7 @@ def rope_pool_fused(
             else (_np.empty(src.shape, src.dtype) if type(src) is _np.ndarray else _output_for(src))
             for given, src in ((q_out, q), (k_out, k))]
     arrays = (q, k, v, positions, slots, k_pool, v_pool, outs[0], outs[1])
-    converted, bf16_mask, readonly_mask = [], 0, 0
+    converted, bf16_mask, readonly_mask, missing = [], 0, 0, []
     for i, x in enumerate(arrays):
         # The common cases inline (a function call per array costs).
         if type(x) is _np.ndarray:
@@ -732,8 +735,15 @@ def rope_pool_fused(
             if dt in tf[3]:
                 converted.append(x.numpy())
                 continue
-        if x is None:  # an output of a q or k that is not 3-D
-            converted.append(None)
+        if x is None:
+            if i < 7:
+                # A missing input or pool: a 0-D stand-in, so that the core
+                # reports the first broken rank rule, as for any array of
+                # the wrong rank (and the error says which was None).
+                missing.append(_NAMES[i])
+                converted.append(_np.zeros((), _np.int32 if i in (3, 4) else _np.float32))
+            else:  # an output of a q or k that is not 3-D
+                converted.append(None)
             continue
         name = _NAMES[i]
         a, is_bf16, read_only = _as_array(x, name, written=i >= 5)
@@ -758,26 +768,34 @@ def rope_pool_fused(
                          f"{common[0]}")
     if is_neox is not True and is_neox is not False and not isinstance(is_neox, _np.bool_):
         raise ValueError(f"is_neox must be a bool, got {is_neox!r}")
-    if not options:
-        _ext.run(*converted, *common, bf16_mask, readonly_mask, handle,
-                 _threads_arg(num_threads), _checked)
-    else:
-        extra = []
-        for i, (x, name) in enumerate(((cos_sin_cache, "cos_sin_cache"),
-                                       (q_norm_weight, "q_norm_weight"),
-                                       (k_norm_weight, "k_norm_weight")), start=9):
-            if x is None:
-                extra.append(None)
-                continue
-            a, is_bf16, _ = _as_array(x, name)
-            extra.append(a)
-            bf16_mask |= int(is_bf16) << i
-        if rotary_dim is None and cos_sin_cache is not None and len(getattr(cos_sin_cache, "shape", ())) == 2:
-            common = common[:4] + (int(cos_sin_cache.shape[1]),)
-        _ext.run_options(*converted, *extra, *common, bool(is_neox), _scaling_params(rope_scaling),
-                         kv_code, _float_arg(k_scale, "k_scale"), _float_arg(v_scale, "v_scale"),
-                         _float_arg(norm_eps, "norm_eps"), bf16_mask,
-                         readonly_mask, handle, _threads_arg(num_threads), _checked)
+    try:
+        if not options:
+            _ext.run(*converted, *common, bf16_mask, readonly_mask, handle,
+                     _threads_arg(num_threads), _checked)
+        else:
+            extra = []
+            for i, (x, name) in enumerate(((cos_sin_cache, "cos_sin_cache"),
+                                           (q_norm_weight, "q_norm_weight"),
+                                           (k_norm_weight, "k_norm_weight")), start=9):
+                if x is None:
+                    extra.append(None)
+                    continue
+                a, is_bf16, _ = _as_array(x, name)
+                extra.append(a)
+                bf16_mask |= int(is_bf16) << i
+            if (rotary_dim is None and cos_sin_cache is not None
+                    and len(getattr(cos_sin_cache, "shape", ())) == 2):
+                common = common[:4] + (int(cos_sin_cache.shape[1]),)
+            _ext.run_options(*converted, *extra, *common, bool(is_neox),
+                             _scaling_params(rope_scaling), kv_code,
+                             _float_arg(k_scale, "k_scale"), _float_arg(v_scale, "v_scale"),
+                             _float_arg(norm_eps, "norm_eps"), bf16_mask, readonly_mask, handle,
+                             _threads_arg(num_threads), _checked)
+    except ValueError as e:
+        if not missing:
+            raise
+        raise ValueError(f"{e} ({' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                         f"None: pass an array)") from None
     if _framework(q) in ("jax", "jaxlib"):
         import jax.numpy as jnp
 

@@ -402,6 +402,33 @@ TEST(Validate, RopeBase) {
   EXPECT_PREFIX(error_of(s), "rope_base 500000 with its rope_scaling gives inverse frequency 0 = inf");
 }
 
+// Factors the kernels apply in fp32 must be finite there, not only as doubles
+// (else Inf and NaN reach the outputs and the pools).
+TEST(Validate, FactorsFiniteInFloat32) {
+  std::mt19937_64 rng(test_seed());
+  VSpec s = valid_spec();
+  s.cfg.rope_scaling.type = ropekv::RopeScalingType::kYarn;
+  s.cfg.rope_scaling.factor = 4.0;
+  s.cfg.rope_scaling.original_max_position_embeddings = 4096;
+  s.cfg.rope_scaling.attention_factor = 3e38;  // the largest finite float32 is 3.4e38
+  EXPECT_NO_THROW(ropekv::validate(build(s, rng).tensors(), s.cfg));
+  s.cfg.rope_scaling.attention_factor = 1e39;
+  EXPECT_PREFIX(error_of(s), "rope_scaling attention_factor must be finite as a float32");
+  // The same factor from mscale / mscale_all_dim.
+  s.cfg.rope_scaling.attention_factor = 0.0;
+  s.cfg.rope_scaling.mscale = 1e40;
+  s.cfg.rope_scaling.mscale_all_dim = 1.0;
+  EXPECT_PREFIX(error_of(s), "rope_scaling attention_factor must be finite as a float32");
+  s.cfg.rope_scaling.mscale = 1.0;
+  EXPECT_NO_THROW(ropekv::validate(build(s, rng).tensors(), s.cfg));
+
+  s = valid_spec();
+  s.cfg.norm_eps = 3e38;
+  EXPECT_NO_THROW(ropekv::validate(build(s, rng).tensors(), s.cfg));
+  s.cfg.norm_eps = 1e39;
+  EXPECT_PREFIX(error_of(s), "norm_eps must be finite and >= 0 as a float32, got 1e+39");
+}
+
 TEST(Validate, MixedDevices) {
   VSpec s = valid_spec();
   s.k_pool.device = {kDLCUDA, 0};

@@ -460,6 +460,39 @@ def test_argument_errors_are_value_errors(rng, name, value, prefix):
     expect_error(arrays, dict(kw, **{name: value}), prefix)
 
 
+@pytest.mark.parametrize("name,rule", [
+    ("q", "rope_pool_fused expects q/k/v to be 3-D"),
+    ("v", "rope_pool_fused expects q/k/v to be 3-D"),
+    ("slots", "rope_pool_fused expects positions/slots to be 1-D"),
+    ("k_pool", "rope_pool_fused expects pool tensors to be 3-D"),
+])
+@pytest.mark.parametrize("options", [{}, {"is_neox": False}])
+def test_none_array_is_a_rank_error(rng, name, rule, options):
+    """An array that is None breaks its rank rule: a ValueError that names it,
+    nothing written (also with options, which take the other binding)."""
+    arrays, kw = make_call(rng)
+    arrays[name] = None
+    msg = expect_error(arrays, dict(kw, **options), rule)
+    assert f"({name} is None: pass an array)" in msg
+    # An earlier rule still wins over a later None.
+    if not rule.endswith("q/k/v to be 3-D"):
+        arrays, kw = make_call(rng)
+        arrays["q"] = arrays["q"][0]
+        arrays[name] = None
+        expect_error(arrays, kw, "rope_pool_fused expects q/k/v to be 3-D")
+
+
+def test_thread_count_error_comes_last(rng):
+    """num_threads < 0 is the contract's last check: any array error first."""
+    for mutate in (m_qk_rank, m_pool_dtype, m_index_len):
+        arrays, kw = make_call(rng)
+        prefix = mutate(arrays, kw)
+        expect_error(arrays, dict(kw, num_threads=-1), prefix)
+    arrays, kw = make_call(rng)
+    arrays["slots"][1] = P  # out of range: read before any write on the CPU
+    expect_error(arrays, dict(kw, num_threads=-1), f"slots[1] = {P}")
+
+
 def test_thread_counts_beyond_the_cap(rng):
     """A million threads asked for (and 2^31, past a C int): the call runs,
     with the same bits as one thread. (The cap itself, max(64, 4 x

@@ -188,6 +188,20 @@ def test_scaled_rope(scaling, dtype):
         call_and_check(T, 8, 2, 128, DTYPES[dtype], base=500000.0, rope_scaling=scaling)
 
 
+def test_scaling_numpy_scalars():
+    """Values of numpy's scalar types (a config read through numpy) are
+    numbers: the same frequencies and factor as the Python numbers."""
+    want = ropekv.rope_inv_freq(128, 1e6, None, YARN_QWEN)
+    numpy_values = {key: (np.float32(v) if isinstance(v, float) else np.int64(v))
+                    if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+                    for key, v in YARN_QWEN.items()}
+    assert any(isinstance(v, np.float32) for v in numpy_values.values())
+    got = ropekv.rope_inv_freq(128, 1e6, None, numpy_values)
+    assert bits(got[0]) == bits(want[0]) and got[1] == want[1]
+    assert_rejected("must be a number", rope_scaling={"rope_type": "linear",
+                                                      "factor": np.str_("2")})
+
+
 def test_scaling_default_type_is_plain():
     a = call_and_check(3, 2, 1, 64, np.dtype(np.float32), rope_scaling={"rope_type": "default"})
     assert a is not None
@@ -204,6 +218,11 @@ def test_scaling_default_type_is_plain():
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
       "original_max_position_embeddings": 8192}, "high_freq_factor must be > low_freq_factor"),
     ({"rope_type": "linear", "factor": "2"}, "must be a number"),
+    # the kernels apply yarn's factor in fp32: finite as a double is not enough
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+      "attention_factor": 1e39}, "attention_factor must be finite as a float32"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+      "mscale": 1e40, "mscale_all_dim": 1.0}, "attention_factor must be finite as a float32"),
     ([("rope_type", "linear")], "must be a dict"),
 ])
 def test_scaling_errors(scaling, match):
@@ -386,6 +405,8 @@ def test_option_errors():
                     kv_cache_dtype="fp8_e5m2", v_scale=1e39)
     assert_rejected("norm_eps must be finite and >= 0", q_norm_weight=np.ones(16, f32),
                     norm_eps=-1.0)
+    assert_rejected(r"norm_eps must be finite and >= 0 as a float32, got 1e\+39",
+                    q_norm_weight=np.ones(16, f32), norm_eps=1e39)
     assert_rejected(r"q_norm_weight shape must be \[head_dim\] = \(16,\)",
                     q_norm_weight=np.ones(8, f32))
     assert_rejected("k_norm_weight dtype must be float32 or q's dtype",
