@@ -791,6 +791,15 @@ def rope_pool_fused(
                              _float_arg(k_scale, "k_scale"), _float_arg(v_scale, "v_scale"),
                              _float_arg(norm_eps, "norm_eps"), bf16_mask, readonly_mask, handle,
                              _threads_arg(num_threads), _checked)
+    except TypeError as e:
+        # The binding's own signature refused an array (nanobind imports it
+        # before the call, so nothing was written): a DLPack producer that
+        # cannot export it, such as a read-only array behind a pre-1.0
+        # __dlpack__, which has no way to say that it is read-only.
+        raise ValueError(
+            f"an array of the call could not be imported through DLPack or the buffer "
+            f"protocol (a read-only array behind a pre-1.0 __dlpack__ cannot be exported): "
+            f"pass numpy arrays or a DLPack 1.0 producer; {str(e).splitlines()[0]}") from e
     except ValueError as e:
         if not missing:
             raise

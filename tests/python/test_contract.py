@@ -427,6 +427,29 @@ def test_read_only_memory_of_any_kind(rng):
         assert immutable == arrays["k_pool"].tobytes()
 
 
+class LegacyDLPack(DLPackOnly):
+    """A producer of DLPack before 1.0: __dlpack__ takes no max_version, and
+    its capsule cannot say that memory is read-only."""
+
+    def __dlpack__(self, stream=None):
+        return self.a.__dlpack__(stream=stream)
+
+
+def test_legacy_dlpack_producers(rng):
+    """A writable pool behind a pre-1.0 __dlpack__ is written in place; a
+    read-only one (which it cannot export) is a ValueError, nothing written."""
+    arrays, kw = make_call(rng)
+    want = call({n: a.copy() for n, a in arrays.items()}, kw)
+    kp = arrays["k_pool"].copy()
+    call(dict(arrays, k_pool=LegacyDLPack(kp)), kw)
+    assert bits(kp) == bits(want[2])
+    ro = arrays["k_pool"].copy()
+    ro.flags.writeable = False
+    expect_error(dict(arrays, k_pool=LegacyDLPack(ro)), kw, "an array of the call could not be "
+                 "imported")
+    assert bits(ro) == bits(arrays["k_pool"])
+
+
 def test_writable_memory_of_any_kind(rng):
     """The same kinds, writable: the pools are written in place, as a numpy
     pool would be."""
