@@ -84,7 +84,8 @@ struct RopeScaling {
   /// yarn: multiplies cos and sin. 0 = transformers' default: with mscale and
   /// mscale_all_dim both non-zero, get_mscale(factor, mscale) /
   /// get_mscale(factor, mscale_all_dim), else get_mscale(factor), where
-  /// get_mscale(s, m) = 0.1 m ln(s) + 1 for s > 1, else 1.
+  /// get_mscale(s, m) = 0.1 m ln(s) + 1 for s > 1, else 1. Given or made,
+  /// the factor must be finite as a float32 (the kernels apply it in fp32).
   double attention_factor = 0.0;
   double mscale = 0.0;          ///< yarn (DeepSeek form), 0 = absent
   double mscale_all_dim = 0.0;  ///< yarn (DeepSeek form), 0 = absent
@@ -124,14 +125,15 @@ struct RopeConfig {
   double k_scale = 1.0;  ///< fp8 pools only: per-tensor key scale, finite, > 0
   double v_scale = 1.0;  ///< fp8 pools only: per-tensor value scale, finite, > 0
   /// QK-norm (RMSNorm over each head, before the rotation) epsilon, used
-  /// when q_norm_weight or k_norm_weight is given; finite, >= 0.
+  /// when q_norm_weight or k_norm_weight is given; finite (as a float32 too),
+  /// >= 0.
   double norm_eps = 1e-6;
 };
 
 /// How the op runs. Does not change the results.
 struct ExecOptions {
   /// CPU threads; 0 = OpenMP's default (OMP_NUM_THREADS, else all cores);
-  /// negative: an Error. A call starts at most max(64, 4 x processors) and
+  /// negative: an Error (the last check, after the arrays'). A call starts at most max(64, 4 x processors) and
   /// at most one per 64 KiB it moves. Results are bit-identical for every
   /// thread count.
   int num_threads = 0;
