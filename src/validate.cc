@@ -333,6 +333,12 @@ Span checked_span(const DLTensor& t, const char* name) {
       fail(std::string(name) + " has shape " + shape_str(t) +
            ", more elements than 64 bits count: memory ropekv cannot address");
   }
+  // data + byte_offset past the top of the address space would wrap, to null
+  // or anywhere (a pool row at null reads as "no slot": a lost write).
+  if (t.data != nullptr &&
+      UINTPTR_MAX - reinterpret_cast<uintptr_t>(t.data) < static_cast<uintptr_t>(t.byte_offset))
+    fail(std::string(name) + "'s byte_offset " + std::to_string(t.byte_offset) +
+         " runs past the top of the address space: memory ropekv cannot address");
   const intptr_t base = reinterpret_cast<intptr_t>(base_pointer(t));
   if (n == 0) return {base, base};
   const int64_t esize = element_size(t);
@@ -423,10 +429,12 @@ void check_rope_scaling(const RopeScaling& s) {
       if (!std::isfinite(s.mscale) || !std::isfinite(s.mscale_all_dim))
         fail("rope_scaling mscale and mscale_all_dim must be finite");
       // The kernels multiply cos and sin by the factor in fp32: one beyond
-      // float32's range would store Inf and NaN.
-      if (const double m = attention_factor(s); !std::isfinite(static_cast<float>(m)))
-        fail("rope_scaling attention_factor must be finite as a float32 (the factor of cos and "
-             "sin, given or from mscale and mscale_all_dim), got " + num_str(m));
+      // float32's range would store Inf and NaN, one that rounds to 0 there
+      // (or a negative one made from mscale) zeros or mirrors the rotation.
+      if (const double m = attention_factor(s);
+          !std::isfinite(static_cast<float>(m)) || !(static_cast<float>(m) > 0.0f))
+        fail("rope_scaling attention_factor must be finite and > 0 as a float32 (the factor of "
+             "cos and sin, given or from mscale and mscale_all_dim), got " + num_str(m));
       return;
   }
   fail("rope_scaling type is unknown");

@@ -85,7 +85,8 @@ struct RopeScaling {
   /// mscale_all_dim both non-zero, get_mscale(factor, mscale) /
   /// get_mscale(factor, mscale_all_dim), else get_mscale(factor), where
   /// get_mscale(s, m) = 0.1 m ln(s) + 1 for s > 1, else 1. Given or made,
-  /// the factor must be finite as a float32 (the kernels apply it in fp32).
+  /// the factor must be finite and > 0 as a float32 (the kernels apply it in
+  /// fp32).
   double attention_factor = 0.0;
   double mscale = 0.0;          ///< yarn (DeepSeek form), 0 = absent
   double mscale_all_dim = 0.0;  ///< yarn (DeepSeek form), 0 = absent

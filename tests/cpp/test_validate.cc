@@ -413,14 +413,18 @@ TEST(Validate, FactorsFiniteInFloat32) {
   s.cfg.rope_scaling.attention_factor = 3e38;  // the largest finite float32 is 3.4e38
   EXPECT_NO_THROW(ropekv::validate(build(s, rng).tensors(), s.cfg));
   s.cfg.rope_scaling.attention_factor = 1e39;
-  EXPECT_PREFIX(error_of(s), "rope_scaling attention_factor must be finite as a float32");
+  EXPECT_PREFIX(error_of(s), "rope_scaling attention_factor must be finite and > 0 as a float32");
   // The same factor from mscale / mscale_all_dim.
   s.cfg.rope_scaling.attention_factor = 0.0;
   s.cfg.rope_scaling.mscale = 1e40;
   s.cfg.rope_scaling.mscale_all_dim = 1.0;
-  EXPECT_PREFIX(error_of(s), "rope_scaling attention_factor must be finite as a float32");
+  EXPECT_PREFIX(error_of(s), "rope_scaling attention_factor must be finite and > 0 as a float32");
+  s.cfg.rope_scaling.mscale = -100.0;  // 0.1 * -100 * ln 4 + 1 < 0: a mirrored rotation
+  EXPECT_PREFIX(error_of(s), "rope_scaling attention_factor must be finite and > 0 as a float32");
   s.cfg.rope_scaling.mscale = 1.0;
   EXPECT_NO_THROW(ropekv::validate(build(s, rng).tensors(), s.cfg));
+  s.cfg.rope_scaling.attention_factor = 1e-300;  // 0 as a float32: cos and sin would be 0
+  EXPECT_PREFIX(error_of(s), "rope_scaling attention_factor must be finite and > 0 as a float32");
 
   s = valid_spec();
   s.cfg.norm_eps = 3e38;
@@ -647,6 +651,19 @@ TEST(Validate, ExtentsAndViews) {
           }
         },
         ropekv::Error);
+    // A byte_offset that wraps data + byte_offset around the address space
+    // (to null: a pool row there would read as "no slot").
+    for (const uint64_t past : {uint64_t{0}, uint64_t{64}}) {
+      t = b.tensors();
+      t.k_pool.byte_offset = ~reinterpret_cast<uintptr_t>(t.k_pool.data) + 1 + past;
+      try {
+        ropekv::validate(t, s.cfg);
+        ADD_FAILURE() << "accepted a byte_offset that wraps, past " << past;
+      } catch (const ropekv::Error& e) {
+        EXPECT_PREFIX(std::string(e.what()), "k_pool's byte_offset ");
+        EXPECT_CONTAINS(std::string(e.what()), "runs past the top of the address space");
+      }
+    }
     t = b.tensors();
     t.q.ndim = 1 << 28;  // its shape is not printed past its 3 entries
     try {

@@ -220,9 +220,9 @@ def test_scaling_default_type_is_plain():
     ({"rope_type": "linear", "factor": "2"}, "must be a number"),
     # the kernels apply yarn's factor in fp32: finite as a double is not enough
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
-      "attention_factor": 1e39}, "attention_factor must be finite as a float32"),
+      "attention_factor": 1e39}, "attention_factor must be finite and > 0 as a float32"),
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
-      "mscale": 1e40, "mscale_all_dim": 1.0}, "attention_factor must be finite as a float32"),
+      "mscale": 1e40, "mscale_all_dim": 1.0}, "attention_factor must be finite and > 0 as a float32"),
     ([("rope_type", "linear")], "must be a dict"),
 ])
 def test_scaling_errors(scaling, match):
