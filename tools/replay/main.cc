@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <filesystem>
@@ -155,9 +156,13 @@ double percentile(std::vector<double> v, double p) {
   return v[i];
 }
 
+// The shortest %g form that reads back as v (1.0000001 is not "1").
 std::string fmt_g(double v) {
   char buf[32];
-  std::snprintf(buf, sizeof buf, "%g", v);
+  for (int digits = 6; digits <= 17; ++digits) {
+    std::snprintf(buf, sizeof buf, "%.*g", digits, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
   return buf;
 }
 
@@ -256,7 +261,8 @@ int main(int argc, char** argv) {
   app.add_option("--json", json_out, "write the summary as JSON to FILE");
   double max_rss_growth_mb = -1;
   app.add_option("--max-rss-growth-mb", max_rss_growth_mb,
-                 "fail if resident memory grows by more than N MB between warm-up and the end");
+                 "fail if resident memory grows by more than N MB between warm-up and the end")
+      ->check(CLI::NonNegativeNumber);
   app.add_flag("--progress", progress, "progress bar on stderr even when it is not a terminal");
   app.add_flag("--no-progress", no_progress, "no progress bar");
   app.add_option("--inject-fault", fault, "testing: corrupt one result to prove the checks fail")
@@ -289,6 +295,10 @@ int main(int argc, char** argv) {
       if (!is_fp8(opt.kv_dtype) && v != 1.0)
         throw InputError(std::string(name) + " applies to fp8 pools only (--kv-cache-dtype fp8_e4m3 or "
                          "fp8_e5m2), got " + fmt_g(v) + " with --kv-cache-dtype " + kv_s);
+    }
+    if (!json_out.empty()) {  // a path it cannot write is a bad argument, before the run
+      std::ofstream probe(json_out, std::ios::app);
+      if (!probe) throw InputError("--json: cannot write " + json_out);
     }
     opt.layers = layers;
     opt.progress = !no_progress && (progress || isatty(STDERR_FILENO));

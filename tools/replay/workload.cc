@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 
@@ -116,9 +117,25 @@ Workload load_azure_trace(const std::string& path, int64_t max_requests) {
   }
   if (col_ctx < 0) throw InputError(path + ": empty trace (no header)");
   if (w.requests.empty()) throw InputError(path + ": the trace has a header but no requests");
-  // ISO timestamps ("2023-11-16 18:15:46.6805900") sort as strings.
-  std::stable_sort(w.requests.begin(), w.requests.end(),
-                   [](const Request& a, const Request& b) { return a.timestamp < b.timestamp; });
+  // Numbers (seconds, 9 before 10) sort by value when every timestamp is
+  // one; ISO timestamps ("2023-11-16 18:15:46.6805900") sort as strings.
+  std::vector<double> seconds(w.requests.size());
+  bool numeric = true;
+  for (size_t i = 0; i < w.requests.size() && numeric; ++i) {
+    const std::string ts = trim(w.requests[i].timestamp);
+    char* end = nullptr;
+    seconds[i] = ts.empty() ? 0.0 : std::strtod(ts.c_str(), &end);
+    numeric = !ts.empty() && end == ts.c_str() + ts.size() && std::isfinite(seconds[i]);
+  }
+  std::vector<size_t> order(w.requests.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return numeric ? seconds[a] < seconds[b] : w.requests[a].timestamp < w.requests[b].timestamp;
+  });
+  std::vector<Request> sorted;
+  sorted.reserve(order.size());
+  for (size_t i : order) sorted.push_back(w.requests[i]);
+  w.requests = std::move(sorted);
   if (max_requests > 0 && static_cast<int64_t>(w.requests.size()) > max_requests)
     w.requests.resize(static_cast<size_t>(max_requests));
   for (size_t i = 0; i < w.requests.size(); ++i) w.requests[i].id = static_cast<int64_t>(i);

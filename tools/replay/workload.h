@@ -39,7 +39,8 @@ Workload make_synthetic(const SyntheticParams& p);
 
 /// Reads `TIMESTAMP,ContextTokens,GeneratedTokens` (header required, column
 /// order free, extra columns ignored, CRLF accepted). Requests are replayed
-/// in timestamp order (stable); `max_requests` > 0 keeps the first N.
+/// in timestamp order (stable): by value where every timestamp is a number,
+/// else as strings (ISO dates); `max_requests` > 0 keeps the first N.
 /// Throws InputError with file:line for a malformed row.
 Workload load_azure_trace(const std::string& path, int64_t max_requests);
 
