@@ -445,13 +445,6 @@ void check_rope_scaling(const RopeScaling& s) {
 void check_options(const RopePoolTensors& t, const RopeConfig& cfg, int64_t R, FloatType dtype) {
   const int64_t D = cfg.head_dim;
   check_rope_scaling(cfg.rope_scaling);
-  switch (cfg.kv_cache_dtype) {
-    case KvCacheDtype::kAuto: case KvCacheDtype::kFloat32: case KvCacheDtype::kFp8E4M3:
-    case KvCacheDtype::kFp8E5M2: break;
-    default:
-      fail("kv_cache_dtype is unknown (value " +
-           std::to_string(static_cast<int>(cfg.kv_cache_dtype)) + ")");
-  }
   const bool fp8 = cfg.kv_cache_dtype == KvCacheDtype::kFp8E4M3 ||
                    cfg.kv_cache_dtype == KvCacheDtype::kFp8E5M2;
   if (fp8) {
@@ -580,6 +573,13 @@ Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
     fail("pool dtypes must match q/k/v dtype, got k_pool " + dtype_str(t.k_pool.dtype) +
          ", v_pool " + dtype_str(t.v_pool.dtype) + " for q/k/v " + dtype_str(t.q.dtype) +
          hint);
+  }
+  switch (cfg.kv_cache_dtype) {  // (a C++ caller can pass any value; before the pools' rule)
+    case KvCacheDtype::kAuto: case KvCacheDtype::kFloat32: case KvCacheDtype::kFp8E4M3:
+    case KvCacheDtype::kFp8E5M2: break;
+    default:
+      fail("kv_cache_dtype is unknown (value " +
+           std::to_string(static_cast<int>(cfg.kv_cache_dtype)) + ")");
   }
   if (cfg.kv_cache_dtype != KvCacheDtype::kAuto) {
     const bool f32 = cfg.kv_cache_dtype == KvCacheDtype::kFloat32;

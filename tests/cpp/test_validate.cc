@@ -681,6 +681,8 @@ TEST(Validate, UnknownKvCacheDtype) {
   VSpec s = valid_spec();
   s.cfg.kv_cache_dtype = static_cast<ropekv::KvCacheDtype>(7);
   Built b = build(s, rng);
+  // With pools of q's dtype, and of fp8 bytes: the value is the error, not the pools.
+  EXPECT_PREFIX(error_of_built(b, s.cfg), "kv_cache_dtype is unknown (value 7)");
   for (int i : {5, 6}) b.t[i].override_dtype(DLDataType{kDLUInt, 8, 1});  // fp8 pools' bytes
   EXPECT_PREFIX(error_of_built(b, s.cfg), "kv_cache_dtype is unknown (value 7)");
 }
