@@ -1037,7 +1037,10 @@ ReplayResult Engine::run() {
   if (largest > P_)
     throw InputError("a request needs " + std::to_string(largest) + " KV slots but the pool has " +
                      std::to_string(P_) + " (--pool-size): it could never be scheduled");
-  if (P_ > std::numeric_limits<int32_t>::max()) throw InputError("--pool-size must be < 2^31 (int32 slots)");
+  if (P_ > std::numeric_limits<int32_t>::max())
+    throw InputError(o_.pool_size > 0 ? std::string("--pool-size must be < 2^31 (int32 slots)")
+                                      : "a request needs " + std::to_string(largest) +
+                                            " KV slots, more than int32 slots address (2^31)");
   res_.pool_size = P_;
 
   // The pools, filled with all-ones bits: rows no call names must keep them.
