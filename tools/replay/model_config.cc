@@ -256,10 +256,11 @@ static ModelConfig load_model_config_json(const std::string& path) {
     c.notes.push_back("no partial_rotary_factor: using the " + c.model_type + " default " +
                       fmt_num(c.partial_rotary_factor));
   }
+  // (head_dim first: an odd one makes the default rotary dimension odd too.)
+  if (c.head_dim % 2 != 0) fail(c, "head_dim " + std::to_string(c.head_dim) + " must be even");
   if (c.rotary_dim > c.head_dim || c.rotary_dim < 2 || c.rotary_dim % 2 != 0)
     fail(c, "rotary dimension " + std::to_string(c.rotary_dim) + " must be even, >= 2 and <= head_dim " +
                 std::to_string(c.head_dim));
-  if (c.head_dim % 2 != 0) fail(c, "head_dim " + std::to_string(c.head_dim) + " must be even");
 
   if (scaling) parse_rope_scaling(c, *scaling, scaling_key);
   return c;
