@@ -637,7 +637,10 @@ def rope_pool_fused(
             in-place call), a slot ``>= P``), and for bad options (an unknown
             rope_scaling type or missing field, a cos_sin_cache or norm
             weight of the wrong shape or dtype, a pool that does not match
-            kv_cache_dtype, scales that are not finite and > 0). Everything
+            kv_cache_dtype, scales that are not finite and > 0, a yarn factor
+            or norm_eps beyond float32), for an array that is None (its rank
+            rule) or that cannot be imported, and for a negative
+            num_threads (the last check). Everything
             is checked before the first write: a call that raises leaves
             every array as it was. On a GPU, an out-of-range slot (or a
             position outside cos_sin_cache) is skipped and raised only in
