@@ -297,8 +297,9 @@ int main(int argc, char** argv) {
                          "fp8_e5m2), got " + fmt_g(v) + " with --kv-cache-dtype " + kv_s);
     }
     if (!json_out.empty()) {  // a path it cannot write is a bad argument, before the run
-      std::ofstream probe(json_out, std::ios::app);
-      if (!probe) throw InputError("--json: cannot write " + json_out);
+      const bool existed = std::filesystem::exists(json_out);
+      if (!std::ofstream(json_out, std::ios::app)) throw InputError("--json: cannot write " + json_out);
+      if (!existed) std::filesystem::remove(json_out);  // (no empty file if the run stops early)
     }
     opt.layers = layers;
     opt.progress = !no_progress && (progress || isatty(STDERR_FILENO));
