@@ -641,15 +641,23 @@ __device__ __forceinline__ void table_floats(const TableWords<N>& r, int dtype, 
   }
 }
 
-// table_load and table_floats at once, the conversion in the branch of its
-// dtype (a 16-bit table's load is waited for there).
+// The cos and sin at elements ic and is of a table: both loads go out before
+// either is converted, in one branch per dtype (a load and conversion of the
+// generic table_load / table_floats for each took the plain kernel's table
+// builds from 80 to 95 registers; one after the other, a 16-bit table's sin
+// load waited for its cos).
 template <int N>
-__device__ __forceinline__ void table_row_floats(const void* base, long long i, int dtype,
-                                                 float (&x)[N]) {
-  if (dtype == 0)
-    table_floats<N>(table_load<N>(base, i, 0), 0, x);
-  else
-    table_floats<N>(table_load<N>(base, i, dtype), dtype, x);
+__device__ __forceinline__ void table_cos_sin(const void* base, long long ic, long long is,
+                                              int dtype, float (&cc)[N], float (&ss)[N]) {
+  if (dtype == 0) {
+    table_floats<N>(table_load<N>(base, ic, 0), 0, cc);
+    table_floats<N>(table_load<N>(base, is, 0), 0, ss);
+  } else {
+    const TableWords<N> wc = table_load<N>(base, ic, dtype);
+    const TableWords<N> ws = table_load<N>(base, is, dtype);
+    table_floats<N>(wc, dtype, cc);
+    table_floats<N>(ws, dtype, ss);
+  }
 }
 
 // kTable = false: the plain call. kTable = true: the call whose one option
@@ -707,11 +715,7 @@ __global__ void __launch_bounds__(max_block(U)) rope_pool_kernel(const __grid_co
   auto cos_sin_of = [&](int c) {
     if (c >= p.pair_items) return;
     if constexpr (kTable) {
-      // (Each converted as it is loaded: both loads first took this
-      // kernel's table builds from 80 to 95 registers, and calls of 512 to
-      // 2048 tokens 6-9 % longer. A decode call runs the small kernel.)
-      table_row_floats<N>(p.cos_sin, cs_row + c * N, p.cs_dtype, cc);
-      table_row_floats<N>(p.cos_sin, cs_row + p.half + c * N, p.cs_dtype, ss);
+      table_cos_sin<N>(p.cos_sin, cs_row + c * N, cs_row + p.half + c * N, p.cs_dtype, cc, ss);
     } else {
       smem_cos_sin<N>(cs_smem, p.half, c, cc, ss);
     }
