@@ -219,8 +219,9 @@ void run_case(const char* name, int T, int Hq, int Hk, int D, DLDataType dt, boo
 }
 
 // A call with options (the options kernel) for the sanitizers: interleaved
-// pairs or not, a cos_sin_cache (f32) with token 1 outside it (or, with
-// table = false, none), QK-norm weights (f32), fp8_e4m3 or float32 pools;
+// pairs or not, a cos_sin_cache (f32, or q's dtype with table_in_dtype) with
+// token 1 outside it (or, with table = false, none), QK-norm weights (f32, or
+// q's dtype with norm_in_dtype), fp8_e4m3 or float32 pools;
 // with kAuto pools (q's dtype) the table alone, without weights (the plain
 // kernel's table build when the arrays take 16-byte vectors), unless
 // norm_same_pools (then with the weights too). Checks that
@@ -231,7 +232,7 @@ void run_case(const char* name, int T, int Hq, int Hk, int D, DLDataType dt, boo
 void run_options_case(const char* name, int T, int Hq, int Hk, int D, DLDataType dt,
                       int64_t last_stride, bool interleaved, ropekv::KvCacheDtype pool_type,
                       bool table = true, bool norm = true, bool norm_same_pools = false,
-                      bool norm_in_dtype = false) {
+                      bool norm_in_dtype = false, bool table_in_dtype = false) {
   const int esize = dt.bits / 8;
   const bool fp8 = pool_type == ropekv::KvCacheDtype::kFp8E4M3;
   const bool table_only = pool_type == ropekv::KvCacheDtype::kAuto;
@@ -262,14 +263,15 @@ void run_options_case(const char* name, int T, int Hq, int Hk, int D, DLDataType
   Buf q(nq * esize), k(nk * esize), v(nk * esize), qr(nq * esize), kr(nk * esize);
   Buf kp(np * pesize), vp(np * pesize), cs(size_t(rows) * D * 4), w(size_t(D) * 4);
   auto hq = fill(nq, esize), hk = fill(nk, esize), hv = fill(nk, esize);
-  auto hkp = fill(np, pesize), hvp = fill(np, pesize), hcs = fill(size_t(rows) * D, 4),
+  auto hkp = fill(np, pesize), hvp = fill(np, pesize),
+       hcs = fill(size_t(rows) * D, table_in_dtype ? esize : 4),
        hw = fill(D, norm_in_dtype ? esize : 4);
   CK(cudaMemcpy(q.ptr, hq.data(), q.bytes, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(k.ptr, hk.data(), k.bytes, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(v.ptr, hv.data(), v.bytes, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(kp.ptr, hkp.data(), kp.bytes, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(vp.ptr, hvp.data(), vp.bytes, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(cs.ptr, hcs.data(), cs.bytes, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(cs.ptr, hcs.data(), hcs.size(), cudaMemcpyHostToDevice));
   CK(cudaMemcpy(w.ptr, hw.data(), hw.size(), cudaMemcpyHostToDevice));
   CK(cudaMemset(qr.ptr, 0xFF, qr.bytes));  // NaN in every float format
   CK(cudaMemset(kr.ptr, 0xFF, kr.bytes));
@@ -293,7 +295,8 @@ void run_options_case(const char* name, int T, int Hq, int Hk, int D, DLDataType
                             view(v.ptr, dt, 3, sk, stk),     view(dpos.ptr, it, 1, s1, nullptr),
                             view(dslot.ptr, it, 1, s1, nullptr), view(kp.ptr, pt, 3, sp, nullptr),
                             view(vp.ptr, pt, 3, sp, nullptr), view(qr.ptr, dt, 3, sq, stq),
-                            view(kr.ptr, dt, 3, sk, stk),    view(cs.ptr, f32, 2, scs, nullptr),
+                            view(kr.ptr, dt, 3, sk, stk),
+                            view(cs.ptr, table_in_dtype ? dt : f32, 2, scs, nullptr),
                             view(w.ptr, norm_in_dtype ? dt : f32, 1, sw, nullptr),
                             view(w.ptr, norm_in_dtype ? dt : f32, 1, sw, nullptr)};
   if ((table_only && !norm_same_pools) || !norm) t.q_norm_weight = t.k_norm_weight = DLTensor{};
@@ -791,6 +794,13 @@ int main(int argc, char** argv) {
   run_options_case("small kernel bf16 table D=1024", 3, 32, 4, 1024, bf16, 1, false, KV::kAuto);
   run_options_case("table kernel bf16, 2 steps", 300, 32, 8, 128, bf16, 1, false, KV::kAuto);
   run_options_case("table kernel bf16, 4 steps", 520, 32, 8, 128, bf16, 1, false, KV::kAuto);
+  // A table in q's dtype: the 16-bit branch of the table builds' loads.
+  run_options_case("table kernel bf16, bf16 table, 4 steps", 520, 32, 8, 128, bf16, 1, false,
+                   KV::kAuto, true, true, false, false, true);
+  run_options_case("table kernel f16, f16 table, 2 steps", 300, 8, 2, 64, f16, 1, false,
+                   KV::kAuto, true, true, false, false, true);
+  run_options_case("small kernel bf16, bf16 table", 9, 32, 8, 128, bf16, 1, false, KV::kAuto,
+                   true, true, false, false, true);
   run_options_case("table kernel bf16 D=1024 (two-warp teams)", 300, 8, 2, 1024, bf16, 1, false,
                    KV::kAuto);
   run_options_case("table kernel f32", 6, 8, 2, 64, f32, 1, false, KV::kAuto);
