@@ -797,7 +797,7 @@ int main(int argc, char** argv) {
   // A table in q's dtype: the 16-bit branch of the table builds' loads.
   run_options_case("table kernel bf16, bf16 table, 4 steps", 520, 32, 8, 128, bf16, 1, false,
                    KV::kAuto, true, true, false, false, true);
-  run_options_case("table kernel f16, f16 table, 2 steps", 300, 8, 2, 64, f16, 1, false,
+  run_options_case("table kernel f16, f16 table, D=64", 300, 8, 2, 64, f16, 1, false,
                    KV::kAuto, true, true, false, false, true);
   run_options_case("small kernel bf16, bf16 table", 9, 32, 8, 128, bf16, 1, false, KV::kAuto,
                    true, true, false, false, true);
