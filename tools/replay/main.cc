@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -183,6 +184,37 @@ double load_average() {
   return l;
 }
 
+/// Writes `text` to `path`; false where any of it did not get there (a full
+/// disk, an I/O error): the stream is checked after the close, which flushes.
+bool write_file(const std::string& path, const std::string& text) {
+  std::ofstream f(path);
+  f << text;
+  f.close();
+  return !f.fail();
+}
+
+/// CLI11 validators its own checks lack. A seed is an unsigned 64-bit
+/// decimal: "-1" and values past 2^64 - 1 were read as 2^64 - 1.
+const CLI::Validator kUint64(
+    [](std::string& s) -> std::string {
+      if (s.empty() || s.find_first_not_of("0123456789") != std::string::npos)
+        return "must be an unsigned integer, got " + s;
+      errno = 0;
+      std::strtoull(s.c_str(), nullptr, 10);
+      return errno == ERANGE ? "must be at most 2^64 - 1, got " + s : std::string();
+    },
+    "UINT64");
+/// A finite number >= 0 (CLI::NonNegativeNumber lets NaN through).
+const CLI::Validator kFiniteNonNegative(
+    [](std::string& s) -> std::string {
+      char* end = nullptr;
+      const double v = std::strtod(s.c_str(), &end);
+      if (end == s.c_str() || *end != '\0' || !std::isfinite(v) || v < 0)
+        return "must be a finite number >= 0, got " + s;
+      return std::string();
+    },
+    "NUMBER >= 0");
+
 std::string utc_now() {
   const std::time_t t = std::time(nullptr);
   char buf[32];
@@ -230,7 +262,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 1024));
   app.add_option("--layers", layers, "replay at most N layers (default: all of the config's)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
-  app.add_option("--seed", opt.seed, "seed of the synthetic workload and of all q/k/v data")->capture_default_str();
+  app.add_option("--seed", opt.seed, "seed of the synthetic workload and of all q/k/v data")
+      ->capture_default_str()
+      ->check(kUint64);
   app.add_option("--requests", requests, "number of requests (synthetic: how many to make, default "
                  + std::to_string(syn.requests) + "; trace: the first N)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
@@ -262,7 +296,7 @@ int main(int argc, char** argv) {
   double max_rss_growth_mb = -1;
   app.add_option("--max-rss-growth-mb", max_rss_growth_mb,
                  "fail if resident memory grows by more than N MB between warm-up and the end")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kFiniteNonNegative);
   app.add_flag("--progress", progress, "progress bar on stderr even when it is not a terminal");
   app.add_flag("--no-progress", no_progress, "no progress bar");
   app.add_option("--inject-fault", fault, "testing: corrupt one result to prove the checks fail")
@@ -374,7 +408,9 @@ int main(int argc, char** argv) {
         j["tool"] = "ropekv-replay";
         j["verified"] = false;
         j["error"] = failure;
-        std::ofstream(json_out) << j.dump(2) << "\n";
+        if (!write_file(json_out, j.dump(2) + "\n"))
+          std::fprintf(stderr, "ropekv-replay: error: --json: writing %s failed (disk full or I/O error)\n",
+                       json_out.c_str());
       }
       return 1;
     }
@@ -504,9 +540,9 @@ int main(int argc, char** argv) {
                      {"pool_rows_checked", r.pool_rows_checked},
                      {"untouched_rows_checked", r.untouched_rows_checked}};
       j["verified"] = true;
-      std::ofstream f(json_out);
-      if (!f) throw InputError("--json: cannot write " + json_out);
-      f << j.dump(2) << "\n";
+      if (!write_file(json_out, j.dump(2) + "\n"))
+        throw InputError("--json: writing " + json_out + " failed (disk full or I/O error); the run "
+                         "itself was verified");
     }
     return 0;
   } catch (const InputError& e) {
@@ -515,7 +551,9 @@ int main(int argc, char** argv) {
     return 2;
   } catch (const std::bad_alloc&) {
     std::fflush(stdout);
-    std::fprintf(stderr, "ropekv-replay: error: out of memory (try a smaller --pool-size or --layers)\n");
+    std::fprintf(stderr, "ropekv-replay: error: out of memory (the pools grow with --layers, --pool-size "
+                         "and the config's kv heads, the step's buffers with --max-batch-tokens and "
+                         "--max-running)\n");
     return 2;
   } catch (const std::exception& e) {
     std::fflush(stdout);

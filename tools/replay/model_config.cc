@@ -148,7 +148,15 @@ static ModelConfig load_model_config_json(const std::string& path) {
   if (!in) throw InputError(path + ": cannot open the model config (--config FILE)");
   json j;
   try {
-    j = json::parse(in);
+    // Nesting is bounded: printing a value (the scaling's summary, an error
+    // message) recurses once per level, and 100000 levels overflowed the
+    // stack. Hugging Face configs nest a few levels.
+    constexpr int kMaxDepth = 64;
+    j = json::parse(in, [&](int depth, json::parse_event_t, json&) {
+      if (depth > kMaxDepth)
+        fail(c, "JSON nested more than " + std::to_string(kMaxDepth) + " levels deep");
+      return true;
+    });
   } catch (const json::parse_error& e) {
     fail(c, std::string("not valid JSON: ") + e.what());
   }

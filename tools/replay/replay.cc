@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <initializer_list>
 #include <limits>
 #include <memory>
 #include <sstream>
@@ -34,6 +35,18 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+/// The product of `factors` (each >= 0), the size of one of the run's
+/// buffers (`what`); an InputError where it does not fit in 63 bits (a
+/// config of 2^39 layers made the pool's size wrap to 0 and the call fail).
+int64_t buffer_size(const char* what, std::initializer_list<int64_t> factors) {
+  int64_t n = 1;
+  for (const int64_t f : factors)
+    if (__builtin_mul_overflow(n, f, &n))
+      throw InputError(std::string("the ") + what + " would need more than 2^63 bytes: use fewer " +
+                       "--layers, a smaller --pool-size or --max-batch-tokens, or a smaller config");
+  return n;
 }
 
 /// 64-byte aligned, uninitialised bytes; grows, never shrinks.
@@ -1044,9 +1057,10 @@ ReplayResult Engine::run() {
   res_.pool_size = P_;
 
   // The pools, filled with all-ones bits: rows no call names must keep them.
-  pool_.reserve(static_cast<size_t>(2 * L_ * P_) * pool_row_bytes());
-  std::memset(pool_.data(), 0xFF, static_cast<size_t>(2 * L_ * P_) * pool_row_bytes());
-  khash_.assign(static_cast<size_t>(L_ * P_ * Hk()), 0);
+  const int64_t pool_bytes = buffer_size("KV pools", {2, L_, P_, pool_row_bytes()});
+  pool_.reserve(static_cast<size_t>(pool_bytes));
+  std::memset(pool_.data(), 0xFF, static_cast<size_t>(pool_bytes));
+  khash_.assign(static_cast<size_t>(buffer_size("pool row hashes", {L_, P_, Hk(), 8}) / 8), 0);
   owner_req_.assign(static_cast<size_t>(P_), -1);
   owner_pos_.assign(static_cast<size_t>(P_), -1);
   ever_used_.assign(static_cast<size_t>(P_), 0);
@@ -1059,15 +1073,18 @@ ReplayResult Engine::run() {
 
   // Buffers for the largest step (decodes + budget, padding to a multiple of 8).
   const int64_t Tmax = o_.max_batch_tokens + o_.max_running + 8;
+  const auto step = [&](int64_t row) {
+    return static_cast<size_t>(buffer_size("step's q/k/v buffers", {Tmax, row, E_}));
+  };
   if (o_.fused_qkv) {
-    in_.reserve(static_cast<size_t>(Tmax * in_row() * E_));
+    in_.reserve(step(in_row()));
   } else {
-    q_.reserve(static_cast<size_t>(Tmax * qrow() * E_));
-    k_.reserve(static_cast<size_t>(Tmax * krow() * E_));
-    v_.reserve(static_cast<size_t>(Tmax * krow() * E_));
+    q_.reserve(step(qrow()));
+    k_.reserve(step(krow()));
+    v_.reserve(step(krow()));
   }
-  qrot_.reserve(static_cast<size_t>(Tmax * qrow() * E_));
-  krot_.reserve(static_cast<size_t>(Tmax * krow() * E_));
+  qrot_.reserve(step(qrow()));
+  krot_.reserve(step(krow()));
   // Touch them now: first-touch page faults are not the op's cost.
   for (Buffer* b : {&in_, &q_, &k_, &v_, &qrot_, &krot_})
     if (b->size()) std::memset(b->data(), 0, b->size());
