@@ -1053,7 +1053,7 @@ ReplayResult Engine::run() {
   if (P_ > std::numeric_limits<int32_t>::max())
     throw InputError(o_.pool_size > 0 ? std::string("--pool-size must be < 2^31 (int32 slots)")
                                       : "a request needs " + std::to_string(largest) +
-                                            " KV slots, more than int32 slots address (2^31)");
+                                            " KV slots; a pool holds at most 2^31 - 1 (int32 slots)");
   res_.pool_size = P_;
 
   // The pools, filled with all-ones bits: rows no call names must keep them.
