@@ -5,7 +5,9 @@
 // every buffer (inputs, outputs, pools) is bit-identical to before.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -605,6 +607,94 @@ TEST(Validate, ArraysSharingMemory) {
     b.t[8] = b.t[1];
     EXPECT_PREFIX(error_of_built(b, s.cfg), "k_rot overlaps v in memory");
   }
+}
+
+// k_pool and v_pool as random views of one buffer (strides of any sign,
+// zero included, random offsets), against a brute-force count of the bytes
+// each reaches: a pool whose own elements overlap, or two that share a
+// byte, are refused; two of one layout (the same strides, each stepping past
+// the span of the smaller ones) that share none are accepted. (Other pairs
+// whose byte ranges meet may be refused too: the rule is conservative there,
+// as the README says.)
+TEST(Validate, RandomPoolLayoutsInOneBuffer) {
+  std::mt19937_64 rng(test_seed());
+  VSpec s = valid_spec();
+  const std::vector<int64_t> shape = {kP, kHk, kD};
+  const int64_t esize = dtype_size(DType::kF32);
+  int shared = 0, exact_disjoint = 0;
+  for (int it = 0; it < 20000; ++it) {
+    Built b = build(s, rng);
+    auto storage = std::make_shared<Storage>(4096 * esize);
+    auto stride = [&] { return static_cast<int64_t>(rng() % 41) - 20; };
+    std::vector<int64_t> sa = {stride(), stride(), stride()};
+    const int64_t oa = 1500 + static_cast<int64_t>(rng() % 400);
+    int64_t ob = 1500 + static_cast<int64_t>(rng() % 400);
+    if (rng() & 1) {
+      // One layout with gaps (axes in a random order, random signs), the
+      // second view a few elements away: into the gaps, or over the first.
+      int axes[3] = {0, 1, 2};
+      std::shuffle(axes, axes + 3, rng);
+      int64_t span = 1;
+      for (int d : axes) {
+        const int64_t st = span + static_cast<int64_t>(rng() % 3);
+        sa[d] = rng() & 1 ? st : -st;
+        span += (shape[d] - 1) * st;
+      }
+      ob = oa + static_cast<int64_t>(rng() % 121) - 60;
+    }
+    std::vector<int64_t> sb = sa;
+    if (rng() % 4 == 0) sb = {stride(), stride(), stride()};
+    b.t[5] = Tensor::view(storage, DType::kF32, shape, sa, oa);
+    b.t[6] = Tensor::view(storage, DType::kF32, shape, sb, ob);
+    auto bytes = [&](const std::vector<int64_t>& st, int64_t off, bool& self) {
+      std::vector<int64_t> v;
+      for (int64_t i = 0; i < kP; ++i)
+        for (int64_t h = 0; h < kHk; ++h)
+          for (int64_t d = 0; d < kD; ++d)
+            for (int64_t e = 0; e < esize; ++e)
+              v.push_back((off + i * st[0] + h * st[1] + d * st[2]) * esize + e);
+      std::sort(v.begin(), v.end());
+      self = std::adjacent_find(v.begin(), v.end()) != v.end();
+      return v;
+    };
+    // The documented rule for a pool's own strides: ordered by size, each
+    // steps past the span of the smaller ones (others may be refused).
+    auto nested = [&](const std::vector<int64_t>& st) {
+      std::vector<std::pair<int64_t, int64_t>> ax;  // (|stride|, extent)
+      for (int d = 0; d < 3; ++d) ax.push_back({std::abs(st[d]), shape[d]});
+      std::sort(ax.begin(), ax.end());
+      int64_t span = 1;
+      for (const auto& [str, n] : ax) {
+        if (str < span) return false;
+        span += (n - 1) * str;
+      }
+      return true;
+    };
+    bool self_a = false, self_b = false;
+    const std::vector<int64_t> a = bytes(sa, oa, self_a), bb = bytes(sb, ob, self_b);
+    std::vector<int64_t> common;
+    std::set_intersection(a.begin(), a.end(), bb.begin(), bb.end(), std::back_inserter(common));
+    std::string msg;
+    try {
+      ropekv::validate(b.tensors(), s.cfg);
+    } catch (const ropekv::Error& e) {
+      msg = e.what();
+    }
+    SCOPED_TRACE("strides (" + std::to_string(sa[0]) + ", " + std::to_string(sa[1]) + ", " +
+                 std::to_string(sa[2]) + ") at " + std::to_string(oa) + " and (" +
+                 std::to_string(sb[0]) + ", " + std::to_string(sb[1]) + ", " +
+                 std::to_string(sb[2]) + ") at " + std::to_string(ob));
+    if (self_a || self_b || !common.empty()) {
+      shared += !common.empty();
+      ASSERT_FALSE(msg.empty()) << "overlapping pools accepted";
+    } else if (sa == sb && nested(sa)) {
+      ++exact_disjoint;
+      ASSERT_TRUE(msg.empty()) << "disjoint views of one layout refused: " << msg;
+    }
+  }
+  // (Both kinds must have occurred for the test to mean anything.)
+  EXPECT_GT(shared, 500);
+  EXPECT_GT(exact_disjoint, 500);
 }
 
 // Shapes and strides whose products wrap, negative extents, unreadable
