@@ -1057,7 +1057,7 @@ ReplayResult Engine::run() {
   res_.pool_size = P_;
 
   // The pools, filled with all-ones bits: rows no call names must keep them.
-  const int64_t pool_bytes = buffer_size("KV pools", {2, L_, P_, pool_row_bytes()});
+  const int64_t pool_bytes = buffer_size("KV pools", {2, L_, P_, krow(), PE_});
   pool_.reserve(static_cast<size_t>(pool_bytes));
   std::memset(pool_.data(), 0xFF, static_cast<size_t>(pool_bytes));
   khash_.assign(static_cast<size_t>(buffer_size("pool row hashes", {L_, P_, Hk(), 8}) / 8), 0);
