@@ -202,6 +202,20 @@ def bits(a: np.ndarray) -> bytes:
     return np.ascontiguousarray(a).tobytes()
 
 
+def check_pool_rows(k_pool, v_pool, k_before, v_before, slots, k_rot, v, what: str = "") -> None:
+    """Pools of q's dtype after a call: row slots[t] holds k_rot[t] and v[t]
+    bit for bit (the last token naming a row; slot -1 names none), every
+    other row is as it was before the call (k_before, v_before)."""
+    named = {}
+    for t, s in enumerate(np.asarray(slots).tolist()):
+        if s >= 0:
+            named[s] = t
+    for s in range(k_pool.shape[0]):
+        want_k, want_v = (k_rot[named[s]], v[named[s]]) if s in named else (k_before[s], v_before[s])
+        assert bits(k_pool[s]) == bits(want_k), f"{what} k_pool[{s}]"
+        assert bits(v_pool[s]) == bits(want_v), f"{what} v_pool[{s}]"
+
+
 def load_golden():
     with open(GOLDEN) as f:
         return json.load(f)["cases"]

@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 
-from reference import assert_close, bits, rope
+from reference import assert_close, bits, check_pool_rows, rope
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
@@ -33,17 +33,7 @@ def test_readme_python_example_runs_and_does_what_it_says():
     ref_k, mag_k = rope(k, positions, base)
     assert_close(q_rot, ref_q, mag_q, "README q_rot")
     assert_close(k_rot, ref_k, mag_k, "README k_rot")
-    written = {}
-    for t, s in enumerate(slots.tolist()):
-        if s >= 0:
-            written[s] = t
-    for row in range(k_pool.shape[0]):
-        if row in written:
-            t = written[row]
-            assert bits(k_pool[row]) == bits(k_rot[t]), f"k_pool[{row}] is not k_rot[{t}]"
-            assert bits(v_pool[row]) == bits(v[t]), f"v_pool[{row}] is not v[{t}]"
-        else:
-            assert not np.asarray(k_pool[row]).view(np.uint16).any(), f"k_pool[{row}] written"
-            assert not np.asarray(v_pool[row]).view(np.uint16).any(), f"v_pool[{row}] written"
+    zeros = np.zeros_like(k_pool)
+    check_pool_rows(k_pool, v_pool, zeros, zeros, slots, k_rot, v, "README")
     # The comment's own example rows.
     assert bits(k_pool[17]) == bits(k_rot[0]) and bits(v_pool[400]) == bits(v[3])
