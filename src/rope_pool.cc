@@ -1,11 +1,13 @@
 // Front end: validate, then hand the Problem to the backend of its device.
 #include "backends.h"
+#include "common/fp_env.h"
 #include "problem.h"
 
 namespace ropekv {
 
 void rope_pool_fused(const RopePoolTensors& tensors, const RopeConfig& config,
                      const ExecOptions& options) {
+  const IeeeFpScope ieee;  // (the CPU backend's threads take it too: run_planned)
   const bool on_cpu = tensors.q.device.device_type == kDLCPU;
   // On the CPU the slots are read here, so an out-of-range slot raises before
   // any write; on a GPU that read would cost a sync, so the kernel guards.
@@ -31,6 +33,7 @@ void check_device_errors(int device_id, void* stream) {
 }
 
 std::vector<float> rope_inv_freq(const RopeConfig& config) {
+  const IeeeFpScope ieee;
   const int64_t R = check_frequency_config(config);
   std::vector<float> out(static_cast<size_t>(R / 2));
   fill_inv_freq(FreqSpec{config.rope_base, R, config.rope_scaling}, out.data());

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -13,12 +14,16 @@
 #include <cpuid.h>
 #endif
 
+#include "common/fp_env.h"
 #include "common/inv_freq.h"
 #include "cpu/scratch.h"
 #include "problem.h"
 
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+#if defined(__unix__) || defined(__APPLE__)
+#include <pthread.h>
 #endif
 
 namespace ropekv {
@@ -82,28 +87,58 @@ inline const float* inv_freq_table(const FreqSpec& spec) {
   return table.data();
 }
 
-// Per-thread scratch, grown on demand and reused across calls.
-inline Scratch thread_scratch(const Problem& p) {
-  thread_local std::vector<float> buf;
-  const int64_t hp = round_up(p.rotary_dim / 2, kPad);
-  const int64_t rp = round_up(p.rotary_dim, kPad);
-  const int64_t dp = round_up(p.head_dim, kPad);
-  const int64_t hr = round_up(std::max(p.num_qo_heads, p.num_kv_heads), kPad);
-  const size_t need =
-      static_cast<size_t>(2 * rp + 3 * hp + 3 * dp + hr + 64);
-  if (buf.size() < need) buf.resize(need);
-  float* b = buf.data();
-  Scratch sc;
-  sc.cos = b;
-  sc.sin = b + rp;
-  sc.theta = b + 2 * rp;
-  sc.row_in = b + 2 * rp + hp;
-  sc.row_out = b + 2 * rp + hp + dp;
-  sc.half_cos = b + 2 * rp + hp + 2 * dp;
-  sc.half_sin = b + 2 * rp + 2 * hp + 2 * dp;
-  sc.row_pool = b + 2 * rp + 3 * hp + 2 * dp;
-  sc.head_r = b + 2 * rp + 3 * hp + 3 * dp;
+// The scratch of every thread of a call's team, in one buffer of the calling
+// thread, grown on demand and reused by its later calls. Made before the team
+// starts: a std::bad_alloc there raises with every array as it was, where in
+// a team thread it would end the process (an exception cannot leave an
+// OpenMP region).
+class TeamScratch {
+ public:
+  /// Room for `threads` scratches of p's sizes (may throw std::bad_alloc).
+  void reserve(const Problem& p, int threads) {
+    hp_ = round_up(p.rotary_dim / 2, kPad);
+    rp_ = round_up(p.rotary_dim, kPad);
+    dp_ = round_up(p.head_dim, kPad);
+    const int64_t hr = round_up(std::max(p.num_qo_heads, p.num_kv_heads), kPad);
+    each_ = 2 * rp_ + 3 * hp_ + 3 * dp_ + hr + 64;
+    const size_t need = static_cast<size_t>(each_ * std::max(threads, 1));
+    if (buf_.size() < need) buf_.resize(need);
+  }
+  /// The scratch of thread i of the team (0: the caller's).
+  Scratch of(int i) const {
+    float* b = const_cast<float*>(buf_.data()) + static_cast<int64_t>(i) * each_;
+    Scratch sc;
+    sc.cos = b;
+    sc.sin = b + rp_;
+    sc.theta = b + 2 * rp_;
+    sc.row_in = b + 2 * rp_ + hp_;
+    sc.row_out = b + 2 * rp_ + hp_ + dp_;
+    sc.half_cos = b + 2 * rp_ + hp_ + 2 * dp_;
+    sc.half_sin = b + 2 * rp_ + 2 * hp_ + 2 * dp_;
+    sc.row_pool = b + 2 * rp_ + 3 * hp_ + 2 * dp_;
+    sc.head_r = b + 2 * rp_ + 3 * hp_ + 3 * dp_;
+    return sc;
+  }
+
+ private:
+  std::vector<float> buf_;
+  int64_t hp_ = 0, rp_ = 0, dp_ = 0, each_ = 0;
+};
+
+// The calling thread's TeamScratch, reserved for `threads` threads of p.
+inline TeamScratch& team_scratch(const Problem& p, int threads) {
+  thread_local TeamScratch sc;
+  sc.reserve(p, threads);
   return sc;
+}
+
+// This thread's index in the running team (0 outside one: the caller).
+inline int thread_index() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
 }
 
 // The most threads a call starts: four per processor, at least 64. More
@@ -119,14 +154,38 @@ inline int64_t max_threads() {
 #endif
 }
 
+// GNU OpenMP's threads do not survive fork(): in a child forked after the
+// parent started a team, the child's first team waits forever for them.
+// team_started: a call of this process started a team (run_planned);
+// forked_after_team: this process is such a child, whose calls run on one
+// thread (plan_threads).
+inline std::atomic<bool> team_started{false};
+inline std::atomic<bool> forked_after_team{false};
+inline bool in_child_forked_after_team() {
+#if defined(__unix__) || defined(__APPLE__)
+  // (Registered before the first team: plan_threads runs first.)
+  static const bool registered = [] {
+    pthread_atfork(nullptr, nullptr, [] {
+      if (team_started.load(std::memory_order_relaxed))
+        forked_after_team.store(true, std::memory_order_relaxed);
+    });
+    return true;
+  }();
+  (void)registered;
+#endif
+  return forked_after_team.load(std::memory_order_relaxed);
+}
+
 // Threads for a call that moves `bytes`: options.num_threads (0: OpenMP's
-// default), at most one per kMinBytesPerThread and max_threads(), at least
-// one.
+// default, OMP_NUM_THREADS), at most one per kMinBytesPerThread and
+// max_threads() (either way), at least one; one in a child forked after
+// this process started a team (in_child_forked_after_team).
 inline int plan_threads(const ExecOptions& options, int64_t bytes) {
+  if (in_child_forked_after_team()) return 1;
   int64_t threads = 1;
 #ifdef _OPENMP
-  threads = options.num_threads > 0 ? std::min<int64_t>(options.num_threads, max_threads())
-                                    : omp_get_max_threads();
+  threads = std::min<int64_t>(
+      options.num_threads > 0 ? options.num_threads : omp_get_max_threads(), max_threads());
 #else
   (void)options;
 #endif
@@ -140,7 +199,10 @@ inline int plan_threads(const ExecOptions& options, int64_t bytes) {
 // larger tokens: table() makes every token's cos/sin once, on the caller,
 // then (token, head-group) units go to the threads, heads(t, h0, h1), so
 // that every thread has work. Each element is computed from its own head
-// alone: results do not depend on the plan.
+// alone: results do not depend on the plan. Each thread of a team computes
+// in IEEE's default floating-point mode (IeeeFpScope), as the caller's
+// thread does (rope_pool_fused): a team thread's own mode would otherwise
+// decide the bits of its share.
 template <class Tokens, class Table, class Heads>
 void run_planned(int64_t T, int64_t heads, int threads, const Tokens& tokens, const Table& table,
                  const Heads& head_group) {
@@ -149,9 +211,11 @@ void run_planned(int64_t T, int64_t heads, int threads, const Tokens& tokens, co
     return;
   }
 #ifdef _OPENMP
+  team_started.store(true, std::memory_order_relaxed);
   if (T >= 2 * threads) {
 #pragma omp parallel num_threads(threads)
     {
+      const IeeeFpScope ieee;
       const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
       const int64_t t0 = T * i / n, t1 = T * (i + 1) / n;
       if (t0 < t1) tokens(t0, t1);
@@ -162,11 +226,15 @@ void run_planned(int64_t T, int64_t heads, int threads, const Tokens& tokens, co
   const int64_t groups = std::min<int64_t>(heads, (2 * threads + T - 1) / T);
   const int64_t heads_per_group = (heads + groups - 1) / groups;
   const int64_t units = T * groups;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t u = 0; u < units; ++u) {
-    const int64_t t = u / groups, g = u % groups;
-    const int64_t h0 = g * heads_per_group, h1 = std::min(heads, h0 + heads_per_group);
-    if (h0 < h1) head_group(t, h0, h1);
+#pragma omp parallel num_threads(threads)
+  {
+    const IeeeFpScope ieee;
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < units; ++u) {
+      const int64_t t = u / groups, g = u % groups;
+      const int64_t h0 = g * heads_per_group, h1 = std::min(heads, h0 + heads_per_group);
+      if (h0 < h1) head_group(t, h0, h1);
+    }
   }
 #else
   (void)heads;

@@ -129,21 +129,22 @@ void run_options(const Problem& p, const ExecOptions& options) {
   float* tab = nullptr;
   const int64_t part = round_up(p.is_neox ? p.rotary_dim / 2 : p.rotary_dim, kPad);
   const int64_t stride = 2 * part;
+  const int threads = plan_threads(options, option_bytes_moved(p));
+  const TeamScratch& team = team_scratch(p, threads);
   run_planned(
-      T, heads, plan_threads(options, option_bytes_moved(p)),
+      T, heads, threads,
       [&](int64_t t0, int64_t t1) {
-        const Scratch sc = thread_scratch(p);
+        const Scratch sc = team.of(thread_index());
         process(OptWork{&p, &od, &sc, t0, t1, false, stream, nullptr, nullptr, 0, 0});
       },
       [&] {
         if (table.size() < static_cast<size_t>(T * stride)) table.resize(T * stride);
         tab = table.data();
-        const Scratch sc = thread_scratch(p);
-        HWY_DYNAMIC_DISPATCH(OptionsCosSinTable)(p, od, tab, stride, sc);
+        HWY_DYNAMIC_DISPATCH(OptionsCosSinTable)(p, od, tab, stride, team.of(0));
       },
       [&](int64_t t, int64_t h0, int64_t h1) {
         const float* row = tab + t * stride;
-        const Scratch sc = thread_scratch(p);
+        const Scratch sc = team.of(thread_index());
         process(OptWork{&p, &od, &sc, t, t + 1, true, stream, row, row + part, h0, h1});
       });
 }

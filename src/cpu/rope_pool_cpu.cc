@@ -330,19 +330,22 @@ void run(const Problem& p, const ExecOptions& options) {
   thread_local std::vector<float> table;
   float* tab = nullptr;
   const int64_t stride = 2 * round_up(p.rotary_dim / 2, kPad);
+  const int threads = plan_threads(options, bytes_moved(p));
+  const TeamScratch& sc = team_scratch(p, threads);
   run_planned(
-      T, heads, plan_threads(options, bytes_moved(p)),
+      T, heads, threads,
       [&](int64_t t0, int64_t t1) {
-        HWY_DYNAMIC_DISPATCH(ProcessTokens)(p, inv_freq, t0, t1, large, thread_scratch(p));
+        HWY_DYNAMIC_DISPATCH(ProcessTokens)(p, inv_freq, t0, t1, large, sc.of(thread_index()));
       },
       [&] {
         if (table.size() < static_cast<size_t>(T * stride)) table.resize(T * stride);
         tab = table.data();
-        HWY_DYNAMIC_DISPATCH(SinCosTable)(p, inv_freq, tab, stride, thread_scratch(p).theta);
+        HWY_DYNAMIC_DISPATCH(SinCosTable)(p, inv_freq, tab, stride, sc.of(0).theta);
       },
       [&](int64_t t, int64_t h0, int64_t h1) {
         const float* row = tab + t * stride;
-        HWY_DYNAMIC_DISPATCH(ProcessHeads)(p, row, row + stride / 2, t, h0, h1, thread_scratch(p));
+        HWY_DYNAMIC_DISPATCH(ProcessHeads)(p, row, row + stride / 2, t, h0, h1,
+                                           sc.of(thread_index()));
       });
 }
 

@@ -11,6 +11,9 @@
 // untouched.
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
 
 #include <cmath>
 #include <cstdint>
@@ -442,8 +445,9 @@ TEST(Cpu, PoolOffsetsBeyond32Bits) {
 
 // ------------------------------------------------------------ threads
 
-// The team a call starts: num_threads, but at most max(64, 4 x processors)
-// (a million made OpenMP abort the process) and one per 64 KiB moved.
+// The team a call starts: num_threads (or OpenMP's default), but at most
+// max(64, 4 x processors) (a million made OpenMP abort the process) and one
+// per 64 KiB moved.
 TEST(Cpu, ThreadTeamIsCapped) {
   namespace host = ropekv::cpu::host;
   ropekv::ExecOptions o;
@@ -455,6 +459,15 @@ TEST(Cpu, ThreadTeamIsCapped) {
   o.num_threads = 3;
   EXPECT_EQ(host::plan_threads(o, huge), 3);
   EXPECT_EQ(host::plan_threads(o, 2 * host::kMinBytesPerThread), 2);
+  // The default count (num_threads 0: OMP_NUM_THREADS, here set as
+  // omp_set_num_threads does) has the same cap.
+  const int before = omp_get_max_threads();
+  o.num_threads = 0;
+  omp_set_num_threads(5000);
+  EXPECT_EQ(host::plan_threads(o, huge), std::min<int64_t>(5000, host::max_threads()));
+  omp_set_num_threads(3);
+  EXPECT_EQ(host::plan_threads(o, huge), 3);
+  omp_set_num_threads(before);
 #endif
   o.num_threads = 3;
   EXPECT_EQ(host::plan_threads(o, 100), 1);
@@ -491,6 +504,63 @@ TEST(Cpu, ThreadCountsGiveBitIdenticalResults) {
       }
     }
 }
+
+#if defined(__x86_64__) || defined(__i386__)
+// A caller's flush-to-zero and denormals-are-zero (PyTorch's
+// torch.set_flush_denormal(True) sets both on its thread) change nothing:
+// the call computes with subnormals on its own thread and on every thread of
+// its team, so the bits are those of a call in the default mode, for any
+// thread count, and the caller's mode is as it was after the call. Inputs
+// and results mostly subnormal (2^-132 .. 2^-125), which flushing zeroes.
+TEST(Cpu, CallersFlushToZeroChangesNothing) {
+  std::mt19937_64 rng(test_seed());
+  // (T = 64: each thread takes tokens; T = 2: (token, head-group) units.)
+  const struct {
+    int64_t T, Hq, D;
+  } shapes[] = {{64, 32, 128}, {2, 64, 256}};
+  for (const auto& sh : shapes)
+  for (bool options : {false, true}) {
+    CaseSpec s;
+    s.T = sh.T;
+    s.Hq = sh.Hq;
+    s.Hk = 8;
+    s.D = sh.D;
+    s.P = 2 * s.T + 1;
+    s.dtype = DType::kF32;
+    Case c = make_case(s, rng);
+    for (Tensor* t : {&c.q, &c.k, &c.v})
+      t->for_each_offset([&](int64_t o) { t->set_value(o, std::ldexp(t->value(o), -129)); });
+    ropekv::RopeConfig cfg = c.config();
+    if (options) cfg.is_neox = false;  // the options path
+    SCOPED_TRACE(describe(s) + (options ? ", options path" : ", plain path"));
+    ropekv::ExecOptions one;
+    one.num_threads = 1;
+    c.reset();
+    ropekv::rope_pool_fused(c.tensors(), cfg, one);
+    const std::vector<uint8_t> want = result_bytes(c);
+    // Some results are subnormal and nonzero (flushing would zero them).
+    int64_t subnormal = 0;
+    c.q_rot.for_each_offset([&](int64_t o) {
+      const double x = std::fabs(c.q_rot.value(o));
+      subnormal += x > 0.0 && x < std::ldexp(1.0, -126);
+    });
+    EXPECT_GT(subnormal, c.q_rot.numel() / 2);
+    const unsigned int mode = _mm_getcsr();
+    const unsigned int ftz_daz = (mode | 0x8040u) & ~0x3Fu;
+    for (int threads : {1, 2, 0}) {
+      c.reset();
+      ropekv::ExecOptions opt;
+      opt.num_threads = threads;
+      _mm_setcsr(ftz_daz);
+      ropekv::rope_pool_fused(c.tensors(), cfg, opt);
+      const unsigned int after = _mm_getcsr() & ~0x3Fu;
+      _mm_setcsr(mode);
+      EXPECT_EQ(after, ftz_daz) << "the caller's mode after the call";
+      EXPECT_TRUE(result_bytes(c) == want) << "num_threads " << threads;
+    }
+  }
+}
+#endif
 
 // Small calls into pools of at least 8 MiB, whose rows the plain path stores
 // non-temporally when they are 16-byte aligned (lead 0) and with ordinary

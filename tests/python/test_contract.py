@@ -3,7 +3,13 @@ order, the hints, and that a failed call leaves every array as it was."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -529,6 +535,83 @@ def test_thread_counts_beyond_the_cap(rng):
     for a, b in zip(one, many):
         assert bits(a) == bits(b)
     assert call(big, dict(kw, num_threads=2**31))[0].shape == (200 * T, HQ, D)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() is POSIX")
+def test_child_forked_after_threads_runs_its_calls(rng):
+    """GNU OpenMP's threads do not survive fork(): in a child forked after a
+    call started a thread team, a call that started one again would wait
+    forever. There the calls run on one thread, with the same bits."""
+    arrays, kw = make_call(rng)
+    big = {n: np.repeat(a, 400, axis=0) if n in ("q", "k", "v") else a for n, a in arrays.items()}
+    big["positions"] = rng.integers(0, 1 << 20, 400 * T).astype(np.int32)
+    big["slots"] = np.full(400 * T, -1, np.int32)
+    want = call({n: a.copy() for n, a in big.items()}, dict(kw, num_threads=2))  # a team of 2
+    pid = os.fork()
+    if pid == 0:  # the child: its own exit code, never pytest's
+        code = 1
+        try:
+            for threads in (0, 2):
+                got = call({n: a.copy() for n, a in big.items()}, dict(kw, num_threads=threads))
+                if any(bits(a) != bits(b) for a, b in zip(want, got)):
+                    break
+            else:
+                code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's call did not return in 60 s")
+        time.sleep(0.02)
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked child's results differ"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux's")
+def test_out_of_memory_in_a_threaded_call_raises_and_writes_nothing():
+    """A call whose scratch memory cannot be had raises MemoryError with every
+    array as it was, on a team of threads too (an allocation in a team thread
+    cannot raise: it would end the process). Run in a child process with its
+    address space capped 128 MiB above its size: a head of 2^23 elements needs
+    scratch rows of 2^23 floats, about 200 MiB per thread."""
+    script = textwrap.dedent("""
+        import resource, numpy as np, ropekv
+        D = 1 << 23
+        rng = np.random.default_rng()
+        q = rng.standard_normal((2, 1, D), dtype=np.float32).astype(np.float16)
+        k, v = q + 1, q - 1
+        k_pool, v_pool = np.zeros((2, 1, D), np.float16), np.ones((2, 1, D), np.float16)
+        q_out, k_out = np.full_like(q, 7), np.full_like(q, 7)
+        arrays = [q, k, v, k_pool, v_pool, q_out, k_out]
+        before = [a.copy() for a in arrays]
+        size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        for threads in (2, 1):
+            resource.setrlimit(resource.RLIMIT_AS, (size + (128 << 20), hard))
+            try:
+                ropekv.rope_pool_fused(q, k, v, np.arange(2, dtype=np.int32),
+                                       np.array([1, 0], np.int32), k_pool, v_pool,
+                                       q_out=q_out, k_out=k_out, head_dim=D, num_qo_heads=1,
+                                       num_kv_heads=1, rope_base=1e4, num_threads=threads)
+                raise SystemExit(f"{threads} threads: no MemoryError")
+            except MemoryError:
+                pass
+            finally:
+                resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+            for a, b in zip(arrays, before):
+                if a.tobytes() != b.tobytes():
+                    raise SystemExit(f"{threads} threads: an array changed")
+        print("ok")
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", (run.returncode, run.stdout,
+                                                                 run.stderr[-2000:])
 
 
 def test_outputs_made_for_inputs_of_any_kind(rng):
