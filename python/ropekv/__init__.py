@@ -463,6 +463,13 @@ def _scaling_params(rope_scaling: Any) -> Optional[Tuple[float, ...]]:
             float(val)
         except OverflowError:  # an int beyond a double's range
             raise ValueError(f"rope_scaling {key!r} is too large for a float, got {val!r}") from None
+    # A given attention_factor is the factor itself (0 in the C++ struct means
+    # "not given": transformers' default from mscale), so it must be > 0 here.
+    given = rope_scaling.get("attention_factor") if kind == "yarn" else None
+    if given is not None and not float(given) > 0.0:
+        raise ValueError(f"rope_scaling attention_factor must be finite and > 0 as a float32 "
+                         f"(the factor of cos and sin, given or from mscale and mscale_all_dim), "
+                         f"got {given!r}")
     g = values.get
     return (float(_SCALING_TYPES[kind]), float(g("factor", 1.0)), float(g("low_freq_factor", 0.0)),
             float(g("high_freq_factor", 0.0)), float(g("original_max_position_embeddings", 0.0)),

@@ -223,6 +223,14 @@ def test_scaling_default_type_is_plain():
       "attention_factor": 1e39}, "attention_factor must be finite and > 0 as a float32"),
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
       "mscale": 1e40, "mscale_all_dim": 1.0}, "attention_factor must be finite and > 0 as a float32"),
+    # given, attention_factor is the factor: 0 (the C++ struct's "not given") and negative ones
+    # are errors, not transformers' default
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+      "attention_factor": 0.0}, "attention_factor must be finite and > 0 as a float32"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+      "attention_factor": 0}, "attention_factor must be finite and > 0 as a float32"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+      "attention_factor": -1.5}, "attention_factor must be finite and > 0 as a float32"),
     ([("rope_type", "linear")], "must be a dict"),
 ])
 def test_scaling_errors(scaling, match):
