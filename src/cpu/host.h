@@ -132,14 +132,11 @@ inline TeamScratch& team_scratch(const Problem& p, int threads) {
   return sc;
 }
 
-// This thread's index in the running team (0 outside one: the caller).
-inline int thread_index() {
-#ifdef _OPENMP
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
-}
+// This thread's index in the team of the call it works for (0: the caller),
+// set by run_planned: not omp_get_thread_num(), which for a caller that is
+// itself a thread of its own program's OpenMP team is its index there.
+inline thread_local int team_index = 0;
+inline int thread_index() { return team_index; }
 
 // The most threads a call starts: four per processor, at least 64. More
 // only cost their creation (the results do not depend on the count), and a
@@ -206,6 +203,7 @@ inline int plan_threads(const ExecOptions& options, int64_t bytes) {
 template <class Tokens, class Table, class Heads>
 void run_planned(int64_t T, int64_t heads, int threads, const Tokens& tokens, const Table& table,
                  const Heads& head_group) {
+  team_index = 0;
   if (threads <= 1) {
     tokens(int64_t{0}, T);
     return;
@@ -216,7 +214,8 @@ void run_planned(int64_t T, int64_t heads, int threads, const Tokens& tokens, co
 #pragma omp parallel num_threads(threads)
     {
       const IeeeFpScope ieee;
-      const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
+      team_index = omp_get_thread_num();
+      const int64_t i = team_index, n = omp_get_num_threads();
       const int64_t t0 = T * i / n, t1 = T * (i + 1) / n;
       if (t0 < t1) tokens(t0, t1);
     }
@@ -229,6 +228,7 @@ void run_planned(int64_t T, int64_t heads, int threads, const Tokens& tokens, co
 #pragma omp parallel num_threads(threads)
   {
     const IeeeFpScope ieee;
+    team_index = omp_get_thread_num();
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < units; ++u) {
       const int64_t t = u / groups, g = u % groups;

@@ -505,6 +505,49 @@ TEST(Cpu, ThreadCountsGiveBitIdenticalResults) {
     }
 }
 
+#ifdef _OPENMP
+// Callers that are themselves threads of their program's OpenMP team (their
+// omp_get_thread_num() not 0), each with its own call, on one thread or
+// asking for a team (nested, so one thread where nesting is off): every
+// result has the bits of the same call made alone.
+TEST(Cpu, CallsFromThreadsOfAnOpenMPTeam) {
+  std::mt19937_64 rng(test_seed());
+  constexpr int kCallers = 4;
+  std::vector<Case> cases;
+  std::vector<std::vector<uint8_t>> want;
+  for (int i = 0; i < kCallers; ++i) {
+    CaseSpec s;
+    s.T = 3 + 20 * i;
+    s.Hq = 32;
+    s.Hk = 8;
+    s.D = 64 << (i % 2);
+    s.P = 2 * s.T + 1;
+    s.dtype = kFloatTypes[i % 3];
+    cases.push_back(make_case(s, rng));
+    ropekv::ExecOptions one;
+    one.num_threads = 1;
+    cases.back().reset();
+    ropekv::rope_pool_fused(cases.back().tensors(), cases.back().config(), one);
+    want.push_back(result_bytes(cases.back()));
+  }
+  for (int threads : {1, 2}) {
+    for (Case& c : cases) c.reset();
+    int ran = 0;
+#pragma omp parallel num_threads(kCallers) reduction(+ : ran)
+    {
+      const int i = omp_get_thread_num();
+      ropekv::ExecOptions opt;
+      opt.num_threads = threads;
+      ropekv::rope_pool_fused(cases[i].tensors(), cases[i].config(), opt);
+      ran = 1;
+    }
+    EXPECT_EQ(ran, kCallers);
+    for (int i = 0; i < kCallers; ++i)
+      EXPECT_TRUE(result_bytes(cases[i]) == want[i]) << "caller " << i << ", num_threads " << threads;
+  }
+}
+#endif
+
 #if defined(__x86_64__) || defined(__i386__)
 // A caller's flush-to-zero and denormals-are-zero (PyTorch's
 // torch.set_flush_denormal(True) sets both on its thread) change nothing:
