@@ -87,6 +87,11 @@ inline const float* inv_freq_table(const FreqSpec& spec) {
   return table.data();
 }
 
+// This thread's index in the team of the call it works for (0: the caller),
+// set by run_planned: not omp_get_thread_num(), which for a caller that is
+// itself a thread of its own program's OpenMP team is its index there.
+inline thread_local int team_index = 0;
+
 // The scratch of every thread of a call's team, in one buffer of the calling
 // thread, grown on demand and reused by its later calls. Made before the team
 // starts: a std::bad_alloc there raises with every array as it was, where in
@@ -104,9 +109,11 @@ class TeamScratch {
     const size_t need = static_cast<size_t>(each_ * std::max(threads, 1));
     if (buf_.size() < need) buf_.resize(need);
   }
+  /// This thread's scratch (team_index), in a team or on the caller.
+  Scratch mine() { return of(team_index); }
   /// The scratch of thread i of the team (0: the caller's).
-  Scratch of(int i) const {
-    float* b = const_cast<float*>(buf_.data()) + static_cast<int64_t>(i) * each_;
+  Scratch of(int i) {
+    float* b = buf_.data() + static_cast<int64_t>(i) * each_;
     Scratch sc;
     sc.cos = b;
     sc.sin = b + rp_;
@@ -132,11 +139,6 @@ inline TeamScratch& team_scratch(const Problem& p, int threads) {
   return sc;
 }
 
-// This thread's index in the team of the call it works for (0: the caller),
-// set by run_planned: not omp_get_thread_num(), which for a caller that is
-// itself a thread of its own program's OpenMP team is its index there.
-inline thread_local int team_index = 0;
-inline int thread_index() { return team_index; }
 
 // The most threads a call starts: four per processor, at least 64. More
 // only cost their creation (the results do not depend on the count), and a

@@ -130,11 +130,11 @@ void run_options(const Problem& p, const ExecOptions& options) {
   const int64_t part = round_up(p.is_neox ? p.rotary_dim / 2 : p.rotary_dim, kPad);
   const int64_t stride = 2 * part;
   const int threads = plan_threads(options, option_bytes_moved(p));
-  const TeamScratch& team = team_scratch(p, threads);
+  TeamScratch& team = team_scratch(p, threads);
   run_planned(
       T, heads, threads,
       [&](int64_t t0, int64_t t1) {
-        const Scratch sc = team.of(thread_index());
+        const Scratch sc = team.mine();
         process(OptWork{&p, &od, &sc, t0, t1, false, stream, nullptr, nullptr, 0, 0});
       },
       [&] {
@@ -144,7 +144,7 @@ void run_options(const Problem& p, const ExecOptions& options) {
       },
       [&](int64_t t, int64_t h0, int64_t h1) {
         const float* row = tab + t * stride;
-        const Scratch sc = team.of(thread_index());
+        const Scratch sc = team.mine();
         process(OptWork{&p, &od, &sc, t, t + 1, true, stream, row, row + part, h0, h1});
       });
 }

@@ -331,21 +331,20 @@ void run(const Problem& p, const ExecOptions& options) {
   float* tab = nullptr;
   const int64_t stride = 2 * round_up(p.rotary_dim / 2, kPad);
   const int threads = plan_threads(options, bytes_moved(p));
-  const TeamScratch& sc = team_scratch(p, threads);
+  TeamScratch& team = team_scratch(p, threads);
   run_planned(
       T, heads, threads,
       [&](int64_t t0, int64_t t1) {
-        HWY_DYNAMIC_DISPATCH(ProcessTokens)(p, inv_freq, t0, t1, large, sc.of(thread_index()));
+        HWY_DYNAMIC_DISPATCH(ProcessTokens)(p, inv_freq, t0, t1, large, team.mine());
       },
       [&] {
         if (table.size() < static_cast<size_t>(T * stride)) table.resize(T * stride);
         tab = table.data();
-        HWY_DYNAMIC_DISPATCH(SinCosTable)(p, inv_freq, tab, stride, sc.of(0).theta);
+        HWY_DYNAMIC_DISPATCH(SinCosTable)(p, inv_freq, tab, stride, team.of(0).theta);
       },
       [&](int64_t t, int64_t h0, int64_t h1) {
         const float* row = tab + t * stride;
-        HWY_DYNAMIC_DISPATCH(ProcessHeads)(p, row, row + stride / 2, t, h0, h1,
-                                           sc.of(thread_index()));
+        HWY_DYNAMIC_DISPATCH(ProcessHeads)(p, row, row + stride / 2, t, h0, h1, team.mine());
       });
 }
 
