@@ -52,6 +52,19 @@
 //                        memory, one barrier; /warp each warp makes all 64;
 //                        /loop each lane its own in a rolled loop; /fast
 //                        __sincosf (timing only); /table the table row
+// `decode-probe normfloor` (T = 1, 8, 32, 128): what a QK-norm must cost at
+// decode, whatever the kernel: the small kernel plain and with a QK-norm
+// (bf16 weights) next to kernels of its shape (a token's 8 heads per block,
+// 16 lanes of 4 pairs) that do no RoPE at all:
+//   floor/copy        loads and stores only (q_rot, k_rot, both pools)
+//   floor/copy+bar    the same with a block barrier between them (the plain
+//                     small kernel's barrier, for its cos/sin, waits for no
+//                     data)
+//   floor/norm        each head scaled by its r = rsqrt(mean(x^2) + eps):
+//                     the lanes' sums of squares through shared memory at a
+//                     block barrier, as the small kernel adds them
+//   floor/norm-shfl   the same, the head's 16 sums by a butterfly of shuffles
+//   floor/norm-w      floor/norm with the bf16 weights loaded and multiplied
 //
 // Llama-3.1-8B shape (32 q heads, 8 kv heads, head_dim 128), bf16, random
 // slots in a 2^20-row pool, random positions below 2^17.
@@ -165,8 +178,8 @@ __global__ void __launch_bounds__(256) probe_kernel(const __grid_constant__ Para
 #pragma unroll
     for (int i = 0; i < 3; ++i) PIN(ostr[i]);
   } else {
-    slot = load_index(p.slots, p.slot_stride, p.slot64, t);
-    position = load_index(p.positions, p.pos_stride, p.pos64, t);
+    slot = load_index_at(index_at(p.slots, p.slot_stride, p.slot64, t), p.slot64);
+    position = load_index_at(index_at(p.positions, p.pos_stride, p.pos64, t), p.pos64);
     if (active)
       load_batch<T, kN, true, kU>(
           p, batch_src<T, true, kU>(p, t, first_vh, hp, p.num_qo_heads + 2 * p.num_kv_heads), c,
@@ -272,7 +285,7 @@ enum HpMode { kHpSc = 0, kHpTable = 1, kHpCopy = 2, kHpFast = 3, kHpLoop = 4, kH
               kHpWarp = 6 };
 template <int kV, int kMode, int kHpt>
 __global__ void __launch_bounds__(128) headpar_kernel(const __grid_constant__ Params p,
-                                                      const float* table) {
+                                                      const float* table, int num_tokens) {
   constexpr int kL = 64 / kV, kRows = 128 / kL;  // (half = 64)
   const int tx = threadIdx.x % kL, ty = threadIdx.x / kL;
   const int Hq = p.num_qo_heads, Hqk = Hq + p.num_kv_heads;
@@ -288,7 +301,7 @@ __global__ void __launch_bounds__(128) headpar_kernel(const __grid_constant__ Pa
     hh0 = blockIdx.y;
     hstep = 0;
   }
-  const bool active = t < p.num_tokens;
+  const bool active = t < num_tokens;
   const T* src[kH];
   unsigned long long acc = param_lines(p);
 #pragma unroll
@@ -394,11 +407,93 @@ __global__ void __launch_bounds__(128) headpar_kernel(const __grid_constant__ Pa
   }
 }
 
+// "normfloor" mode: grid (T, ceil((Hq + Hk) / 8)), block (16, 8): each
+// (lane, head) row a lane of 4 pairs of one head, as the small kernel.
+enum FloorMode { kFloorCopy = 0, kFloorCopyBar = 1, kFloorNorm = 2, kFloorShfl = 3,
+                 kFloorNormW = 4 };
+template <int kMode>
+__global__ void __launch_bounds__(128) floor_kernel(const __grid_constant__ Params p,
+                                                    const T* weight) {
+  constexpr int N = 4;
+  __shared__ float sums[128];
+  const int lane = threadIdx.x, tid = threadIdx.y * blockDim.x + lane;
+  const long long t = blockIdx.x;
+  const int Hq = p.num_qo_heads, hh = blockIdx.y * blockDim.y + threadIdx.y;
+  const bool active = hh < Hq + p.num_kv_heads, is_q = hh < Hq;
+  const int h = is_q ? hh : hh - Hq;
+  const T* src = at<T>(is_q ? p.q : p.k, t, h) + lane * N;
+  const T* vsrc = at<T>(p.v, t, is_q ? 0 : h) + lane * N;
+  grid_dependency_sync(param_lines(p) ^ reinterpret_cast<unsigned long long>(src));
+  Vec<T, N> a, b, va, vb, wa, wb;
+  if (active) {
+    a = load_vec<T, N, true>(src);
+    b = load_vec<T, N, true>(src + p.half);
+    if (!is_q) {
+      va = load_vec<T, N, true>(vsrc);
+      vb = load_vec<T, N, true>(vsrc + p.half);
+    }
+    if constexpr (kMode == kFloorNormW) {
+      wa = load_vec<T, N, true>(weight + lane * N);
+      wb = load_vec<T, N, true>(weight + p.half + lane * N);
+    }
+  }
+  const long long slot = load_index_at(index_at(p.slots, p.slot_stride, p.slot64, t), p.slot64);
+  if constexpr (kMode == kFloorCopyBar) __syncthreads();
+  if constexpr (kMode == kFloorNorm || kMode == kFloorShfl || kMode == kFloorNormW) {
+    float ss = active ? sum_squares<T, N>(a, b, true) : 0.0f, total;
+    if constexpr (kMode == kFloorShfl) {
+#pragma unroll
+      for (int m = 8; m >= 1; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m, 16);
+      total = ss;
+    } else {
+      sums[tid] = ss;
+      __syncthreads();
+      total = head_sum(sums + threadIdx.y * blockDim.x, blockDim.x);
+    }
+    const float r = norm_scale(total, 2 * p.half, 1e-6f, true);
+    float xa[N], xb[N];
+    to_floats<T, N>(a, xa);
+    to_floats<T, N>(b, xb);
+    if constexpr (kMode == kFloorNormW) {
+      float fa[N], fb[N];
+      to_floats<T, N>(wa, fa);
+      to_floats<T, N>(wb, fb);
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        xa[j] = __fmul_rn(__fmul_rn(xa[j], r), fa[j]);
+        xb[j] = __fmul_rn(__fmul_rn(xb[j], r), fb[j]);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        xa[j] = __fmul_rn(xa[j], r);
+        xb[j] = __fmul_rn(xb[j], r);
+      }
+    }
+    a = from_floats<T, N>(xa);
+    b = from_floats<T, N>(xb);
+  }
+  if (!active) return;
+  T* dst = at<T>(is_q ? p.q_rot : p.k_rot, t, h) + lane * N;
+  store_vec<T, N, true>(dst, a);
+  store_vec<T, N, true>(dst + p.half, b);
+  if (is_q || slot < 0 || slot >= p.pool_size) return;
+  T* kz = at<T>(p.k_pool, slot, h) + lane * N;
+  store_vec<T, N, true>(kz, a);
+  store_vec<T, N, true>(kz + p.half, b);
+  T* vz = at<T>(p.v_pool, slot, h) + lane * N;
+  store_vec<T, N, true>(vz, va);
+  store_vec<T, N, true>(vz + p.half, vb);
+}
+
 int main(int argc, char** argv) {
   // "onestep": the library rows and the one-step sweep only.
   const bool only_onestep = argc > 1 && std::strcmp(argv[1], "onestep") == 0;
   // "headpar": the one-step rows next to the head-parallel shapes, T up to 128.
   const bool headpar = argc > 1 && std::strcmp(argv[1], "headpar") == 0;
+  // "normfloor": the small kernel with and without a QK-norm next to the
+  // floor kernels, T up to 128.
+  const bool normfloor = argc > 1 && std::strcmp(argv[1], "normfloor") == 0;
   constexpr int Hq = 32, Hk = 8, D = 128, half = D / 2;
   const long long P = 1 << 20, kRows = 1 << 17;
   const int kCalls = 50;
@@ -421,6 +516,15 @@ int main(int argc, char** argv) {
   float* table;
   CK(cudaMalloc(&table, kRows * D * sizeof(float)));
   CK(cudaMemset(table, 0, kRows * D * sizeof(float)));
+  // QK-norm weights (bf16, near 1) for the small kernel's QK-norm build and
+  // floor/norm-w.
+  T* weight;
+  {
+    std::vector<T> w(D);
+    for (int i = 0; i < D; ++i) w[i] = __float2bfloat16(0.9f + 0.002f * i);
+    CK(cudaMalloc(&weight, D * sizeof(T)));
+    CK(cudaMemcpy(weight, w.data(), D * sizeof(T), cudaMemcpyHostToDevice));
+  }
   char* flush;
   const size_t kFlush = 256u << 20;
   CK(cudaMalloc(&flush, kFlush));
@@ -428,7 +532,7 @@ int main(int argc, char** argv) {
   std::printf("decode probe: Llama-3.1-8B bf16, us per call (50 calls per CUDA graph, PDL)\n");
   std::printf("%-16s %5s %9s %9s\n", "variant", "T", "warm", "cold");
   for (int T_ : {1, 8, 32, 128}) {
-    if (T_ == 128 && !headpar) break;
+    if (T_ == 128 && !headpar && !normfloor) break;
     // kCalls buffer sets of q, k, v, q_rot, k_rot, positions, slots.
     std::vector<Params> sets(kCalls);
     std::vector<void*> allocs;
@@ -489,7 +593,6 @@ int main(int argc, char** argv) {
       p.num_batches = (Hq + 2 * Hk) / (p.heads_par * kU);
       p.attention_factor = 1.0f;
       p.early_params = 1;  // as the library sets it for T up to the SM count
-      p.num_tokens = T_;
     }
     // The same sets with int32 indices, positions 1000 + t and slots
     // (7919 t + 13) mod P (the inputs of the library's own latency step), and
@@ -560,6 +663,61 @@ int main(int argc, char** argv) {
     auto library = [](cudaLaunchConfig_t* cfg, const Params& p) {
       CK(cudaLaunchKernelEx(cfg, rope_pool_kernel<T, kN, true, kU>, p));
     };
+    if (normfloor) {
+      auto frow = [&](const char* name, auto launch) {
+        std::printf("%-16s %5d %9.2f %9.2f\n", name, T_, measure(launch, 1, false, sets),
+                    measure(launch, 1, true, sets));
+      };
+      // The small kernel as the library launches it for this shape: blocks
+      // of 8 heads of 16 lanes; with a QK-norm its OptParams build (pools of
+      // q's dtype), weights of bf16 for q and k.
+      auto small = [w = weight, T_](bool norm) {
+        return [=](cudaLaunchConfig_t* cfg, const Params& p0) {
+          cfg->blockDim = dim3(16, 8);
+          cfg->gridDim = dim3(static_cast<unsigned>(T_),
+                              static_cast<unsigned>((p0.num_qo_heads + p0.num_kv_heads + 7) / 8));
+          cfg->dynamicSmemBytes = (D + (norm ? 128 : 0)) * sizeof(float);
+          if (!norm) {
+            CK(cudaLaunchKernelEx(cfg, rope_pool_small_kernel<T, false, false>, p0));
+            return;
+          }
+          OptParams op{};
+          static_cast<Params&>(op) = p0;
+          op.o.q_norm = op.o.k_norm = w;
+          op.o.qn_stride = op.o.kn_stride = 1;
+          op.o.qn_dtype = op.o.kn_dtype = 2;  // bf16
+          op.o.pool_mode = kPoolSame;
+          op.o.head_dim = D;
+          op.o.steps = 1;
+          op.o.norm_eps = 1e-6f;
+          op.o.k_scale = op.o.v_scale = op.o.k_mul = op.o.v_mul = 1.0f;
+          CK(cudaLaunchKernelEx(cfg, rope_pool_small_kernel<T, false, false, true, kPoolsSame>,
+                                op));
+        };
+      };
+      auto floor_launch = [w = weight, T_](auto kernel) {
+        return [=](cudaLaunchConfig_t* cfg, const Params& p) {
+          cfg->blockDim = dim3(16, 8);
+          cfg->gridDim = dim3(static_cast<unsigned>(T_),
+                              static_cast<unsigned>((p.num_qo_heads + p.num_kv_heads + 7) / 8));
+          cfg->dynamicSmemBytes = 0;
+          CK(cudaLaunchKernelEx(cfg, kernel, p, static_cast<const T*>(w)));
+        };
+      };
+      // Twice in turn: the two passes show the run's own spread.
+      for (int pass = 0; pass < 2; ++pass) {
+        frow("small", small(false));
+        frow("small/qk-norm", small(true));
+        frow("floor/copy", floor_launch(floor_kernel<kFloorCopy>));
+        frow("floor/copy+bar", floor_launch(floor_kernel<kFloorCopyBar>));
+        frow("floor/norm", floor_launch(floor_kernel<kFloorNorm>));
+        frow("floor/norm-shfl", floor_launch(floor_kernel<kFloorShfl>));
+        frow("floor/norm-w", floor_launch(floor_kernel<kFloorNormW>));
+      }
+      CK(cudaStreamSynchronize(s));
+      for (void* d : allocs) CK(cudaFree(d));
+      continue;
+    }
     row("library", library, sets);
     if (!only_onestep && !headpar) {
       row("library/i32", library, sets32);
@@ -628,17 +786,17 @@ int main(int argc, char** argv) {
     if (headpar) {
       // kHpt = 0: SGLang's shape, grid (T / rows, Hq + Hk); else one token
       // per block, kHpt heads per lane.
-      auto hp = [tab0 = table](auto kernel, int lanes, int hpt) {
+      auto hp = [tab0 = table, T_](auto kernel, int lanes, int hpt) {
         return [=](cudaLaunchConfig_t* cfg, const Params& p) {
           const int rows = 128 / lanes, hqk = p.num_qo_heads + p.num_kv_heads;
           cfg->blockDim = dim3(128);
           cfg->dynamicSmemBytes = 0;
           const int per_block = rows * (hpt == 0 ? 1 : hpt);
-          cfg->gridDim = hpt == 0 ? dim3(static_cast<unsigned>((p.num_tokens + rows - 1) / rows),
+          cfg->gridDim = hpt == 0 ? dim3(static_cast<unsigned>((T_ + rows - 1) / rows),
                                          static_cast<unsigned>(hqk))
-                                  : dim3(static_cast<unsigned>(p.num_tokens),
+                                  : dim3(static_cast<unsigned>(T_),
                                          static_cast<unsigned>((hqk + per_block - 1) / per_block));
-          CK(cudaLaunchKernelEx(cfg, kernel, p, tab0));
+          CK(cudaLaunchKernelEx(cfg, kernel, p, tab0, T_));
         };
       };
       auto hrow = [&](const char* name, auto launch, const std::vector<Params>& which) {
@@ -647,11 +805,11 @@ int main(int argc, char** argv) {
       };
       // The library's small kernel (rope_pool_small_kernel), computing its
       // cos/sin or reading them from the table, int64 and int32 indices.
-      auto small = [tab0 = table](bool with_table) {
+      auto small = [tab0 = table, T_](bool with_table) {
         return [=](cudaLaunchConfig_t* cfg, const Params& p0) {
           Params p = p0;
           cfg->blockDim = dim3(16, 8);
-          cfg->gridDim = dim3(static_cast<unsigned>(p.num_tokens),
+          cfg->gridDim = dim3(static_cast<unsigned>(T_),
                               static_cast<unsigned>((p.num_qo_heads + p.num_kv_heads + 7) / 8));
           cfg->dynamicSmemBytes = with_table ? 0 : D * sizeof(float);
           if (with_table) {

@@ -27,7 +27,7 @@
 #             pick other driver modes and settings, "rule" for the library's own)
 #   probe     bench/cuda_decode_probe.cu: decode-sized calls of kernel variants that
 #             each drop one part of the critical path (not a default step; PROBE_ARGS
-#             picks a mode: onestep, headpar)
+#             picks a mode: onestep, headpar, normfloor)
 #   cputest   the CPU Python suite tests/python
 #   cpuscale  the CPU benchmark's options family (Llama-3.1-8B bf16, cold, T = 8192)
 #             on this machine's cores at CPUSCALE_THREADS (default 16 8 4 2 1), each
