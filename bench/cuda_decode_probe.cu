@@ -54,8 +54,10 @@
 //                        __sincosf (timing only); /table the table row
 // `decode-probe normfloor` (T = 1, 8, 32, 128): what a QK-norm must cost at
 // decode, whatever the kernel: the small kernel plain and with a QK-norm
-// (bf16 weights) next to kernels of its shape (a token's 8 heads per block,
-// 16 lanes of 4 pairs) that do no RoPE at all:
+// (bf16 weights; "-f32w" float32 weights, "-q" / "-k" weights for q or k
+// only, "norm-build" the QK-norm build with no weights (r = 1), "-late"
+// without early_params) next to kernels of its shape (a token's 8 heads per
+// block, 16 lanes of 4 pairs) that do no RoPE at all:
 //   floor/copy        loads and stores only (q_rot, k_rot, both pools)
 //   floor/copy+bar    the same with a block barrier between them (the plain
 //                     small kernel's barrier, for its cos/sin, waits for no
@@ -525,6 +527,13 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&weight, D * sizeof(T)));
     CK(cudaMemcpy(weight, w.data(), D * sizeof(T), cudaMemcpyHostToDevice));
   }
+  float* weight_f32;
+  {
+    std::vector<float> w(D);
+    for (int i = 0; i < D; ++i) w[i] = 0.9f + 0.002f * i;
+    CK(cudaMalloc(&weight_f32, D * sizeof(float)));
+    CK(cudaMemcpy(weight_f32, w.data(), D * sizeof(float), cudaMemcpyHostToDevice));
+  }
   char* flush;
   const size_t kFlush = 256u << 20;
   CK(cudaMalloc(&flush, kFlush));
@@ -671,7 +680,9 @@ int main(int argc, char** argv) {
       // The small kernel as the library launches it for this shape: blocks
       // of 8 heads of 16 lanes; with a QK-norm its OptParams build (pools of
       // q's dtype), weights of bf16 for q and k.
-      auto small = [w = weight, T_](bool norm) {
+      // weights: 2 bf16 (both), 0 f32 (both), -1 none (the QK-norm build with
+      // r = 1), 3 q's only, 4 k's only; early: Params::early_params.
+      auto small = [w = weight, wf = weight_f32, T_](bool norm, int weights = 2, int early = 1) {
         return [=](cudaLaunchConfig_t* cfg, const Params& p0) {
           cfg->blockDim = dim3(16, 8);
           cfg->gridDim = dim3(static_cast<unsigned>(T_),
@@ -683,9 +694,14 @@ int main(int argc, char** argv) {
           }
           OptParams op{};
           static_cast<Params&>(op) = p0;
-          op.o.q_norm = op.o.k_norm = w;
+          op.early_params = early;
+          if (weights >= 0) {
+            op.o.q_norm = weights == 0 ? static_cast<const void*>(wf) : w;
+            op.o.k_norm = weights == 3 ? nullptr : op.o.q_norm;
+            if (weights == 4) op.o.q_norm = nullptr;
+          }
           op.o.qn_stride = op.o.kn_stride = 1;
-          op.o.qn_dtype = op.o.kn_dtype = 2;  // bf16
+          op.o.qn_dtype = op.o.kn_dtype = weights == 0 ? 0 : 2;  // f32 or bf16
           op.o.pool_mode = kPoolSame;
           op.o.head_dim = D;
           op.o.steps = 1;
@@ -708,6 +724,11 @@ int main(int argc, char** argv) {
       for (int pass = 0; pass < 2; ++pass) {
         frow("small", small(false));
         frow("small/qk-norm", small(true));
+        frow("small/qk-norm-f32w", small(true, 0));
+        frow("small/qk-norm-q", small(true, 3));
+        frow("small/qk-norm-k", small(true, 4));
+        frow("small/norm-build", small(true, -1));
+        frow("small/qk-norm-late", small(true, 2, 0));
         frow("floor/copy", floor_launch(floor_kernel<kFloorCopy>));
         frow("floor/copy+bar", floor_launch(floor_kernel<kFloorCopyBar>));
         frow("floor/norm", floor_launch(floor_kernel<kFloorNorm>));
