@@ -28,6 +28,9 @@
 #   probe     bench/cuda_decode_probe.cu: decode-sized calls of kernel variants that
 #             each drop one part of the critical path (not a default step; PROBE_ARGS
 #             picks a mode: onestep, headpar, normfloor)
+#   normvar   bench/cuda_norm_variants.sh: the decode probe's normfloor rows for
+#             timing-only variants of the kernel header that each drop one part of
+#             the QK-norm (not a default step; $OUT/gpu_norm_variants.txt)
 #   cputest   the CPU Python suite tests/python
 #   cpuscale  the CPU benchmark's options family (Llama-3.1-8B bf16, cold, T = 8192)
 #             on this machine's cores at CPUSCALE_THREADS (default 16 8 4 2 1), each
@@ -248,6 +251,10 @@ do_probe() {
     -o "$ROOT/build/decode-probe" && timeout 120 "$ROOT/build/decode-probe" ${PROBE_ARGS:-}
 }
 
+do_normvar() {
+  timeout 300 env ARCH="$ARCH" bash bench/cuda_norm_variants.sh 2 | tee "$OUT/gpu_norm_variants.txt"
+}
+
 do_pyover() {
   local i
   for i in 1 2; do timeout 240 $PY bench/py_overhead.py --cuda || return 1; done
@@ -356,6 +363,7 @@ for s in "${STEPS[@]}"; do
     split) step split do_split ;;
     small) step small do_small ;;
     probe) step probe do_probe ;;
+    normvar) step normvar do_normvar ;;
     cputest) step cputest do_cputest ;;
     cpuscale) step cpuscale do_cpuscale ;;
     pyover) step pyover do_pyover ;;
