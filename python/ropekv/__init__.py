@@ -374,7 +374,8 @@ def _stream_handle(stream: Any) -> int:
 
 
 def _float_arg(value: Any, name: str) -> float:
-    if isinstance(value, (str, bytes)):  # float("1e4") would parse it
+    # (float("1e4") would parse a string, float(True) make a bool 1.0.)
+    if isinstance(value, (str, bytes, bool, _np.bool_)):
         raise ValueError(f"{name} must be a number, got {value!r}")
     try:
         return float(value)
@@ -386,6 +387,8 @@ def _float_arg(value: Any, name: str) -> float:
 
 def _int_arg(value: Any, name: str) -> int:
     try:
+        if isinstance(value, bool):  # (an int subclass: True would be 1)
+            raise TypeError
         v = operator.index(value)
     except TypeError:
         raise ValueError(f"{name} must be an int, got {value!r}") from None

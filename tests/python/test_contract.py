@@ -475,6 +475,13 @@ def test_writable_memory_of_any_kind(rng):
     ("num_qo_heads", 2**63, "num_qo_heads is out of range (64-bit)"),
     ("head_dim", -2**64, "head_dim is out of range (64-bit)"),
     ("rope_base", "10000", "rope_base must be a number, got '10000'"),
+    # A bool is not a count or a number here, though Python's int and float take it.
+    ("head_dim", True, "head_dim must be an int, got True"),
+    ("num_kv_heads", np.True_, "num_kv_heads must be an int, got "),
+    ("num_threads", False, "num_threads must be an int, got False"),
+    ("rotary_dim", True, "rotary_dim must be an int, got True"),
+    ("rope_base", True, "rope_base must be a number, got True"),
+    ("rope_base", np.True_, "rope_base must be a number, got "),
     ("rope_base", 1e-300, "rope_base 1e-300 gives inverse frequency 2 = inf, not finite"),
     ("rotary_dim", 0, f"rotary_dim must be even and in [2, head_dim], got 0 for head_dim {D}"),
     ("is_neox", None, "is_neox must be a bool, got None"),
