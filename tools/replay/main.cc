@@ -63,10 +63,16 @@ std::vector<fs::path> config_dirs() {
   return dirs;
 }
 
-/// A path as given, else NAME or NAME.json in the shipped configs.
+/// A path as given (any that exists and is not a directory: a pipe too, as
+/// a shell's --config <(jq ... config.json) makes), a model directory's
+/// config.json (a Hugging Face snapshot), else NAME or NAME.json in the
+/// shipped configs.
 std::string resolve_config(const std::string& given) {
   std::error_code ec;
-  if (!given.empty() && fs::is_regular_file(given, ec)) return given;
+  const bool dir = !given.empty() && fs::is_directory(given, ec);
+  if (dir && fs::exists(fs::path(given) / "config.json", ec))
+    return (fs::path(given) / "config.json").string();
+  if (!given.empty() && !dir && fs::exists(given, ec)) return given;
   const std::string name = given.empty() ? kDefaultConfig : given;
   const bool bare = name.find('/') == std::string::npos;
   if (bare) {
@@ -77,6 +83,7 @@ std::string resolve_config(const std::string& given) {
     }
   }
   std::string msg = "cannot find the model config \"" + name + "\"";
+  if (dir) msg += " (a directory without a config.json)";
   if (bare) {
     msg += "; looked in:";
     for (const fs::path& d : config_dirs()) msg += "\n  " + d.string();
@@ -238,8 +245,9 @@ int main(int argc, char** argv) {
   int64_t requests = 0, layers = 0, inject_at = 100;
   bool progress = false, no_progress = false, ignore_scaling = false;
   app.add_option("--config", config_arg,
-                 "model config.json (Hugging Face form), or the name of a shipped one "
-                 "(e.g. qwen3-8b) [default: configs/llama-3.1-8b.json]");
+                 "model config.json (Hugging Face form), a model directory holding one, "
+                 "or the name of a shipped one (e.g. qwen3-8b) "
+                 "[default: configs/llama-3.1-8b.json]");
   app.add_option("--trace", trace,
                  "CSV of requests in the Azure LLM inference trace format "
                  "(TIMESTAMP,ContextTokens,GeneratedTokens) [default: synthetic workload]")
