@@ -423,9 +423,6 @@ void check_rope_scaling(const RopeScaling& s) {
                      "rope_scaling original_max_position_embeddings", " (yarn)");
       check_positive(s.beta_fast, "rope_scaling beta_fast", " (yarn)");
       check_positive(s.beta_slow, "rope_scaling beta_slow", " (yarn)");
-      if (!std::isfinite(s.attention_factor) || s.attention_factor < 0.0)
-        fail("rope_scaling attention_factor must be finite and >= 0 (0 = the default), got " +
-             num_str(s.attention_factor));
       if (!std::isfinite(s.mscale) || !std::isfinite(s.mscale_all_dim))
         fail("rope_scaling mscale and mscale_all_dim must be finite");
       // The kernels multiply cos and sin by the factor in fp32: one beyond

@@ -47,6 +47,7 @@
 #include <dlpack/dlpack.h>
 
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -81,13 +82,13 @@ struct RopeScaling {
   double original_max_position_embeddings = 0.0;
   double beta_fast = 32.0;  ///< yarn: rotations of the fast band, > 0
   double beta_slow = 1.0;   ///< yarn: rotations of the slow band, > 0
-  /// yarn: multiplies cos and sin. 0 = transformers' default: with mscale and
-  /// mscale_all_dim both non-zero, get_mscale(factor, mscale) /
-  /// get_mscale(factor, mscale_all_dim), else get_mscale(factor), where
-  /// get_mscale(s, m) = 0.1 m ln(s) + 1 for s > 1, else 1. Given or made,
-  /// the factor must be finite and > 0 as a float32 (the kernels apply it in
-  /// fp32).
-  double attention_factor = 0.0;
+  /// yarn: multiplies cos and sin. Not given (nullopt), transformers'
+  /// default: with mscale and mscale_all_dim both non-zero,
+  /// get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim), else
+  /// get_mscale(factor), where get_mscale(s, m) = 0.1 m ln(s) + 1 for s > 1,
+  /// else 1. Given or made, the factor must be finite and > 0 as a float32
+  /// (the kernels apply it in fp32): a given 0 is an error.
+  std::optional<double> attention_factor;
   double mscale = 0.0;          ///< yarn (DeepSeek form), 0 = absent
   double mscale_all_dim = 0.0;  ///< yarn (DeepSeek form), 0 = absent
   bool truncate = true;         ///< yarn: floor/ceil the correction range

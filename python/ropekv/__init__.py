@@ -415,16 +415,18 @@ _SCALING_KEYS = {
     "llama3": (("factor", "low_freq_factor", "high_freq_factor",
                 "original_max_position_embeddings"), {}),
     "yarn": (("factor", "original_max_position_embeddings"),
-             {"beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 0.0, "mscale": 0.0,
+             {"beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 0.0,  # (0: not given)
+              "mscale": 0.0,
               "mscale_all_dim": 0.0, "truncate": True}),
 }
 
 
 def _scaling_params(rope_scaling: Any) -> Optional[Tuple[float, ...]]:
     """A Hugging Face rope_scaling dict (or its JSON text) as the binding's
-    11 numbers: (type, factor, low_freq_factor, high_freq_factor,
+    12 numbers: (type, factor, low_freq_factor, high_freq_factor,
     original_max_position_embeddings, beta_fast, beta_slow, attention_factor,
-    mscale, mscale_all_dim, truncate); None for no scaling."""
+    mscale, mscale_all_dim, truncate, 1 where attention_factor is given, else
+    0: the library's default from mscale); None for no scaling."""
     if rope_scaling is None:
         return None
     if isinstance(rope_scaling, str):
@@ -466,19 +468,13 @@ def _scaling_params(rope_scaling: Any) -> Optional[Tuple[float, ...]]:
             float(val)
         except OverflowError:  # an int beyond a double's range
             raise ValueError(f"rope_scaling {key!r} is too large for a float, got {val!r}") from None
-    # A given attention_factor is the factor itself (0 in the C++ struct means
-    # "not given": transformers' default from mscale), so it must be > 0 here.
-    given = rope_scaling.get("attention_factor") if kind == "yarn" else None
-    if given is not None and not float(given) > 0.0:
-        raise ValueError(f"rope_scaling attention_factor must be finite and > 0 as a float32 "
-                         f"(the factor of cos and sin, given or from mscale and mscale_all_dim), "
-                         f"got {given!r}")
     g = values.get
     return (float(_SCALING_TYPES[kind]), float(g("factor", 1.0)), float(g("low_freq_factor", 0.0)),
             float(g("high_freq_factor", 0.0)), float(g("original_max_position_embeddings", 0.0)),
             float(g("beta_fast", 32.0)), float(g("beta_slow", 1.0)),
             float(g("attention_factor", 0.0)), float(g("mscale", 0.0)),
-            float(g("mscale_all_dim", 0.0)), float(bool(g("truncate", True))))
+            float(g("mscale_all_dim", 0.0)), float(bool(g("truncate", True))),
+            float(kind == "yarn" and rope_scaling.get("attention_factor") is not None))
 
 
 # Parsed rope_scaling dicts by their items and the items' types (True and 1

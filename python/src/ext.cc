@@ -52,12 +52,12 @@ DLTensor to_dl(const Array& a, bool is_bf16) {
   return t;
 }
 
-using Scaling = std::array<double, 11>;
+using Scaling = std::array<double, 12>;
 
 // The binding's rope_scaling: (type, factor, low_freq_factor,
 // high_freq_factor, original_max_position_embeddings, beta_fast, beta_slow,
-// attention_factor, mscale, mscale_all_dim, truncate), parsed from the dict by
-// the Python layer.
+// attention_factor, mscale, mscale_all_dim, truncate, whether attention_factor
+// was given), parsed from the dict by the Python layer.
 ropekv::RopeScaling to_scaling(const std::optional<Scaling>& v) {
   ropekv::RopeScaling s;
   if (!v) return s;
@@ -69,7 +69,7 @@ ropekv::RopeScaling to_scaling(const std::optional<Scaling>& v) {
   s.original_max_position_embeddings = a[4];
   s.beta_fast = a[5];
   s.beta_slow = a[6];
-  s.attention_factor = a[7];
+  if (a[11] != 0.0) s.attention_factor = a[7];
   s.mscale = a[8];
   s.mscale_all_dim = a[9];
   s.truncate = a[10] != 0.0;

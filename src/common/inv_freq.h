@@ -46,7 +46,7 @@ inline double yarn_correction_dim(double rotations, double dim, double base, dou
 /// The factor yarn multiplies cos and sin by (1 for every other type).
 inline double attention_factor(const RopeScaling& s) {
   if (s.type != RopeScalingType::kYarn) return 1.0;
-  if (s.attention_factor != 0.0) return s.attention_factor;
+  if (s.attention_factor) return *s.attention_factor;
   if (s.mscale != 0.0 && s.mscale_all_dim != 0.0)
     return detail::yarn_get_mscale(s.factor, s.mscale) /
            detail::yarn_get_mscale(s.factor, s.mscale_all_dim);

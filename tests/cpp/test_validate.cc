@@ -416,8 +416,14 @@ TEST(Validate, FactorsFiniteInFloat32) {
   EXPECT_NO_THROW(ropekv::validate(build(s, rng).tensors(), s.cfg));
   s.cfg.rope_scaling.attention_factor = 1e39;
   EXPECT_PREFIX(error_of(s), "rope_scaling attention_factor must be finite and > 0 as a float32");
-  // The same factor from mscale / mscale_all_dim.
-  s.cfg.rope_scaling.attention_factor = 0.0;
+  // A given factor is the factor: 0 and negative ones zero or mirror the
+  // rotation.
+  for (double given : {0.0, -1.5, std::nan("")}) {
+    s.cfg.rope_scaling.attention_factor = given;
+    EXPECT_PREFIX(error_of(s), "rope_scaling attention_factor must be finite and > 0 as a float32");
+  }
+  // The same factor from mscale / mscale_all_dim (none given).
+  s.cfg.rope_scaling.attention_factor.reset();
   s.cfg.rope_scaling.mscale = 1e40;
   s.cfg.rope_scaling.mscale_all_dim = 1.0;
   EXPECT_PREFIX(error_of(s), "rope_scaling attention_factor must be finite and > 0 as a float32");

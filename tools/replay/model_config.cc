@@ -114,10 +114,10 @@ void parse_rope_scaling(ModelConfig& c, const json& s, const std::string& key) {
     }
     r.beta_fast = scaling_number(c, s, key, type, "beta_fast", false, 32.0, true);
     r.beta_slow = scaling_number(c, s, key, type, "beta_slow", false, 1.0, true);
-    r.attention_factor = scaling_number(c, s, key, type, "attention_factor", false);
-    // (Given, it is the factor: 0 is the library's "not given", not a factor.)
-    if (auto it = s.find("attention_factor"); it != s.end() && !it->is_null() && !(r.attention_factor > 0.0))
-      fail(c, "\"" + key + ".attention_factor\" must be > 0 (the factor of cos and sin), got " + it->dump());
+    // (Given, it is the factor, 0 too, which ropekv refuses below; absent,
+    // the library makes it from mscale.)
+    if (auto it = s.find("attention_factor"); it != s.end() && !it->is_null())
+      r.attention_factor = get_number(c, *it, key + ".attention_factor");
     r.mscale = scaling_number(c, s, key, type, "mscale", false);
     r.mscale_all_dim = scaling_number(c, s, key, type, "mscale_all_dim", false);
     if (auto it = s.find("truncate"); it != s.end() && !it->is_null()) {
