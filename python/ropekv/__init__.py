@@ -416,8 +416,7 @@ _SCALING_KEYS = {
                 "original_max_position_embeddings"), {}),
     "yarn": (("factor", "original_max_position_embeddings"),
              {"beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 0.0,  # (0: not given)
-              "mscale": 0.0,
-              "mscale_all_dim": 0.0, "truncate": True}),
+              "mscale": 0.0, "mscale_all_dim": 0.0, "truncate": True}),
 }
 
 
