@@ -12,6 +12,8 @@
 #   now    no weight loads: weights of 1
 #   nohs   no shared-memory head sum: r from the lane's own sum (times L)
 #   eps0   norm_eps a compile-time constant (1e-6) instead of the parameter
+#          (read into a register before the wait since the change after
+#          2730f09; before it, read from the constant bank after the barrier)
 #
 # Usage (on the GPU machine, from the repository root):
 #   bash bench/cuda_norm_variants.sh [ROUNDS] > variants.txt
@@ -37,8 +39,8 @@ def rep(old, new):
         sys.exit(f"variant {name}: the header no longer has {old!r}")
     s = s.replace(old, new)
 
-NORM = """      r = norm_scale(kWide ? head_sum_serial(hs, L) : head_sum(hs, L), 2 * p.half,
-                     p.o.norm_eps, true);"""
+NORM = """      r = norm_scale(kWide ? head_sum_serial(hs, L) : head_sum(hs, L), 2 * p.half, norm_eps,
+                     true);"""
 if name == "nosc":
     rep("    sincos_fp32(__fmul_rn(pos, i == tid ? freq0 : __ldg(p.inv_freq + i)), &s, &c);",
         "    s = __fmul_rn(pos, 1e-30f); c = __fadd_rn(s, freq0);")
@@ -55,7 +57,7 @@ elif name == "now":
 elif name == "nohs":
     rep(NORM, NORM.replace("head_sum(hs, L)", "sq_smem[tid] * L"))
 elif name == "eps0":
-    rep(NORM, NORM.replace("p.o.norm_eps", "1e-6f"))
+    rep(NORM, NORM.replace("norm_eps,", "1e-6f,"))
 open(out, "w").write(s)
 PY
   nvcc -O3 -std=c++17 -arch=sm_"$ARCH" -I"$WORK/$1" -Isrc bench/cuda_decode_probe.cu \

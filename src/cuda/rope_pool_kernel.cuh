@@ -1080,6 +1080,21 @@ __device__ __forceinline__ float norm_scale(float ss, int D, float eps, bool pow
   return rsqrtf(__fadd_rn(q, eps));
 }
 
+// A float kernel parameter read into a register by a load of its address (a
+// __grid_constant__ parameter's address is a generic one), where the call is
+// made: the compiler otherwise reads a parameter from the constant bank where
+// it is used. The small kernel's QK-norm read norm_eps so after its block
+// barrier, on the decode call's critical path, and 0.03-0.11 us of a call at
+// T = 1 to 128 (H200, warm and cold L2) went with it; read before the wait it
+// is in a register by then (docs/performance.md, *What a decode QK-norm must
+// cost*). (A volatile load there was slower at T = 128: a system-scope read
+// in every thread.)
+__device__ __forceinline__ float param_in_register(const float& x) {
+  float v;
+  asm volatile("ld.f32 %0, [%1];" : "=f"(v) : "l"(&x));
+  return v;
+}
+
 // The options kernel's r of step u of a batch (ss: the head sums of its
 // steps): 1 for a step past `steps`, a v head or a head without weights.
 template <int U>
@@ -1571,6 +1586,10 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
   const T* vsrc = at<T>(p.v, t, is_q ? 0 : h) + lane * N;
   const void* pos_at = index_at(p.positions, p.pos_stride, p.pos64, t);
   const void* slot_at = index_at(p.slots, p.slot_stride, p.slot64, t);
+  // The QK-norm's eps in a register before the wait (4-element lanes, where
+  // it was measured; see param_in_register).
+  float norm_eps = 0.0f;
+  if constexpr (kNorm) norm_eps = N == kSmallVec ? param_in_register(p.o.norm_eps) : p.o.norm_eps;
   grid_dependency_sync(param_lines(p) ^ reinterpret_cast<unsigned long long>(src) ^
                        reinterpret_cast<unsigned long long>(pos_at) ^
                        reinterpret_cast<unsigned long long>(slot_at));
@@ -1697,8 +1716,8 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
     if (w != nullptr) {
       const float* hs = sq_smem + threadIdx.y * blockDim.x;
       const int L = blockDim.x;
-      r = norm_scale(kWide ? head_sum_serial(hs, L) : head_sum(hs, L), 2 * p.half,
-                     p.o.norm_eps, true);
+      r = norm_scale(kWide ? head_sum_serial(hs, L) : head_sum(hs, L), 2 * p.half, norm_eps,
+                     true);
     }
   }
   if constexpr (kWide) smem_cs();
