@@ -66,13 +66,29 @@ std::vector<fs::path> config_dirs() {
 /// A path as given (any that exists and is not a directory: a pipe too, as
 /// a shell's --config <(jq ... config.json) makes), a model directory's
 /// config.json (a Hugging Face snapshot), else NAME or NAME.json in the
-/// shipped configs.
+/// shipped configs. A path that is there, or a link to nothing, is the
+/// user's: an error there is reported, never replaced by a shipped config
+/// of the same name.
 std::string resolve_config(const std::string& given) {
+  const std::string hint = "\n(pass --config FILE with a Hugging Face config.json)";
   std::error_code ec;
-  const bool dir = !given.empty() && fs::is_directory(given, ec);
-  if (dir && fs::exists(fs::path(given) / "config.json", ec))
-    return (fs::path(given) / "config.json").string();
-  if (!given.empty() && !dir && fs::exists(given, ec)) return given;
+  if (!given.empty()) {
+    const fs::path path(given);
+    const fs::file_status st = fs::status(path, ec);  // (follows links)
+    if (fs::exists(st)) {
+      if (!fs::is_directory(st)) return given;
+      const fs::path inner = path / "config.json";
+      std::error_code inner_ec;
+      const fs::file_status ist = fs::status(inner, inner_ec);
+      if (fs::exists(ist) && !fs::is_directory(ist)) return inner.string();
+      std::string why = "without a config.json file";
+      if (inner_ec && inner_ec != std::errc::no_such_file_or_directory)
+        why = "whose config.json cannot be read (" + inner_ec.message() + ")";
+      throw InputError("the model config \"" + given + "\" is a directory " + why + hint);
+    }
+    if (fs::is_symlink(fs::symlink_status(path, ec)))
+      throw InputError("the model config \"" + given + "\" is a symbolic link to nothing" + hint);
+  }
   const std::string name = given.empty() ? kDefaultConfig : given;
   const bool bare = name.find('/') == std::string::npos;
   if (bare) {
@@ -83,13 +99,11 @@ std::string resolve_config(const std::string& given) {
     }
   }
   std::string msg = "cannot find the model config \"" + name + "\"";
-  if (dir) msg += " (a directory without a config.json)";
   if (bare) {
     msg += "; looked in:";
     for (const fs::path& d : config_dirs()) msg += "\n  " + d.string();
   }
-  msg += "\n(pass --config FILE with a Hugging Face config.json)";
-  throw InputError(msg);
+  throw InputError(msg + hint);
 }
 
 struct CopyBandwidth {
