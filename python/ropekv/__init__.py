@@ -373,9 +373,20 @@ def _stream_handle(stream: Any) -> int:
     return int(stream)
 
 
+def _not_a_scalar(value: Any) -> bool:
+    """Whether a scalar argument is a bool (Python's, numpy's, a 0-d bool array
+    or tensor) or an array of rank > 0: int(), float() and operator.index()
+    would make 1 of True and a number of a one-element array."""
+    if isinstance(value, (bool, _np.bool_)):
+        return True
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and (getattr(value, "ndim", 0) != 0
+                                  or str(dtype) in ("bool", "torch.bool"))
+
+
 def _float_arg(value: Any, name: str) -> float:
-    # (float("1e4") would parse a string, float(True) make a bool 1.0.)
-    if isinstance(value, (str, bytes, bool, _np.bool_)):
+    # (float("1e4") would parse a string.)
+    if isinstance(value, (str, bytes)) or _not_a_scalar(value):
         raise ValueError(f"{name} must be a number, got {value!r}")
     try:
         return float(value)
@@ -385,9 +396,15 @@ def _float_arg(value: Any, name: str) -> float:
         raise ValueError(f"{name} must be a number, got {value!r}") from None
 
 
+def _is_number(value: Any, number: float) -> bool:
+    """Whether value is that number as a Python int or float (not a bool, a
+    numpy scalar or an array)."""
+    return type(value) in (int, float) and value == number
+
+
 def _int_arg(value: Any, name: str) -> int:
     try:
-        if isinstance(value, bool):  # (an int subclass: True would be 1)
+        if _not_a_scalar(value):
             raise TypeError
         v = operator.index(value)
     except TypeError:
@@ -446,7 +463,7 @@ def _scaling_params(rope_scaling: Any) -> Optional[Tuple[float, ...]]:
     kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
     if kind in (None, "default"):
         return None
-    if kind not in _SCALING_TYPES:
+    if not isinstance(kind, str) or kind not in _SCALING_TYPES:
         raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: linear, "
                          f"llama3, yarn (any other scheme: pass its table as cos_sin_cache)")
     required, optional = _SCALING_KEYS[kind]
@@ -653,10 +670,12 @@ def rope_pool_fused(
     """
     # Any option at all: the general path then runs the options' binding (which
     # also checks a norm_eps other than the default, as the fast path does).
-    options = (kv_cache_dtype != "auto" or k_scale != 1.0 or v_scale != 1.0
-               or cos_sin_cache is not None or q_norm_weight is not None
-               or k_norm_weight is not None or is_neox is not True or rope_scaling is not None
-               or norm_eps != 1e-6)
+    # (A scale or eps that is not a Python number is an option too: the options'
+    # binding parses and checks it.)
+    options = (kv_cache_dtype != "auto" or not _is_number(k_scale, 1.0)
+               or not _is_number(v_scale, 1.0) or cos_sin_cache is not None
+               or q_norm_weight is not None or k_norm_weight is not None or is_neox is not True
+               or rope_scaling is not None or not _is_number(norm_eps, 1e-6))
     if inplace:
         if q_out is not None or k_out is not None:
             raise ValueError("inplace=True writes q and k themselves: pass no q_out/k_out")
