@@ -148,8 +148,14 @@ def test_interleaved_matches_mlx_traditional():
 
 # --- rope_scaling -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("scaling", [LINEAR, LLAMA3, LLAMA32, YARN_QWEN, YARN_MSCALE],
-                         ids=["linear", "llama3.1", "llama3.2", "yarn", "yarn-mscale"])
+@pytest.mark.parametrize("scaling", [
+    LINEAR, LLAMA3, LLAMA32, YARN_QWEN, YARN_MSCALE,
+    # transformers' reading of yarn's optional keys: beta 0 is the default (get(k) or 32 / 1),
+    # a null truncate does not truncate (get("truncate", True) is None, falsy)
+    {**YARN_QWEN, "beta_fast": 0, "beta_slow": 0.0}, {**YARN_QWEN, "truncate": None},
+    {**YARN_QWEN, "truncate": False}],
+    ids=["linear", "llama3.1", "llama3.2", "yarn", "yarn-mscale", "yarn-beta-0",
+         "yarn-truncate-null", "yarn-truncate-false"])
 def test_inv_freq_matches_reference_formulas(scaling):
     for base, D in ((500000.0, 128), (1e6, 128), (10000.0, 64), (10000.0, 96)):
         got, m = ropekv.rope_inv_freq(D, base, rope_scaling=scaling)
@@ -223,8 +229,8 @@ def test_scaling_default_type_is_plain():
       "attention_factor": 1e39}, "attention_factor must be finite and > 0 as a float32"),
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
       "mscale": 1e40, "mscale_all_dim": 1.0}, "attention_factor must be finite and > 0 as a float32"),
-    # given, attention_factor is the factor: 0 (the C++ struct's "not given") and negative ones
-    # are errors, not transformers' default
+    # given, attention_factor is the factor: 0 and negative ones (which would zero or mirror
+    # the rotation) are errors
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
       "attention_factor": 0.0}, "attention_factor must be finite and > 0 as a float32"),
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,

@@ -120,9 +120,12 @@ void parse_rope_scaling(ModelConfig& c, const json& s, const std::string& key) {
       r.attention_factor = get_number(c, *it, key + ".attention_factor");
     r.mscale = scaling_number(c, s, key, type, "mscale", false);
     r.mscale_all_dim = scaling_number(c, s, key, type, "mscale_all_dim", false);
-    if (auto it = s.find("truncate"); it != s.end() && !it->is_null()) {
-      if (!it->is_boolean()) fail(c, "\"" + key + ".truncate\" must be true or false, got " + it->dump());
-      r.truncate = it->get<bool>();
+    // (A null truncate does not truncate: transformers' get("truncate", True)
+    // is then None, which its test takes as false.)
+    if (auto it = s.find("truncate"); it != s.end()) {
+      if (!it->is_boolean() && !it->is_null())
+        fail(c, "\"" + key + ".truncate\" must be true, false or null, got " + it->dump());
+      r.truncate = !it->is_null() && it->get<bool>();
     }
   }
   // Any other type (dynamic, longrope, ...) stays kNone with its name kept:
