@@ -299,6 +299,17 @@ def _fp8_name(x: Any) -> Optional[str]:
     return _FP8_NAMES.get(str(dt).replace("torch.", ""))
 
 
+def _fp8_dtype_named(message: str, named: dict) -> str:
+    """The core sees an fp8-typed array as its uint8 bits: a dtype error it
+    reports of such an array ("q/k/v dtype must be ..., got uint8") names the
+    array's own dtype instead."""
+    for name in message.split(" ", 1)[0].split("/"):
+        x = named.get(name)
+        if x is not None and _fp8_name(x) is not None:
+            return message.replace(", got uint8", ", got " + str(x.dtype).replace("torch.", ""), 1)
+    return message
+
+
 def _empty_like(x: Any) -> Any:
     """A new array of x's shape, dtype, device and framework."""
     fw = _framework(x)
@@ -730,8 +741,10 @@ def rope_pool_fused(
                                  f"{kv_cache_dtype!r}: pass kv_cache_dtype={typed!r}")
     elif not (type(k_pool) is _np.ndarray and type(v_pool) is _np.ndarray
               and k_pool.dtype.itemsize > 1 and v_pool.dtype.itemsize > 1) and (
-            _fp8_name(k_pool) is not None or _fp8_name(v_pool) is not None):
-        # (numpy pools wider than a byte cannot be fp8: the common case skips this)
+            _fp8_name(k_pool) is not None or _fp8_name(v_pool) is not None) and (
+            _fp8_name(q) is None):
+        # (numpy pools wider than a byte cannot be fp8: the common case skips this;
+        # fp8 q/k/v: the core reports their dtype first, as SPEC orders it)
         typed = _fp8_name(k_pool) or _fp8_name(v_pool)
         raise ValueError(f"pool dtypes must match q/k/v dtype, got an fp8 pool ({typed}) for "
                          f"q/k/v {getattr(q, 'dtype', '?')}; pass kv_cache_dtype={typed!r} with "
@@ -837,10 +850,16 @@ def rope_pool_fused(
             f"protocol (a read-only array behind a pre-1.0 __dlpack__ cannot be exported): "
             f"pass numpy arrays or a DLPack 1.0 producer; {str(e).splitlines()[0]}") from e
     except ValueError as e:
-        if not missing:
+        msg = str(e)
+        if ", got uint8" in msg:
+            msg = _fp8_dtype_named(msg, dict(zip(_ALL_NAMES, (
+                q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, cos_sin_cache,
+                q_norm_weight, k_norm_weight))))
+        if missing:
+            msg += f" ({' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} None: pass an array)"
+        if msg == str(e):
             raise
-        raise ValueError(f"{e} ({' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
-                         f"None: pass an array)") from None
+        raise ValueError(msg) from None
     if _framework(q) in ("jax", "jaxlib"):
         import jax.numpy as jnp
 

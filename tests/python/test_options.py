@@ -6,6 +6,8 @@ names are untouched. tests/gpu/test_cuda.py runs the same options on CUDA."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -334,6 +336,25 @@ def test_fp8_typed_pools():
     with pytest.raises(ValueError, match="pass kv_cache_dtype='fp8_e5m2'"):
         ropekv.rope_pool_fused(q, q, q, np.arange(T), np.arange(T), kp, vp, head_dim=D,
                                num_qo_heads=2, num_kv_heads=2, rope_base=1e4)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, "fp8_e4m3"])
+def test_fp8_typed_inputs_are_named_in_dtype_errors(kv_cache_dtype):
+    """An fp8-typed q/k/v (with fp8 pools, which then match it) or QK-norm
+    weight is an unsupported dtype, named as its own fp8 dtype, not as the
+    uint8 bits the core sees; nothing is written."""
+    T, D, f8 = 3, 16, FP8["fp8_e4m3"]
+    q, kp = randn((T, 2, D), np.float32).astype(f8), np.zeros((4, 2, D), f8)
+    vp = kp.copy()
+    before = [bits(a) for a in (q, kp, vp)]
+    opts = {} if kv_cache_dtype is None else {"kv_cache_dtype": kv_cache_dtype}
+    with pytest.raises(ValueError, match=re.escape(
+            "q/k/v dtype must be float16, bfloat16 or float32, got float8_e4m3fn")):
+        ropekv.rope_pool_fused(q, q, q, np.arange(T), np.arange(T), kp, vp, head_dim=D,
+                               num_qo_heads=2, num_kv_heads=2, rope_base=1e4, **opts)
+    assert [bits(a) for a in (q, kp, vp)] == before
+    assert_rejected(re.escape("q_norm_weight dtype must be float32 or q's dtype (float32), got "
+                              "float8_e4m3fn"), q_norm_weight=np.ones(16, f8))
 
 
 @pytest.mark.parametrize("dtype", DT)
