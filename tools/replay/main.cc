@@ -364,6 +364,9 @@ int main(int argc, char** argv) {
     if (fault == "q-rot" && opt.spot_checks < 1)
       throw InputError("--inject-fault q-rot needs --spot-checks >= 1");
 
+    if (app.count("--config") > 0 && config_arg.empty())  // (not the default's silent stand-in)
+      throw InputError("--config is empty: pass a config.json, a model directory or a shipped "
+                       "config's name");
     const std::string config_path = resolve_config(config_arg);
     ModelConfig model = load_model_config(config_path);
     check_supported(model, ignore_scaling);
