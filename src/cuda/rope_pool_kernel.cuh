@@ -1081,14 +1081,14 @@ __device__ __forceinline__ float norm_scale(float ss, int D, float eps, bool pow
 }
 
 // A float kernel parameter read into a register by a load of its address (a
-// __grid_constant__ parameter's address is a generic one), where the call is
-// made: the compiler otherwise reads a parameter from the constant bank where
-// it is used. The small kernel's QK-norm read norm_eps so after its block
-// barrier, on the decode call's critical path, and 0.03-0.11 us of a call at
-// T = 1 to 128 (H200, warm and cold L2) went with it; read before the wait it
-// is in a register by then (docs/performance.md, *What a decode QK-norm must
-// cost*). (A volatile load there was slower at T = 128: a system-scope read
-// in every thread.)
+// __grid_constant__ parameter's address is a generic one), where this is
+// called: the compiler otherwise reads a parameter from the constant bank
+// where it is used. The small kernel's QK-norm read norm_eps so after its
+// block barrier, on the decode call's critical path, and 0.03-0.11 us of a
+// call at T = 1 to 128 (H200, warm and cold L2) went with it; read before the
+// wait it is in a register by then (docs/performance.md, *norm_eps in a
+// register*). (A volatile load there was slower at T = 128: a system-scope
+// read in every thread.)
 __device__ __forceinline__ float param_in_register(const float& x) {
   float v;
   asm volatile("ld.f32 %0, [%1];" : "=f"(v) : "l"(&x));
