@@ -413,14 +413,16 @@ def _is_number(value: Any, number: float) -> bool:
     return type(value) in (int, float) and value == number
 
 
-def _int_arg(value: Any, name: str) -> int:
+def _int_arg(value: Any, name: str, bits64: bool = True) -> int:
+    """value as a Python int, a ValueError naming it if it is not one (or,
+    with bits64, beyond a 64-bit int)."""
     try:
         if _not_a_scalar(value):
             raise TypeError
         v = operator.index(value)
     except TypeError:
         raise ValueError(f"{name} must be an int, got {value!r}") from None
-    if not -2**63 <= v < 2**63:
+    if bits64 and not -2**63 <= v < 2**63:
         raise ValueError(f"{name} is out of range (64-bit), got {v}")
     return v
 
@@ -428,7 +430,7 @@ def _int_arg(value: Any, name: str) -> int:
 def _threads_arg(value: Any) -> int:
     """num_threads for the binding (an int; the C++ core caps large counts and
     reports a negative one, after the arrays' checks)."""
-    v = _int_arg(value, "num_threads")
+    v = _int_arg(value, "num_threads", bits64=False)  # (any large count is capped)
     if v < -2**31:  # (beyond the binding's int: reported here)
         raise ValueError(f"num_threads must be >= 0 (0: OpenMP's default), got {v}")
     return min(v, 2**31 - 1)

@@ -542,7 +542,7 @@ def test_thread_count_error_comes_last(rng):
 
 
 def test_thread_counts_beyond_the_cap(rng):
-    """A million threads asked for (and 2^31, past a C int): the call runs,
+    """A million threads asked for (and 2^31, past a C int, and 2^70): the call runs,
     with the same bits as one thread. (The cap itself, max(64, 4 x
     processors) threads, is Cpu.ThreadTeamIsCapped's.)"""
     arrays, kw = make_call(rng)
@@ -554,6 +554,7 @@ def test_thread_counts_beyond_the_cap(rng):
     for a, b in zip(one, many):
         assert bits(a) == bits(b)
     assert call(big, dict(kw, num_threads=2**31))[0].shape == (200 * T, HQ, D)
+    assert call(big, dict(kw, num_threads=2**70))[0].shape == (200 * T, HQ, D)  # past 64 bits
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() is POSIX")
