@@ -488,16 +488,13 @@ def _scaling_params(rope_scaling: Any) -> Optional[Tuple[float, ...]]:
         values[key] = rope_scaling[key]
     for key, default in optional.items():
         got = rope_scaling.get(key)
-        if key in ("beta_fast", "beta_slow"):
-            # transformers: get(key) or default, so 0 is the default too
-            values[key] = got if got is not None and not (
-                isinstance(got, numbers.Real) and got == 0) else default
-        elif key == "truncate":
-            # transformers: get("truncate", True), whose null (falsy) does not truncate
-            values[key] = False if "truncate" in rope_scaling and got is None else (
-                default if got is None else got)
-        else:
-            values[key] = default if got is None else got
+        # As transformers reads them: get(key) or 32 / 1 for the betas (0 is the
+        # default), get("truncate", True) for truncate (a null is falsy: no truncation).
+        if key in ("beta_fast", "beta_slow") and isinstance(got, numbers.Real) and got == 0:
+            got = None
+        elif key == "truncate" and key in rope_scaling and got is None:
+            got = False
+        values[key] = default if got is None else got
     for key, val in values.items():
         # (numbers.Real: numpy's scalars too, as a config read by numpy has them)
         if isinstance(val, bool) and key != "truncate" or not isinstance(val, numbers.Real):
