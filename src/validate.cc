@@ -67,6 +67,14 @@ std::string device_str(DLDevice d) {
   }
 }
 
+// "fp8_e4m3" / "fp8_e5m2" for a dtype typed as that fp8 format, else null.
+const char* fp8_typed(DLDataType d) {
+  if (d.bits != 8 || d.lanes != 1) return nullptr;
+  if (d.code == kDLCodeFloat8E4M3fn) return "fp8_e4m3";
+  if (d.code == kDLCodeFloat8E5M2) return "fp8_e5m2";
+  return nullptr;
+}
+
 const char* kv_cache_dtype_name(KvCacheDtype d) {
   switch (d) {
     case KvCacheDtype::kAuto: return "auto";
@@ -564,6 +572,9 @@ Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
       hint = "; a float32 pool for " + dtype_str(t.q.dtype) +
              " inputs: pass kv_cache_dtype=\"float32\" (or convert it once with "
              "k_pool.to(q.dtype))";
+    else if (const char* typed = fp8_typed(pd))
+      hint = std::string("; an fp8 pool: pass kv_cache_dtype=\"") + typed +
+             "\" with k_scale and v_scale";
     else if (pd.code == kDLUInt && pd.bits == 8)
       hint = "; an fp8 pool: pass kv_cache_dtype=\"fp8_e4m3\" or \"fp8_e5m2\" with "
              "k_scale and v_scale";
@@ -578,14 +589,28 @@ Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
       fail("kv_cache_dtype is unknown (value " +
            std::to_string(static_cast<int>(cfg.kv_cache_dtype)) + ")");
   }
-  if (cfg.kv_cache_dtype != KvCacheDtype::kAuto) {
-    const bool f32 = cfg.kv_cache_dtype == KvCacheDtype::kFloat32;
-    const DLDataType want = f32 ? DLDataType{kDLFloat, 32, 1} : DLDataType{kDLUInt, 8, 1};
+  if (cfg.kv_cache_dtype == KvCacheDtype::kFloat32) {
+    const DLDataType want{kDLFloat, 32, 1};
     if (!same_dtype(t.k_pool.dtype, want) || !same_dtype(t.v_pool.dtype, want))
-      fail(std::string("pool dtypes must be ") + (f32 ? "float32" : "uint8 (fp8 bits)") +
-           " for kv_cache_dtype=\"" + kv_cache_dtype_name(cfg.kv_cache_dtype) +
-           "\", got k_pool " + dtype_str(t.k_pool.dtype) + ", v_pool " +
-           dtype_str(t.v_pool.dtype));
+      fail("pool dtypes must be float32 for kv_cache_dtype=\"float32\", got k_pool " +
+           dtype_str(t.k_pool.dtype) + ", v_pool " + dtype_str(t.v_pool.dtype));
+  } else if (cfg.kv_cache_dtype != KvCacheDtype::kAuto) {
+    // fp8: the format's bytes as uint8, or typed as the format (DLPack 1.1).
+    const char* name = kv_cache_dtype_name(cfg.kv_cache_dtype);
+    const DLDataType typed{cfg.kv_cache_dtype == KvCacheDtype::kFp8E4M3 ? kDLCodeFloat8E4M3fn
+                                                                         : kDLCodeFloat8E5M2,
+                           8, 1};
+    auto ok = [&](DLDataType d) {
+      return same_dtype(d, DLDataType{kDLUInt, 8, 1}) || same_dtype(d, typed);
+    };
+    if (!ok(t.k_pool.dtype) || !ok(t.v_pool.dtype)) {
+      // A pool typed as the other fp8 format names the option that fits it.
+      const char* other = fp8_typed(ok(t.k_pool.dtype) ? t.v_pool.dtype : t.k_pool.dtype);
+      fail(std::string("pool dtypes must be uint8 (fp8 bits) or ") + dtype_str(typed) +
+           " for kv_cache_dtype=\"" + name + "\", got k_pool " + dtype_str(t.k_pool.dtype) +
+           ", v_pool " + dtype_str(t.v_pool.dtype) +
+           (other ? std::string("; pass kv_cache_dtype=\"") + other + "\"" : std::string()));
+    }
   }
 
   // --- The outputs (allocated by the caller or by the Python layer). ---

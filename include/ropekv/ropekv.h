@@ -98,9 +98,16 @@ struct RopeScaling {
 enum class KvCacheDtype {
   kAuto,     ///< the dtype of q (the original call's rule)
   kFloat32,  ///< float32 pools for any input dtype
-  kFp8E4M3,  ///< 8-bit OCP E4M3 ("fn": max 448, no Inf), uint8 storage
-  kFp8E5M2,  ///< 8-bit OCP E5M2 (max 57344), uint8 storage
+  kFp8E4M3,  ///< 8-bit OCP E4M3 ("fn": max 448, no Inf): pools of uint8 or float8_e4m3fn
+  kFp8E5M2,  ///< 8-bit OCP E5M2 (max 57344): pools of uint8 or float8_e5m2
 };
+
+/// DLPack 1.1's type codes of the two fp8 formats (kDLFloat8_e4m3fn,
+/// kDLFloat8_e5m2; bits 8), for dlpack.h headers that predate them. An fp8
+/// pool may be typed so (as PyTorch and ml_dtypes type theirs) or be its
+/// bytes as uint8.
+inline constexpr uint8_t kDLCodeFloat8E4M3fn = 10;
+inline constexpr uint8_t kDLCodeFloat8E5M2 = 12;
 
 /// What the op computes. Defaults are the original call's: NeoX pairs over
 /// the whole head, frequencies from rope_base, pools of q's dtype.

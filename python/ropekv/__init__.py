@@ -96,7 +96,10 @@ def _framework(x: Any) -> str:
     return type(x).__module__.split(".", 1)[0]
 
 
-_FP8_NAMES = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
+# How the binding's dtype_views names an array passed as a view of its bits
+# (2 bits per array): numpy has no bf16 or fp8 of its own, so such arrays
+# travel as uint16 / uint8 and the core is told their dtype.
+_VIEW_BF16, _VIEW_FP8 = 1, {"float8_e4m3fn": 2, "float8_e5m2": 3}
 try:  # numpy's bf16 and fp8 come from ml_dtypes (without it, numpy has none)
     import ml_dtypes as _ml_dtypes
 
@@ -139,10 +142,10 @@ def _dlpack_dtype(dt: Any) -> bool:
                                                                      dt.itemsize in (8, 16))
 
 
-def _as_array(x: Any, name: str, written: bool = False) -> Tuple[Any, bool, bool]:
-    """Returns (what the binding takes, is_bf16_view, is_read_only); whether
-    memory of an unknown kind is read-only is asked only where the call
-    writes (`written`)."""
+def _as_array(x: Any, name: str, written: bool = False) -> Tuple[Any, int, bool]:
+    """Returns (what the binding takes, its dtype view (0, _VIEW_BF16 or a
+    _VIEW_FP8 value), is_read_only); whether memory of an unknown kind is
+    read-only is asked only where the call writes (`written`)."""
     if not (hasattr(x, "__dlpack__") or hasattr(x, "__array_interface__")):
         try:
             memoryview(x)
@@ -159,9 +162,9 @@ def _as_array(x: Any, name: str, written: bool = False) -> Tuple[Any, bool, bool
         # travel as their bits (dtype equality: dtype.name is a slow property).
         dt = x.dtype
         if dt == _BF16:
-            return x.view(_np.uint16), True, read_only
+            return x.view(_np.uint16), _VIEW_BF16, read_only
         if dt in _FP8_DTYPES:
-            return x.view(_np.uint8), False, read_only
+            return x.view(_np.uint8), _VIEW_FP8[dt.name], read_only
         if not _dlpack_dtype(dt):
             # (The binding could not even take it: a TypeError naming its
             # signature, not the contract's ValueError.)
@@ -169,7 +172,7 @@ def _as_array(x: Any, name: str, written: bool = False) -> Tuple[Any, bool, bool
                 f"{name} has dtype {dt.name}, which ropekv does not take: q, k, v and the "
                 f"outputs float16, bfloat16 or float32; pools of those or float8_e4m3fn / "
                 f"float8_e5m2 (or their uint8 bits); positions and slots int32 or int64")
-        return x, False, read_only
+        return x, 0, read_only
     if fw == "torch":
         import torch
 
@@ -187,37 +190,41 @@ def _as_array(x: Any, name: str, written: bool = False) -> Tuple[Any, bool, bool
             # lazily); DLPack would hand over the memory as it is.
             raise ValueError(f"{name} has PyTorch's negative bit set (its memory holds the "
                              f"values negated): pass {name}.resolve_neg()")
+        # (str() of a dtype costs microseconds: only for one-byte dtypes)
+        fp8 = _VIEW_FP8.get(str(x.dtype)[6:], 0) if x.dtype.itemsize == 1 else 0
         if x.device.type == "cpu" and not x.requires_grad:
             # A numpy view of a CPU tensor (same memory) is imported in a
             # third of the time of its __dlpack__ capsule (~0.7 vs 2.2 us).
             try:
                 if x.dtype == torch.bfloat16:
-                    return x.view(torch.int16).numpy(), True, False
-                if x.dtype.itemsize == 1 and _fp8_name(x) is not None:
-                    return x.view(torch.uint8).numpy(), False, False
-                return x.numpy(), False, False
+                    return x.view(torch.int16).numpy(), _VIEW_BF16, False
+                if fp8:
+                    return x.view(torch.uint8).numpy(), fp8, False
+                return x.numpy(), 0, False
             except (TypeError, RuntimeError):  # a dtype numpy lacks: DLPack reports it
                 pass
-        if x.dtype.itemsize == 1 and _fp8_name(x) is not None:
-            return x.view(torch.uint8), False, False
-        return x, False, False  # (PyTorch tensors are writable)
+        if fp8:
+            return x.view(torch.uint8), fp8, False
+        return x, 0, False  # (PyTorch tensors are writable)
     if fw in ("jax", "jaxlib"):
-        return x, False, True  # JAX arrays are immutable: inputs only
+        return x, 0, True  # JAX arrays are immutable: inputs only
     if fw == "mlx":
         import mlx.core as mx
 
         mx.eval(x)  # MLX is lazy: materialise the buffer before exposing it
-        return x, False, False
+        return x, 0, False
     if not hasattr(x, "__dlpack__"):
         # A buffer (memoryview, array.array) or an __array_interface__
         # object: numpy views the same memory and knows if it is read-only.
         return _as_array(_np.asarray(x), name, written)
     # Another DLPack producer (CuPy, ...): its read-only flag (DLPack 1.0).
-    return x, False, written and not _ext.writable(x)
+    return x, 0, written and not _ext.writable(x)
 
 
-# DLPack type codes (dlpack.h): the dtypes _ext.run_fast reads in place.
+# DLPack type codes (dlpack.h; fp8 those of DLPack 1.1): the dtypes
+# _ext.run_fast reads in place.
 _DL_INT, _DL_UINT, _DL_FLOAT, _DL_BFLOAT = 0, 1, 2, 4
+_DL_FP8 = {"float8_e4m3fn": 10, "float8_e5m2": 12}
 # Types whose calls _ext.run_fast takes: numpy.ndarray now, torch.Tensor
 # once a call has seen that torch is imported.
 _FAST_TENSOR: Optional[type] = None
@@ -232,8 +239,7 @@ def _register_fast_numpy() -> None:
     table = [(dt, codes[dt.kind], dt.itemsize * 8) for dt in map(_np.dtype, "efilqB")]
     if _BF16 is not None:
         table.append((_BF16, _DL_BFLOAT, 16))
-    # fp8 pools as their bytes, with the kv_cache_dtype their values are
-    table += [(dt, _DL_UINT, 8, _KV_CACHE_DTYPES[_FP8_NAMES[dt.name]]) for dt in _FP8_DTYPES]
+    table += [(dt, _DL_FP8[dt.name], 8) for dt in _FP8_DTYPES]
     _ext.fast_path_types("numpy", _np.ndarray, table, _np.empty, None)
 
 
@@ -264,11 +270,10 @@ def _register_fast_torch(torch: Any, exchange_api: bool = True) -> bool:
     exchange_api is False: the tests run both ways) the type's DLPack C
     exchange API where torch has one (2.10 and later). Returns whether the
     fast path reads tensors through that API."""
-    fp8 = [(getattr(torch, name), _DL_UINT, 8, _KV_CACHE_DTYPES[kind])
-           for name, kind in _FP8_NAMES.items() if hasattr(torch, name)]
-    table = [(torch.float32, _DL_FLOAT, 32, 0), (torch.float16, _DL_FLOAT, 16, 0),
-             (torch.bfloat16, _DL_BFLOAT, 16, 0), (torch.int32, _DL_INT, 32, 0),
-             (torch.int64, _DL_INT, 64, 0), (torch.uint8, _DL_UINT, 8, 0)] + fp8
+    fp8 = [(getattr(torch, name), code, 8) for name, code in _DL_FP8.items() if hasattr(torch, name)]
+    table = [(torch.float32, _DL_FLOAT, 32), (torch.float16, _DL_FLOAT, 16),
+             (torch.bfloat16, _DL_BFLOAT, 16), (torch.int32, _DL_INT, 32),
+             (torch.int64, _DL_INT, 64), (torch.uint8, _DL_UINT, 8)] + fp8
     # each with an empty tensor of it: the API names dtypes by their DLPack type
     return _ext.fast_path_types("torch", torch.Tensor,
         [entry + (torch.empty(0, dtype=entry[0]),) for entry in table],
@@ -284,30 +289,6 @@ def _torch_current_stream(torch: Any) -> Optional[Any]:
     if not _ext.has_cuda() or getattr(torch.version, "hip", None) or not torch.version.cuda:
         return None
     return getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def _fp8_name(x: Any) -> Optional[str]:
-    """"fp8_e4m3" / "fp8_e5m2" for an array typed as fp8, else None. Cheap
-    for every other dtype (str() of a dtype costs microseconds)."""
-    dt = getattr(x, "dtype", None)
-    if dt is None:
-        return None
-    if isinstance(dt, _np.dtype):  # numpy: ml_dtypes' float8 types are one byte
-        return _FP8_NAMES.get(dt.name) if dt.itemsize == 1 and dt in _FP8_DTYPES else None
-    if getattr(dt, "itemsize", 0) != 1:  # torch: float8 dtypes are 1 byte
-        return None
-    return _FP8_NAMES.get(str(dt).replace("torch.", ""))
-
-
-def _fp8_dtype_named(message: str, named: dict) -> str:
-    """The core sees an fp8-typed array as its uint8 bits: a dtype error it
-    reports of such an array ("q/k/v dtype must be ..., got uint8") names the
-    array's own dtype instead."""
-    for name in message.split(" ", 1)[0].split("/"):
-        x = named.get(name)
-        if x is not None and _fp8_name(x) is not None:
-            return message.replace(", got uint8", ", got " + str(x.dtype).replace("torch.", ""), 1)
-    return message
 
 
 def _empty_like(x: Any) -> Any:
@@ -733,29 +714,23 @@ def rope_pool_fused(
         if kv_code is None:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, _KV_CACHE_DTYPES))}"
                              f", got {kv_cache_dtype!r}")
-        for pool, pool_name in ((k_pool, "k_pool"), (v_pool, "v_pool")):
-            typed = _fp8_name(pool)
-            if typed is not None and typed != kv_cache_dtype:
-                raise ValueError(f"{pool_name} holds {typed} values but kv_cache_dtype is "
-                                 f"{kv_cache_dtype!r}: pass kv_cache_dtype={typed!r}")
-    elif not (type(k_pool) is _np.ndarray and type(v_pool) is _np.ndarray
-              and k_pool.dtype.itemsize > 1 and v_pool.dtype.itemsize > 1) and (
-            _fp8_name(k_pool) is not None or _fp8_name(v_pool) is not None) and (
-            _fp8_name(q) is None):
-        # (numpy pools wider than a byte cannot be fp8: the common case skips this;
-        # fp8 q/k/v: the core reports their dtype first, as SPEC orders it)
-        typed = _fp8_name(k_pool) or _fp8_name(v_pool)
-        raise ValueError(f"pool dtypes must match q/k/v dtype, got an fp8 pool ({typed}) for "
-                         f"q/k/v {getattr(q, 'dtype', '?')}; pass kv_cache_dtype={typed!r} with "
-                         f"k_scale and v_scale")
 
     # Outputs: made here (in the caller's framework) once q and k are 3-D;
     # otherwise passed as None and the core reports the rank error.
-    outs = [given if given is not None
-            else (_np.empty(src.shape, src.dtype) if type(src) is _np.ndarray else _output_for(src))
-            for given, src in ((q_out, q), (k_out, k))]
+    try:
+        outs = [given if given is not None
+                else (_np.empty(src.shape, src.dtype) if type(src) is _np.ndarray
+                      else _output_for(src))
+                for given, src in ((q_out, q), (k_out, k))]
+        unmade = None
+    except (MemoryError, RuntimeError) as e:
+        # Outputs too large to make: the contract's error first, if the call
+        # has one, with q and k standing in for them (in place is allowed)
+        # in a check alone; else this error (below).
+        unmade = e
+        outs = [q if q_out is None else q_out, k if k_out is None else k_out]
     arrays = (q, k, v, positions, slots, k_pool, v_pool, outs[0], outs[1])
-    converted, bf16_mask, readonly_mask, missing = [], 0, 0, []
+    converted, dtype_views, readonly_mask, missing = [], 0, 0, []
     for i, x in enumerate(arrays):
         # The common cases inline (a function call per array costs).
         if type(x) is _np.ndarray:
@@ -765,7 +740,7 @@ def rope_pool_fused(
             plain = dt.kind in "iub" or (dt.kind == "f" and dt.itemsize in (2, 4, 8))
             if (plain or dt == _BF16) and dt.isnative and x.flags.aligned:
                 converted.append(x if plain else x.view(_np.uint16))
-                bf16_mask |= int(not plain) << i
+                dtype_views |= int(not plain) << (2 * i)  # (_VIEW_BF16)
                 if i >= 5:  # only pools and outputs must be writable
                     readonly_mask |= int(not x.flags.writeable) << i
                 continue
@@ -778,7 +753,7 @@ def rope_pool_fused(
             dt = x.dtype
             if dt is tf[1]:
                 converted.append(x.view(tf[2]).numpy())
-                bf16_mask |= 1 << i
+                dtype_views |= _VIEW_BF16 << (2 * i)
                 continue
             if dt in tf[3]:
                 converted.append(x.numpy())
@@ -794,12 +769,12 @@ def rope_pool_fused(
                 converted.append(None)
             continue
         name = _NAMES[i]
-        a, is_bf16, read_only = _as_array(x, name, written=i >= 5)
+        a, view, read_only = _as_array(x, name, written=i >= 5)
         if read_only and i in (5, 6) and _framework(x) in ("jax", "jaxlib"):
             raise ValueError(f"{name} is a JAX array, which is immutable, but ropekv writes the "
                              f"pools in place; pass numpy (or PyTorch) pools")
         converted.append(a)
-        bf16_mask |= int(is_bf16) << i
+        dtype_views |= view << (2 * i)
         readonly_mask |= int(read_only) << i
 
     handle = (_stream_handle(stream) if stream is not None
@@ -817,8 +792,8 @@ def rope_pool_fused(
     if is_neox is not True and is_neox is not False and not isinstance(is_neox, _np.bool_):
         raise ValueError(f"is_neox must be a bool, got {is_neox!r}")
     try:
-        if not options:
-            _ext.run(*converted, *common, bf16_mask, readonly_mask, handle,
+        if not options and unmade is None:
+            _ext.run(*converted, *common, dtype_views, readonly_mask, handle,
                      _threads_arg(num_threads), _checked)
         else:
             extra = []
@@ -828,17 +803,17 @@ def rope_pool_fused(
                 if x is None:
                     extra.append(None)
                     continue
-                a, is_bf16, _ = _as_array(x, name)
+                a, view, _ = _as_array(x, name)
                 extra.append(a)
-                bf16_mask |= int(is_bf16) << i
+                dtype_views |= view << (2 * i)
             if (rotary_dim is None and cos_sin_cache is not None
                     and len(getattr(cos_sin_cache, "shape", ())) == 2):
                 common = common[:4] + (int(cos_sin_cache.shape[1]),)
             _ext.run_options(*converted, *extra, *common, bool(is_neox),
                              _scaling_params(rope_scaling), kv_code,
                              _float_arg(k_scale, "k_scale"), _float_arg(v_scale, "v_scale"),
-                             _float_arg(norm_eps, "norm_eps"), bf16_mask, readonly_mask, handle,
-                             _threads_arg(num_threads), _checked)
+                             _float_arg(norm_eps, "norm_eps"), dtype_views, readonly_mask, handle,
+                             _threads_arg(num_threads), _checked, unmade is not None)
     except TypeError as e:
         # The binding's own signature refused an array (nanobind imports it
         # before the call, so nothing was written): a DLPack producer that
@@ -850,15 +825,15 @@ def rope_pool_fused(
             f"pass numpy arrays or a DLPack 1.0 producer; {str(e).splitlines()[0]}") from e
     except ValueError as e:
         msg = str(e)
-        if ", got uint8" in msg:
-            msg = _fp8_dtype_named(msg, dict(zip(_ALL_NAMES, (
-                q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, cos_sin_cache,
-                q_norm_weight, k_norm_weight))))
+        if unmade is not None and msg.startswith(("q_rot", "k_rot")):
+            raise unmade from None  # (about the stand-ins, not the call: _ext's about_stand_in)
         if missing:
             msg += f" ({' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} None: pass an array)"
         if msg == str(e):
             raise
         raise ValueError(msg) from None
+    if unmade is not None:
+        raise unmade
     if _framework(q) in ("jax", "jaxlib"):
         import jax.numpy as jnp
 

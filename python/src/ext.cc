@@ -16,6 +16,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -36,16 +37,25 @@ using Array = nb::ndarray<nb::ro>;
 constexpr const char* kNames[] = {"q",      "k",      "v",     "positions", "slots",
                                   "k_pool", "v_pool", "q_rot", "k_rot"};
 
-DLTensor to_dl(const Array& a, bool is_bf16) {
+// What an array the Python layer passes as a view of its bits stands for
+// (2 bits per array in the binding's dtype_views): numpy has no bf16 or fp8
+// of its own, so ml_dtypes bf16 arrays come as uint16 and fp8 arrays
+// (ml_dtypes or PyTorch) as uint8, and the core sees their own dtype.
+enum DtypeView : uint32_t { kOwnDtype, kBfloat16View, kFloat8E4M3fnView, kFloat8E5M2View };
+
+DLTensor to_dl(const Array& a, uint32_t view) {
   DLTensor t{};
   t.data = const_cast<void*>(static_cast<const void*>(a.data()));
   t.device = DLDevice{static_cast<DLDeviceType>(a.device_type()), a.device_id()};
   t.ndim = static_cast<int32_t>(a.ndim());
   const nb::dlpack::dtype d = a.dtype();
   t.dtype = DLDataType{d.code, d.bits, d.lanes};
-  // numpy has no bf16 of its own: the Python layer passes ml_dtypes bf16
-  // arrays as uint16 views and marks them here.
-  if (is_bf16) t.dtype = DLDataType{kDLBfloat, 16, 1};
+  switch (view) {
+    case kBfloat16View: t.dtype = DLDataType{kDLBfloat, 16, 1}; break;
+    case kFloat8E4M3fnView: t.dtype = DLDataType{ropekv::kDLCodeFloat8E4M3fn, 8, 1}; break;
+    case kFloat8E5M2View: t.dtype = DLDataType{ropekv::kDLCodeFloat8E5M2, 8, 1}; break;
+    default: break;
+  }
   t.shape = const_cast<int64_t*>(a.shape_ptr());
   t.strides = const_cast<int64_t*>(a.stride_ptr());
   t.byte_offset = 0;
@@ -76,8 +86,21 @@ ropekv::RopeScaling to_scaling(const std::optional<Scaling>& v) {
   return s;
 }
 
+// Whether an error of a check with q / k standing in for the outputs (see
+// execute's validate_only) is about the stand-ins themselves (a zero-stride
+// q is a valid input but no output), not about the call.
+bool about_stand_in(const ropekv::Error& e) {
+  const std::string_view m = e.what();
+  return m.rfind("q_rot", 0) == 0 || m.rfind("k_rot", 0) == 0;
+}
+
+// Validates and runs the call; validate_only: the contract's checks alone
+// (the Python layer's outputs could not be made, and the inputs stand in
+// for them: the contract's error, if the call has one, comes first).
 void execute(const ropekv::RopePoolTensors& t, const ropekv::RopeConfig& cfg,
-             uint32_t readonly_mask, uintptr_t stream, int num_threads, bool checked) {
+             uint32_t readonly_mask, uintptr_t stream, int num_threads, bool checked,
+             bool validate_only = false) {
+  if (validate_only) return ropekv::validate(t, cfg);
   if (readonly_mask) {
     ropekv::validate(t, cfg);  // the contract's messages come first
     for (int i = 5; i < 9; ++i)
@@ -95,10 +118,10 @@ void execute(const ropekv::RopePoolTensors& t, const ropekv::RopeConfig& cfg,
 
 // Arrays 0..11 (q .. k_rot, then cos_sin_cache, q_norm_weight, k_norm_weight)
 // as DLTensor views; a missing one stays a zero DLTensor (absent / 0-D).
-ropekv::RopePoolTensors tensors(const Array* const (&arrays)[12], uint32_t bf16_mask) {
+ropekv::RopePoolTensors tensors(const Array* const (&arrays)[12], uint32_t dtype_views) {
   std::array<DLTensor, 12> dl{};
   for (int i = 0; i < 12; ++i)
-    if (arrays[i]) dl[i] = to_dl(*arrays[i], (bf16_mask >> i) & 1u);
+    if (arrays[i]) dl[i] = to_dl(*arrays[i], (dtype_views >> (2 * i)) & 3u);
   return ropekv::RopePoolTensors{dl[0], dl[1], dl[2], dl[3], dl[4],  dl[5],
                                  dl[6], dl[7], dl[8], dl[9], dl[10], dl[11]};
 }
@@ -119,12 +142,12 @@ void run(const Array& q, const Array& k, const Array& v, const Array& positions,
          const Array& slots, const Array& k_pool, const Array& v_pool,
          const std::optional<Array>& q_rot, const std::optional<Array>& k_rot,
          int64_t head_dim, int64_t num_qo_heads, int64_t num_kv_heads, double rope_base,
-         int64_t rotary_dim, uint32_t bf16_mask, uint32_t readonly_mask, uintptr_t stream,
+         int64_t rotary_dim, uint32_t dtype_views, uint32_t readonly_mask, uintptr_t stream,
          int num_threads, bool checked) {
   const Array* arrays[12] = {&q, &k, &v, &positions, &slots, &k_pool, &v_pool,
                              q_rot ? &*q_rot : nullptr, k_rot ? &*k_rot : nullptr,
                              nullptr, nullptr, nullptr};
-  execute(tensors(arrays, bf16_mask),
+  execute(tensors(arrays, dtype_views),
           config(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim), readonly_mask,
           stream, num_threads, checked);
 }
@@ -139,8 +162,8 @@ void run_options(const Array& q, const Array& k, const Array& v, const Array& po
                  int64_t num_qo_heads, int64_t num_kv_heads, double rope_base,
                  int64_t rotary_dim, bool is_neox, const std::optional<Scaling>& rope_scaling,
                  int kv_cache_dtype, double k_scale, double v_scale, double norm_eps,
-                 uint32_t bf16_mask, uint32_t readonly_mask, uintptr_t stream, int num_threads,
-                 bool checked) {
+                 uint32_t dtype_views, uint32_t readonly_mask, uintptr_t stream, int num_threads,
+                 bool checked, bool validate_only) {
   auto opt = [](const std::optional<Array>& a) { return a ? &*a : nullptr; };
   const Array* arrays[12] = {&q,         &k,         &v,   &positions,
                              &slots,     &k_pool,    &v_pool, opt(q_rot),
@@ -153,7 +176,8 @@ void run_options(const Array& q, const Array& k, const Array& v, const Array& po
   cfg.k_scale = k_scale;
   cfg.v_scale = v_scale;
   cfg.norm_eps = norm_eps;
-  execute(tensors(arrays, bf16_mask), cfg, readonly_mask, stream, num_threads, checked);
+  execute(tensors(arrays, dtype_views), cfg, readonly_mask, stream, num_threads, checked,
+          validate_only);
 }
 
 // ---------------------------------------------------------------- fast path
@@ -171,9 +195,6 @@ constexpr int kFastMaxDims = 3;  // the contract's largest rank; a larger one ta
 struct FastDtype {
   PyObject* dtype;  // a numpy dtype or torch.dtype instance, compared by identity
   DLDataType code;
-  // An fp8 dtype: the KvCacheDtype its values are (read as uint8, as the
-  // core takes fp8 pools); 0 for every other dtype.
-  int fp8 = 0;
   // torch with the DLPack C exchange API: the type the API gives a tensor of
   // this dtype, which identifies the dtype there (no dtype attribute read).
   DLDataType exported{};
@@ -260,7 +281,6 @@ struct FastView {
   int64_t shape[kFastMaxDims] = {};
   int64_t strides[kFastMaxDims] = {};
   PyObject* dtype = nullptr;  // the registered dtype object (borrowed)
-  int fp8 = 0;                // FastDtype::fp8
   bool is_torch = false;
   bool read_only = false;
 };
@@ -300,7 +320,6 @@ Member member(PyTypeObject* type, const char* name, bool call) {
 void set_dtype(const FastDtype& d, FastView& v) {
   v.t.dtype = d.code;
   v.dtype = d.dtype;
-  v.fp8 = d.fp8;
 }
 
 // Looks o.dtype up in the framework's table.
@@ -590,9 +609,9 @@ bool fast_float(PyObject* o, double& out) {
 // Registers numpy.ndarray (with numpy.empty) or torch.Tensor (with
 // torch.empty_like, torch.contiguous_format and, where torch has CUDA, its
 // current raw stream of a device index) and the dtypes run_fast reads for
-// it: (dtype, DLPack type code, bits) each, for fp8 dtypes the KvCacheDtype
-// of their values as a fourth entry (else 0), and for torch an empty tensor
-// of the dtype as a fifth; for torch also the type's DLPack C exchange API
+// it: (dtype, DLPack type code, bits) each (fp8 dtypes with DLPack 1.1's
+// codes), and for torch an empty tensor of the dtype as a fourth; for torch
+// also the type's DLPack C exchange API
 // capsule, or None. Returns whether torch tensors are read through that API.
 bool fast_path_types(const std::string& framework, nb::handle type, nb::list dtypes,
                      nb::handle empty, nb::handle contiguous_format,
@@ -606,9 +625,8 @@ bool fast_path_types(const std::string& framework, nb::handle type, nb::list dty
   for (nb::handle item : dtypes) {
     nb::tuple t = nb::cast<nb::tuple>(item);
     fw.dtypes.push_back(FastDtype{
-        t[0].inc_ref().ptr(), DLDataType{nb::cast<uint8_t>(t[1]), nb::cast<uint8_t>(t[2]), 1},
-        t.size() > 3 ? nb::cast<int>(t[3]) : 0});
-    samples.push_back(t.size() > 4 ? t[4] : nb::none());
+        t[0].inc_ref().ptr(), DLDataType{nb::cast<uint8_t>(t[1]), nb::cast<uint8_t>(t[2]), 1}});
+    samples.push_back(t.size() > 3 ? t[3] : nb::none());
   }
   fw.type = reinterpret_cast<PyTypeObject*>(type.inc_ref().ptr());
   const std::pair<const char*, bool> names[kMembers] = {
@@ -669,9 +687,8 @@ bool fast_path_types(const std::string& framework, nb::handle type, nb::list dty
 // layer has turned rope_scaling into its numbers and kv_cache_dtype into
 // its code). Returns (q_rot, k_rot, k_pool, v_pool), making q_rot / k_rot
 // when None is given, or None, having written nothing, when an argument is
-// not one it reads (fast_view, fast_int, fast_float, is_neox not a bool, an
-// fp8 array other than a pool of kv_cache_dtype) or a pool or output is
-// read-only; raises the contract's ValueError.
+// not one it reads (fast_view, fast_int, fast_float, is_neox not a bool) or
+// a pool or output is read-only; raises the contract's ValueError.
 nb::object run_fast(nb::handle q, nb::handle k, nb::handle v, nb::handle positions,
                     nb::handle slots, nb::handle k_pool, nb::handle v_pool, nb::handle q_rot,
                     nb::handle k_rot, nb::handle head_dim, nb::handle num_qo_heads,
@@ -715,14 +732,9 @@ nb::object run_fast(nb::handle q, nb::handle k, nb::handle v, nb::handle positio
   // reports must not fail here first on their allocation.
   // A pool or output numpy exports as read-only may be a warn-on-write
   // broadcast view that the general path judges by flags.writeable: it
-  // decides (and reports) every such call. An fp8-typed array is taken only
-  // as a pool of that kv_cache_dtype; the general path reports any other use
-  // (a mismatched kv_cache_dtype first).
-  auto declined = [&](int i) {
-    return (i >= 5 && i < 9 && views[i].read_only) ||
-           (views[i].fp8 && !((i == 5 || i == 6) && views[i].fp8 == kv_cache_dtype));
-  };
-  for (int i : {0, 1, 2, 3, 4, 5, 6, 9, 10, 11})
+  // decides (and reports) every such call.
+  auto declined = [&](int i) { return i >= 5 && i < 9 && views[i].read_only; };
+  for (int i : {5, 6})
     if (declined(i)) return nb::none();
   // Outputs: the given ones first, then the others made like q and k (when
   // q / k is 3-D; otherwise None, and the core reports the rank).
@@ -730,9 +742,29 @@ nb::object run_fast(nb::handle q, nb::handle k, nb::handle v, nb::handle positio
   for (int j = 0; j < 2; ++j)
     if (!outs[j].is_none() && (!fast_view(outs[j].ptr(), views[7 + j]) || declined(7 + j)))
       return nb::none();
+  DLTensor optional[3] = {};
+  for (int i = 0; i < 3; ++i)
+    if (!opt[i].is_none()) optional[i] = views[9 + i].t;
   for (int j = 0; j < 2; ++j)
     if (outs[j].is_none() && views[j].t.ndim == 3) {
-      outs[j] = new_output(in[j].ptr(), views[j]);
+      try {
+        outs[j] = new_output(in[j].ptr(), views[j]);
+      } catch (nb::python_error&) {
+        // Outputs too large to make: the contract's error first, if the
+        // call has one, with q / k standing in for the outputs not made (in
+        // place is allowed); else the allocation's error.
+        for (int o = j; o < 2; ++o)
+          if (outs[o].is_none()) views[7 + o].t = views[o].t;
+        try {
+          execute(ropekv::RopePoolTensors{views[0].t, views[1].t, views[2].t, views[3].t,
+                                          views[4].t, views[5].t, views[6].t, views[7].t,
+                                          views[8].t, optional[0], optional[1], optional[2]},
+                  cfg, 0, 0, threads, checked, /*validate_only=*/true);
+        } catch (const ropekv::Error& e) {
+          if (!about_stand_in(e)) throw;
+        }
+        throw;
+      }
       FastView& o = views[7 + j];
       if (!fast_view(outs[j].ptr(), o)) return nb::none();
       if (o.is_torch && o.t.device.device_type == kDLCPU)  // (numpy advises its own)
@@ -740,9 +772,6 @@ nb::object run_fast(nb::handle q, nb::handle k, nb::handle v, nb::handle positio
                           uint64_t(o.shape[0]) * o.strides[0] * (o.t.dtype.bits / 8));
     }
 
-  DLTensor optional[3] = {};
-  for (int i = 0; i < 3; ++i)
-    if (!opt[i].is_none()) optional[i] = views[9 + i].t;
   // CUDA: the caller's current stream on q's device, as the general path
   // launches (arrays on other devices fail the contract's device check).
   uintptr_t stream = 0;
@@ -800,7 +829,7 @@ NB_MODULE(_ext, m) {
         nb::arg("slots").noconvert(), nb::arg("k_pool").noconvert(),
         nb::arg("v_pool").noconvert(), nb::arg("q_rot").noconvert().none(),
         nb::arg("k_rot").noconvert().none(), nb::arg("head_dim"), nb::arg("num_qo_heads"),
-        nb::arg("num_kv_heads"), nb::arg("rope_base"), nb::arg("rotary_dim"), nb::arg("bf16_mask"),
+        nb::arg("num_kv_heads"), nb::arg("rope_base"), nb::arg("rotary_dim"), nb::arg("dtype_views"),
         nb::arg("readonly_mask"), nb::arg("stream"), nb::arg("num_threads"),
         nb::arg("checked"), nb::call_guard<nb::gil_scoped_release>(),
         "Runs ropekv::rope_pool_fused on DLPack arrays (see ropekv.rope_pool_fused).");
@@ -813,10 +842,11 @@ NB_MODULE(_ext, m) {
         nb::arg("head_dim"), nb::arg("num_qo_heads"), nb::arg("num_kv_heads"),
         nb::arg("rope_base"), nb::arg("rotary_dim"), nb::arg("is_neox"),
         nb::arg("rope_scaling").none(), nb::arg("kv_cache_dtype"), nb::arg("k_scale"),
-        nb::arg("v_scale"), nb::arg("norm_eps"), nb::arg("bf16_mask"), nb::arg("readonly_mask"),
+        nb::arg("v_scale"), nb::arg("norm_eps"), nb::arg("dtype_views"), nb::arg("readonly_mask"),
         nb::arg("stream"), nb::arg("num_threads"), nb::arg("checked"),
-        nb::call_guard<nb::gil_scoped_release>(),
-        "Runs ropekv::rope_pool_fused with its options (see ropekv.rope_pool_fused).");
+        nb::arg("validate_only") = false, nb::call_guard<nb::gil_scoped_release>(),
+        "Runs ropekv::rope_pool_fused with its options (see ropekv.rope_pool_fused); "
+        "validate_only: its checks alone.");
   // Every argument may be None (or anything): run_fast declines what it does
   // not take, and the general path reports it.
   m.def("run_fast", &run_fast, nb::arg("q").none(), nb::arg("k").none(), nb::arg("v").none(),

@@ -128,6 +128,7 @@ struct Pool {
   StoragePtr st;
   std::vector<int64_t> shape, strides;
   int64_t offset = 0;
+  bool typed = false;  // fp8: typed as its format (DLPack 1.1), else uint8 bytes
 
   Storage* storage() const { return is_fp8(kind) ? st.get() : t.storage().get(); }
   int64_t off(int64_t s, int64_t h, int64_t d) const {
@@ -145,7 +146,9 @@ struct Pool {
     d.data = st->base;
     d.device = {kDLCPU, 0};
     d.ndim = 3;
-    d.dtype = {kDLUInt, 8, 1};
+    d.dtype = !typed                    ? DLDataType{kDLUInt, 8, 1}
+              : kind == PoolKind::kE4M3 ? DLDataType{ropekv::kDLCodeFloat8E4M3fn, 8, 1}
+                                        : DLDataType{ropekv::kDLCodeFloat8E5M2, 8, 1};
     d.shape = const_cast<int64_t*>(shape.data());
     d.strides = const_cast<int64_t*>(strides.data());
     d.byte_offset = static_cast<uint64_t>(offset);
@@ -352,6 +355,9 @@ OptCase make_opt_case(const OptSpec& s, std::mt19937_64& rng) {
   }
   c.k_pool = make_pool(s.pool, s.dtype, s.P, s.Hk, s.D, L, s.align64);
   c.v_pool = make_pool(s.pool, s.dtype, s.P, s.Hk, s.D, L, s.align64);
+  // fp8 pools: each as its bytes or typed as its format (the same call).
+  c.k_pool.typed = rng() % 2 == 0;
+  c.v_pool.typed = rng() % 2 == 0;
   random_bytes(*c.k_pool.storage(), rng);
   random_bytes(*c.v_pool.storage(), rng);
 

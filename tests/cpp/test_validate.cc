@@ -783,6 +783,50 @@ TEST(Validate, UnknownKvCacheDtype) {
   EXPECT_PREFIX(error_of_built(b, s.cfg), "kv_cache_dtype is unknown (value 7)");
 }
 
+// fp8 pools are their bytes as uint8 or typed as their format (DLPack 1.1's
+// codes), each pool either way; a pool typed as the other format, or fp8
+// pools without the opt-in, are named with the option that fits them.
+TEST(Validate, Fp8PoolsTypedOrBytes) {
+  std::mt19937_64 rng(test_seed());
+  VSpec s = valid_spec();
+  Built b = build(s, rng);
+  const DLDataType bytes{kDLUInt, 8, 1}, e4m3{ropekv::kDLCodeFloat8E4M3fn, 8, 1},
+      e5m2{ropekv::kDLCodeFloat8E5M2, 8, 1};
+  for (const auto& [kv, own, other] :
+       {std::tuple{ropekv::KvCacheDtype::kFp8E4M3, e4m3, e5m2},
+        std::tuple{ropekv::KvCacheDtype::kFp8E5M2, e5m2, e4m3}}) {
+    s.cfg.kv_cache_dtype = kv;
+    const std::string name = kv == ropekv::KvCacheDtype::kFp8E4M3 ? "fp8_e4m3" : "fp8_e5m2";
+    const std::string other_name = kv == ropekv::KvCacheDtype::kFp8E4M3 ? "fp8_e5m2" : "fp8_e4m3";
+    const std::string own_str = kv == ropekv::KvCacheDtype::kFp8E4M3 ? "float8_e4m3fn" : "float8_e5m2";
+    const std::string other_str = kv == ropekv::KvCacheDtype::kFp8E4M3 ? "float8_e5m2" : "float8_e4m3fn";
+    for (const auto& [k, v] : {std::pair{bytes, bytes}, std::pair{own, own}, std::pair{bytes, own},
+                               std::pair{own, bytes}}) {
+      b.t[5].override_dtype(k);
+      b.t[6].override_dtype(v);
+      EXPECT_NO_THROW(ropekv::validate(b.tensors(), s.cfg)) << name;
+    }
+    b.t[5].override_dtype(bytes);
+    b.t[6].override_dtype(other);
+    EXPECT_PREFIX(error_of_built(b, s.cfg),
+                  "pool dtypes must be uint8 (fp8 bits) or " + own_str + " for kv_cache_dtype=\"" +
+                      name + "\", got k_pool uint8, v_pool " + other_str +
+                      "; pass kv_cache_dtype=\"" + other_name + "\"");
+    b.t[5].override_dtype(DLDataType{kDLFloat, 32, 1});  // not fp8 at all: no hint
+    b.t[6].override_dtype(own);
+    EXPECT_EQ(error_of_built(b, s.cfg),
+              "pool dtypes must be uint8 (fp8 bits) or " + own_str + " for kv_cache_dtype=\"" +
+                  name + "\", got k_pool float32, v_pool " + own_str);
+    // Without the opt-in: the format a typed pool holds is named.
+    s.cfg.kv_cache_dtype = ropekv::KvCacheDtype::kAuto;
+    b.t[5].override_dtype(own);
+    EXPECT_EQ(error_of_built(b, s.cfg),
+              "pool dtypes must match q/k/v dtype, got k_pool " + own_str + ", v_pool " + own_str +
+                  " for q/k/v float32; an fp8 pool: pass kv_cache_dtype=\"" + name +
+                  "\" with k_scale and v_scale");
+  }
+}
+
 TEST(Validate, NegativeThreadCount) {
   std::mt19937_64 rng(test_seed());
   const VSpec s = valid_spec();

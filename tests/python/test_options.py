@@ -329,13 +329,25 @@ def test_fp8_typed_pools():
                                             head_dim=D, num_qo_heads=2, num_kv_heads=2,
                                             rope_base=1e4, kv_cache_dtype="fp8_e5m2")
     assert bits(kp[:T]) == bits(fp8_encode(k_rot, "fp8_e5m2", 1.0))
-    with pytest.raises(ValueError, match="holds fp8_e5m2 values but kv_cache_dtype"):
+    before = [bits(kp), bits(vp)]
+    with pytest.raises(ValueError, match="^" + re.escape(
+            'pool dtypes must be uint8 (fp8 bits) or float8_e4m3fn for kv_cache_dtype="fp8_e4m3", '
+            'got k_pool float8_e5m2, v_pool float8_e5m2; pass kv_cache_dtype="fp8_e5m2"') + "$"):
         ropekv.rope_pool_fused(q, q, q, np.arange(T), np.arange(T), kp, vp, head_dim=D,
                                num_qo_heads=2, num_kv_heads=2, rope_base=1e4,
                                kv_cache_dtype="fp8_e4m3")
-    with pytest.raises(ValueError, match="pass kv_cache_dtype='fp8_e5m2'"):
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "pool dtypes must match q/k/v dtype, got k_pool float8_e5m2, v_pool float8_e5m2 for "
+            'q/k/v float32; an fp8 pool: pass kv_cache_dtype="fp8_e5m2" with k_scale and '
+            "v_scale") + "$"):
         ropekv.rope_pool_fused(q, q, q, np.arange(T), np.arange(T), kp, vp, head_dim=D,
                                num_qo_heads=2, num_kv_heads=2, rope_base=1e4)
+    assert [bits(kp), bits(vp)] == before
+    # A typed pool and a pool of bytes in one call: the same encoding.
+    kp2, vp2 = np.zeros((4, 2, D), FP8["fp8_e5m2"]), np.zeros((4, 2, D), np.uint8)
+    ropekv.rope_pool_fused(q, q, q, np.arange(T), np.arange(T), kp2, vp2, head_dim=D,
+                           num_qo_heads=2, num_kv_heads=2, rope_base=1e4, kv_cache_dtype="fp8_e5m2")
+    assert bits(kp2) == bits(kp) and bits(vp2.view(FP8["fp8_e5m2"])) == bits(vp)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", [None, "fp8_e4m3"])
@@ -355,6 +367,18 @@ def test_fp8_typed_inputs_are_named_in_dtype_errors(kv_cache_dtype):
     assert [bits(a) for a in (q, kp, vp)] == before
     assert_rejected(re.escape("q_norm_weight dtype must be float32 or q's dtype (float32), got "
                               "float8_e4m3fn"), q_norm_weight=np.ones(16, f8))
+    # An fp8 output too: its own dtype, not its bits'.
+    q32 = randn((T, 2, D), np.float32)
+    q_out = np.full((T, 2, D), 0x7F, np.uint8).view(f8)
+    kp32, vp32 = randn((4, 2, D), np.float32), randn((4, 2, D), np.float32)
+    before = [bits(a) for a in (q_out, kp32, vp32)]
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "q_rot/k_rot dtype must match q/k/v dtype, got q_rot float8_e4m3fn, k_rot float32 "
+            "for float32") + "$"):
+        ropekv.rope_pool_fused(q32, q32, q32, np.arange(T), np.arange(T), kp32, vp32, head_dim=D,
+                               num_qo_heads=2, num_kv_heads=2, rope_base=1e4, q_out=q_out,
+                               k_out=np.empty((T, 2, D), np.float32))
+    assert [bits(a) for a in (q_out, kp32, vp32)] == before
 
 
 @pytest.mark.parametrize("dtype", DT)
@@ -425,7 +449,8 @@ def assert_rejected(match, **options):
 def test_option_errors():
     f32 = np.float32
     assert_rejected("kv_cache_dtype must be one of", kv_cache_dtype="int8")
-    assert_rejected(r"pool dtypes must be uint8 \(fp8 bits\) for kv_cache_dtype=\"fp8_e4m3\"",
+    assert_rejected(r"pool dtypes must be uint8 \(fp8 bits\) or float8_e4m3fn for "
+                    r"kv_cache_dtype=\"fp8_e4m3\", got k_pool float32, v_pool float32$",
                     kv_cache_dtype="fp8_e4m3", k_pool=np.zeros((8, 2, 16), np.float32))
     assert_rejected("pool dtypes must be float32 for kv_cache_dtype=\"float32\"",
                     kv_cache_dtype="float32", k_pool=np.zeros((8, 2, 16), np.float16))
