@@ -75,6 +75,25 @@ const char* fp8_typed(DLDataType d) {
   return nullptr;
 }
 
+// The end of a pool dtype error for pools that are both fp8 (each its bytes
+// as uint8 or typed as its format): the kv_cache_dtype their typed ones name
+// (with_scales: and the scales that come with it), both formats when they
+// name two (no one option fits them), any fp8 option for bytes alone; ""
+// when a pool is not fp8.
+std::string fp8_pools_hint(DLDataType k, DLDataType v, bool with_scales) {
+  auto bytes = [](DLDataType d) { return d.code == kDLUInt && d.bits == 8 && d.lanes == 1; };
+  const char *fk = fp8_typed(k), *fv = fp8_typed(v);
+  if (!(fk || bytes(k)) || !(fv || bytes(v))) return "";
+  const std::string scales = with_scales ? " with k_scale and v_scale" : "";
+  if (fk && fv && std::string(fk) != fv)
+    return "; k_pool and v_pool hold two fp8 formats (" + dtype_str(k) + ", " + dtype_str(v) +
+           "), which no one kv_cache_dtype covers";
+  const std::string pass =
+      with_scales ? "; an fp8 pool: pass kv_cache_dtype=\"" : "; pass kv_cache_dtype=\"";
+  if (!fk && !fv) return pass + "fp8_e4m3\" or \"fp8_e5m2\"" + scales;
+  return pass + (fk ? fk : fv) + "\"" + scales;
+}
+
 const char* kv_cache_dtype_name(KvCacheDtype d) {
   switch (d) {
     case KvCacheDtype::kAuto: return "auto";
@@ -567,17 +586,17 @@ Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
       (!same_dtype(t.k_pool.dtype, t.q.dtype) || !same_dtype(t.v_pool.dtype, t.q.dtype))) {
     const DLDataType pd =
         same_dtype(t.k_pool.dtype, t.q.dtype) ? t.v_pool.dtype : t.k_pool.dtype;
+    // (No hint for a q that ropekv does not take: that is refused below.)
+    FloatType q_type;
     std::string hint;
-    if (pd.code == kDLFloat && pd.bits == 32)
-      hint = "; a float32 pool for " + dtype_str(t.q.dtype) +
-             " inputs: pass kv_cache_dtype=\"float32\" (or convert it once with "
-             "k_pool.to(q.dtype))";
-    else if (const char* typed = fp8_typed(pd))
-      hint = std::string("; an fp8 pool: pass kv_cache_dtype=\"") + typed +
-             "\" with k_scale and v_scale";
-    else if (pd.code == kDLUInt && pd.bits == 8)
-      hint = "; an fp8 pool: pass kv_cache_dtype=\"fp8_e4m3\" or \"fp8_e5m2\" with "
-             "k_scale and v_scale";
+    if (float_dtype(t.q.dtype, &q_type)) {
+      if (pd.code == kDLFloat && pd.bits == 32 && pd.lanes == 1)
+        hint = "; a float32 pool for " + dtype_str(t.q.dtype) +
+               " inputs: pass kv_cache_dtype=\"float32\" (or convert it once with "
+               "k_pool.to(q.dtype))";
+      else
+        hint = fp8_pools_hint(t.k_pool.dtype, t.v_pool.dtype, /*with_scales=*/true);
+    }
     fail("pool dtypes must match q/k/v dtype, got k_pool " + dtype_str(t.k_pool.dtype) +
          ", v_pool " + dtype_str(t.v_pool.dtype) + " for q/k/v " + dtype_str(t.q.dtype) +
          hint);
@@ -603,14 +622,11 @@ Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
     auto ok = [&](DLDataType d) {
       return same_dtype(d, DLDataType{kDLUInt, 8, 1}) || same_dtype(d, typed);
     };
-    if (!ok(t.k_pool.dtype) || !ok(t.v_pool.dtype)) {
-      // A pool typed as the other fp8 format names the option that fits it.
-      const char* other = fp8_typed(ok(t.k_pool.dtype) ? t.v_pool.dtype : t.k_pool.dtype);
+    if (!ok(t.k_pool.dtype) || !ok(t.v_pool.dtype))
       fail(std::string("pool dtypes must be uint8 (fp8 bits) or ") + dtype_str(typed) +
            " for kv_cache_dtype=\"" + name + "\", got k_pool " + dtype_str(t.k_pool.dtype) +
            ", v_pool " + dtype_str(t.v_pool.dtype) +
-           (other ? std::string("; pass kv_cache_dtype=\"") + other + "\"" : std::string()));
-    }
+           fp8_pools_hint(t.k_pool.dtype, t.v_pool.dtype, /*with_scales=*/false));
   }
 
   // --- The outputs (allocated by the caller or by the Python layer). ---

@@ -717,18 +717,9 @@ def rope_pool_fused(
 
     # Outputs: made here (in the caller's framework) once q and k are 3-D;
     # otherwise passed as None and the core reports the rank error.
-    try:
-        outs = [given if given is not None
-                else (_np.empty(src.shape, src.dtype) if type(src) is _np.ndarray
-                      else _output_for(src))
-                for given, src in ((q_out, q), (k_out, k))]
-        unmade = None
-    except (MemoryError, RuntimeError) as e:
-        # Outputs too large to make: the contract's error first, if the call
-        # has one, with q and k standing in for them (in place is allowed)
-        # in a check alone; else this error (below).
-        unmade = e
-        outs = [q if q_out is None else q_out, k if k_out is None else k_out]
+    outs = [given if given is not None
+            else (_np.empty(src.shape, src.dtype) if type(src) is _np.ndarray else _output_for(src))
+            for given, src in ((q_out, q), (k_out, k))]
     arrays = (q, k, v, positions, slots, k_pool, v_pool, outs[0], outs[1])
     converted, dtype_views, readonly_mask, missing = [], 0, 0, []
     for i, x in enumerate(arrays):
@@ -792,7 +783,7 @@ def rope_pool_fused(
     if is_neox is not True and is_neox is not False and not isinstance(is_neox, _np.bool_):
         raise ValueError(f"is_neox must be a bool, got {is_neox!r}")
     try:
-        if not options and unmade is None:
+        if not options:
             _ext.run(*converted, *common, dtype_views, readonly_mask, handle,
                      _threads_arg(num_threads), _checked)
         else:
@@ -813,7 +804,7 @@ def rope_pool_fused(
                              _scaling_params(rope_scaling), kv_code,
                              _float_arg(k_scale, "k_scale"), _float_arg(v_scale, "v_scale"),
                              _float_arg(norm_eps, "norm_eps"), dtype_views, readonly_mask, handle,
-                             _threads_arg(num_threads), _checked, unmade is not None)
+                             _threads_arg(num_threads), _checked)
     except TypeError as e:
         # The binding's own signature refused an array (nanobind imports it
         # before the call, so nothing was written): a DLPack producer that
@@ -825,15 +816,11 @@ def rope_pool_fused(
             f"pass numpy arrays or a DLPack 1.0 producer; {str(e).splitlines()[0]}") from e
     except ValueError as e:
         msg = str(e)
-        if unmade is not None and msg.startswith(("q_rot", "k_rot")):
-            raise unmade from None  # (about the stand-ins, not the call: _ext's about_stand_in)
         if missing:
             msg += f" ({' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} None: pass an array)"
         if msg == str(e):
             raise
         raise ValueError(msg) from None
-    if unmade is not None:
-        raise unmade
     if _framework(q) in ("jax", "jaxlib"):
         import jax.numpy as jnp
 

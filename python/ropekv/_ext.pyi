@@ -13,8 +13,7 @@ def run_options(q: Any, k: Any, v: Any, positions: Any, slots: Any, k_pool: Any,
                 num_qo_heads: int, num_kv_heads: int, rope_base: float, rotary_dim: int,
                 is_neox: bool, rope_scaling: Optional[Tuple[float, ...]], kv_cache_dtype: int,
                 k_scale: float, v_scale: float, norm_eps: float, dtype_views: int,
-                readonly_mask: int, stream: int, num_threads: int, checked: bool,
-                validate_only: bool = False) -> None: ...
+                readonly_mask: int, stream: int, num_threads: int, checked: bool) -> None: ...
 def run_fast(q: Any, k: Any, v: Any, positions: Any, slots: Any, k_pool: Any, v_pool: Any,
              q_rot: Optional[Any], k_rot: Optional[Any], head_dim: Any, num_qo_heads: Any,
              num_kv_heads: Any, rope_base: Any, rotary_dim: Optional[Any], is_neox: Any,

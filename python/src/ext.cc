@@ -16,7 +16,6 @@
 #include <limits>
 #include <optional>
 #include <string>
-#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -86,21 +85,8 @@ ropekv::RopeScaling to_scaling(const std::optional<Scaling>& v) {
   return s;
 }
 
-// Whether an error of a check with q / k standing in for the outputs (see
-// execute's validate_only) is about the stand-ins themselves (a zero-stride
-// q is a valid input but no output), not about the call.
-bool about_stand_in(const ropekv::Error& e) {
-  const std::string_view m = e.what();
-  return m.rfind("q_rot", 0) == 0 || m.rfind("k_rot", 0) == 0;
-}
-
-// Validates and runs the call; validate_only: the contract's checks alone
-// (the Python layer's outputs could not be made, and the inputs stand in
-// for them: the contract's error, if the call has one, comes first).
 void execute(const ropekv::RopePoolTensors& t, const ropekv::RopeConfig& cfg,
-             uint32_t readonly_mask, uintptr_t stream, int num_threads, bool checked,
-             bool validate_only = false) {
-  if (validate_only) return ropekv::validate(t, cfg);
+             uint32_t readonly_mask, uintptr_t stream, int num_threads, bool checked) {
   if (readonly_mask) {
     ropekv::validate(t, cfg);  // the contract's messages come first
     for (int i = 5; i < 9; ++i)
@@ -163,7 +149,7 @@ void run_options(const Array& q, const Array& k, const Array& v, const Array& po
                  int64_t rotary_dim, bool is_neox, const std::optional<Scaling>& rope_scaling,
                  int kv_cache_dtype, double k_scale, double v_scale, double norm_eps,
                  uint32_t dtype_views, uint32_t readonly_mask, uintptr_t stream, int num_threads,
-                 bool checked, bool validate_only) {
+                 bool checked) {
   auto opt = [](const std::optional<Array>& a) { return a ? &*a : nullptr; };
   const Array* arrays[12] = {&q,         &k,         &v,   &positions,
                              &slots,     &k_pool,    &v_pool, opt(q_rot),
@@ -176,8 +162,7 @@ void run_options(const Array& q, const Array& k, const Array& v, const Array& po
   cfg.k_scale = k_scale;
   cfg.v_scale = v_scale;
   cfg.norm_eps = norm_eps;
-  execute(tensors(arrays, dtype_views), cfg, readonly_mask, stream, num_threads, checked,
-          validate_only);
+  execute(tensors(arrays, dtype_views), cfg, readonly_mask, stream, num_threads, checked);
 }
 
 // ---------------------------------------------------------------- fast path
@@ -742,29 +727,9 @@ nb::object run_fast(nb::handle q, nb::handle k, nb::handle v, nb::handle positio
   for (int j = 0; j < 2; ++j)
     if (!outs[j].is_none() && (!fast_view(outs[j].ptr(), views[7 + j]) || declined(7 + j)))
       return nb::none();
-  DLTensor optional[3] = {};
-  for (int i = 0; i < 3; ++i)
-    if (!opt[i].is_none()) optional[i] = views[9 + i].t;
   for (int j = 0; j < 2; ++j)
     if (outs[j].is_none() && views[j].t.ndim == 3) {
-      try {
-        outs[j] = new_output(in[j].ptr(), views[j]);
-      } catch (nb::python_error&) {
-        // Outputs too large to make: the contract's error first, if the
-        // call has one, with q / k standing in for the outputs not made (in
-        // place is allowed); else the allocation's error.
-        for (int o = j; o < 2; ++o)
-          if (outs[o].is_none()) views[7 + o].t = views[o].t;
-        try {
-          execute(ropekv::RopePoolTensors{views[0].t, views[1].t, views[2].t, views[3].t,
-                                          views[4].t, views[5].t, views[6].t, views[7].t,
-                                          views[8].t, optional[0], optional[1], optional[2]},
-                  cfg, 0, 0, threads, checked, /*validate_only=*/true);
-        } catch (const ropekv::Error& e) {
-          if (!about_stand_in(e)) throw;
-        }
-        throw;
-      }
+      outs[j] = new_output(in[j].ptr(), views[j]);
       FastView& o = views[7 + j];
       if (!fast_view(outs[j].ptr(), o)) return nb::none();
       if (o.is_torch && o.t.device.device_type == kDLCPU)  // (numpy advises its own)
@@ -772,6 +737,9 @@ nb::object run_fast(nb::handle q, nb::handle k, nb::handle v, nb::handle positio
                           uint64_t(o.shape[0]) * o.strides[0] * (o.t.dtype.bits / 8));
     }
 
+  DLTensor optional[3] = {};
+  for (int i = 0; i < 3; ++i)
+    if (!opt[i].is_none()) optional[i] = views[9 + i].t;
   // CUDA: the caller's current stream on q's device, as the general path
   // launches (arrays on other devices fail the contract's device check).
   uintptr_t stream = 0;
@@ -844,9 +812,8 @@ NB_MODULE(_ext, m) {
         nb::arg("rope_scaling").none(), nb::arg("kv_cache_dtype"), nb::arg("k_scale"),
         nb::arg("v_scale"), nb::arg("norm_eps"), nb::arg("dtype_views"), nb::arg("readonly_mask"),
         nb::arg("stream"), nb::arg("num_threads"), nb::arg("checked"),
-        nb::arg("validate_only") = false, nb::call_guard<nb::gil_scoped_release>(),
-        "Runs ropekv::rope_pool_fused with its options (see ropekv.rope_pool_fused); "
-        "validate_only: its checks alone.");
+        nb::call_guard<nb::gil_scoped_release>(),
+        "Runs ropekv::rope_pool_fused with its options (see ropekv.rope_pool_fused).");
   // Every argument may be None (or anything): run_fast declines what it does
   // not take, and the general path reports it.
   m.def("run_fast", &run_fast, nb::arg("q").none(), nb::arg("k").none(), nb::arg("v").none(),

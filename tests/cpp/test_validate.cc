@@ -817,13 +817,37 @@ TEST(Validate, Fp8PoolsTypedOrBytes) {
     EXPECT_EQ(error_of_built(b, s.cfg),
               "pool dtypes must be uint8 (fp8 bits) or " + own_str + " for kv_cache_dtype=\"" +
                   name + "\", got k_pool float32, v_pool " + own_str);
+    // Pools of two formats: no one option fits them.
+    b.t[5].override_dtype(own);
+    b.t[6].override_dtype(other);
+    EXPECT_EQ(error_of_built(b, s.cfg),
+              "pool dtypes must be uint8 (fp8 bits) or " + own_str + " for kv_cache_dtype=\"" +
+                  name + "\", got k_pool " + own_str + ", v_pool " + other_str +
+                  "; k_pool and v_pool hold two fp8 formats (" + own_str + ", " + other_str +
+                  "), which no one kv_cache_dtype covers");
     // Without the opt-in: the format a typed pool holds is named.
     s.cfg.kv_cache_dtype = ropekv::KvCacheDtype::kAuto;
-    b.t[5].override_dtype(own);
+    b.t[6].override_dtype(own);
     EXPECT_EQ(error_of_built(b, s.cfg),
               "pool dtypes must match q/k/v dtype, got k_pool " + own_str + ", v_pool " + own_str +
                   " for q/k/v float32; an fp8 pool: pass kv_cache_dtype=\"" + name +
                   "\" with k_scale and v_scale");
+    b.t[6].override_dtype(bytes);  // (bytes fit either format)
+    EXPECT_EQ(error_of_built(b, s.cfg),
+              "pool dtypes must match q/k/v dtype, got k_pool " + own_str +
+                  ", v_pool uint8 for q/k/v float32; an fp8 pool: pass kv_cache_dtype=\"" + name +
+                  "\" with k_scale and v_scale");
+    b.t[6].override_dtype(DLDataType{kDLFloat, 32, 1});  // one pool q's dtype: no hint
+    EXPECT_EQ(error_of_built(b, s.cfg), "pool dtypes must match q/k/v dtype, got k_pool " +
+                                            own_str + ", v_pool float32 for q/k/v float32");
+    // A q/k/v dtype ropekv does not take: no hint (following one would only
+    // meet the q/k/v dtype error).
+    for (int i : {0, 1, 2, 7, 8}) b.t[i].override_dtype(own);
+    for (int i : {5, 6}) b.t[i].override_dtype(DLDataType{kDLFloat, 32, 1});
+    EXPECT_EQ(error_of_built(b, s.cfg),
+              "pool dtypes must match q/k/v dtype, got k_pool float32, v_pool float32 for q/k/v " +
+                  own_str);
+    for (int i : {0, 1, 2, 7, 8}) b.t[i].override_dtype(DLDataType{kDLFloat, 32, 1});
   }
 }
 

@@ -343,6 +343,17 @@ def test_fp8_typed_pools():
         ropekv.rope_pool_fused(q, q, q, np.arange(T), np.arange(T), kp, vp, head_dim=D,
                                num_qo_heads=2, num_kv_heads=2, rope_base=1e4)
     assert [bits(kp), bits(vp)] == before
+    # Pools of two formats: no one option fits them, and the error says so.
+    ve = np.zeros((4, 2, D), FP8["fp8_e4m3"])
+    for kv in ("fp8_e4m3", "fp8_e5m2"):
+        typed = "float8_e4m3fn" if kv == "fp8_e4m3" else "float8_e5m2"
+        with pytest.raises(ValueError, match="^" + re.escape(
+                f'pool dtypes must be uint8 (fp8 bits) or {typed} for kv_cache_dtype="{kv}", got '
+                "k_pool float8_e5m2, v_pool float8_e4m3fn; k_pool and v_pool hold two fp8 formats "
+                "(float8_e5m2, float8_e4m3fn), which no one kv_cache_dtype covers") + "$"):
+            ropekv.rope_pool_fused(q, q, q, np.arange(T), np.arange(T), kp, ve, head_dim=D,
+                                   num_qo_heads=2, num_kv_heads=2, rope_base=1e4, kv_cache_dtype=kv)
+    assert [bits(kp), bits(vp)] == before and not ve.view(np.uint8).any()
     # A typed pool and a pool of bytes in one call: the same encoding.
     kp2, vp2 = np.zeros((4, 2, D), FP8["fp8_e5m2"]), np.zeros((4, 2, D), np.uint8)
     ropekv.rope_pool_fused(q, q, q, np.arange(T), np.arange(T), kp2, vp2, head_dim=D,
