@@ -63,6 +63,7 @@
 #include <vector>
 
 #include "cold_protocol.h"
+#include "common/fp_env.h"  // (the library's internal header: BM_IeeeFpScope)
 #include "ropekv/ropekv.h"
 
 namespace {
@@ -418,6 +419,25 @@ void BM_Validate(benchmark::State& state) {
   for (auto _ : state) ropekv::validate(t, cfg);
 }
 
+// What every call pays for its floating-point environment
+// (src/common/fp_env.h: one IeeeFpScope on the calling thread and one per
+// thread of a CPU team): caller_ftz 0, the caller already in IEEE's default
+// (two control-register reads); 1, a caller with flush-to-zero and
+// denormals-are-zero set (PyTorch's set_flush_denormal(True)): two writes more.
+void BM_IeeeFpScope(benchmark::State& state) {
+#if defined(ROPEKV_FP_ENV_SSE)
+  const unsigned int caller = _mm_getcsr();
+  if (state.range(0)) _mm_setcsr(caller | 0x8040u);  // FTZ (bit 15), DAZ (bit 6)
+  for (auto _ : state) {
+    const ropekv::IeeeFpScope scope;
+    benchmark::ClobberMemory();
+  }
+  _mm_setcsr(caller);
+#else
+  state.SkipWithError("x86 only");
+#endif
+}
+
 // The thread counts of the cold and options families: ROPEKV_BENCH_THREADS
 // (positive counts, comma-separated), else 1 and 2.
 std::vector<int> bench_threads() {
@@ -439,6 +459,8 @@ void register_all() {
   const std::vector<int> thread_counts = bench_threads();
   benchmark::RegisterBenchmark("validate/Llama-3.1-8B/bf16", BM_Validate)
       ->ArgName("T")->Arg(1)->Arg(128)->UseRealTime()->Unit(benchmark::kMicrosecond);
+  benchmark::RegisterBenchmark("fp_env/IeeeFpScope", BM_IeeeFpScope)
+      ->ArgName("caller_ftz")->Arg(0)->Arg(1)->Unit(benchmark::kNanosecond);
   for (const Model& m : kModels) {
     for (Dtype dtype : {kF32, kBF16, kF16}) {
       for (int threads : thread_counts) {
