@@ -815,12 +815,10 @@ def rope_pool_fused(
             f"protocol (a read-only array behind a pre-1.0 __dlpack__ cannot be exported): "
             f"pass numpy arrays or a DLPack 1.0 producer; {str(e).splitlines()[0]}") from e
     except ValueError as e:
-        msg = str(e)
-        if missing:
-            msg += f" ({' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} None: pass an array)"
-        if msg == str(e):
+        if not missing:
             raise
-        raise ValueError(msg) from None
+        raise ValueError(f"{e} ({' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                         f"None: pass an array)") from None
     if _framework(q) in ("jax", "jaxlib"):
         import jax.numpy as jnp
 

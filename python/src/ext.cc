@@ -713,9 +713,8 @@ nb::object run_fast(nb::handle q, nb::handle k, nb::handle v, nb::handle positio
   // path has it).
   if (rotary_dim.is_none() && !cos_sin_cache.is_none() && views[9].t.ndim == 2)
     cfg.rotary_dim = views[9].shape[1];
-  // Every decline before the outputs are made: a call the general path
-  // reports must not fail here first on their allocation.
-  // A pool or output numpy exports as read-only may be a warn-on-write
+  // Every decline before the outputs are made (the general path makes its
+  // own). A pool or output numpy exports as read-only may be a warn-on-write
   // broadcast view that the general path judges by flags.writeable: it
   // decides (and reports) every such call.
   auto declined = [&](int i) { return i >= 5 && i < 9 && views[i].read_only; };
