@@ -16,6 +16,12 @@
 #             one keeps small plain calls on the plain kernel; not a default step)
 #   coldopt   the same at the library's steps with a float32 cos_sin_cache (four
 #             shapes), then with QK-norm and fp8 pools (Llama) (not a default step)
+#   poolfloor each pool format (bf16, float32, fp8_e4m3) at T = 512..32768, Llama
+#             bf16, cold: the library's call next to a kernel of the same loads and
+#             stores without arithmetic and a copy of the same bytes (not a default
+#             step)
+#   freshpools bench/gpu_fresh_pools.py: a call into freshly allocated pools against
+#             one into pools made once and kept (not a default step)
 #   split     small calls split over several blocks per token (the library's rule)
 #             against one block (ROPEKV_CUDA_SPLIT_GRID=0) and, with a cos_sin_cache,
 #             against the table kernel (ROPEKV_CUDA_UNROLL=2): --cold, --cold-table,
@@ -360,6 +366,8 @@ for s in "${STEPS[@]}"; do
     latency) step latency each_unroll --latency ;;
     cold) step cold each_unroll --cold ;;
     coldopt) step coldopt do_cold_options ;;
+    poolfloor) step poolfloor timeout 300 "$DRIVER" --pool-floor ;;
+    freshpools) step freshpools bash -c "cd /tmp && timeout 120 $PY $ROOT/bench/gpu_fresh_pools.py" ;;
     split) step split do_split ;;
     small) step small do_small ;;
     probe) step probe do_probe ;;

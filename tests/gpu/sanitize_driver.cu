@@ -14,6 +14,8 @@
 //   sanitize_driver --cold-table    the same with a float32 cos_sin_cache (2^17 rows;
 //                              ROPEKV_DRIVER_TABLE=bf16: a bf16 one, q's dtype)
 //   sanitize_driver --cold-interleaved  the same with interleaved pairs (is_neox=False)
+//   sanitize_driver --pool-floor  Llama bf16 calls with each pool format next to a
+//                              kernel of the same loads and stores and a copy
 //   sanitize_driver --host     host time per T = 1 call (Llama bf16) and of its parts
 //
 // Built by scripts/gpu-check.sh against the library the Python build made.
@@ -671,6 +673,234 @@ void cold(int options, bool inplace, bool table, bool interleaved) {
   ropekv::check_device_errors(0, s);
 }
 
+// What a pool format's access pattern costs, whatever the arithmetic: one
+// thread per 16 bytes (8 bf16 elements) of q, k or v of a token, loading it
+// and storing it to q_rot / k_rot and, for k and v, to the token's pool row
+// in the pool's element size (kPoolBytes 1: fp8, 2: q's dtype, 4: float32;
+// the values are the input's bits, cut or widened, not converted). Every
+// store is as wide as the library's kernel makes it, at the same addresses.
+// kNorm: q and k heads are first scaled as a QK-norm scales them
+// (x * rsqrt(mean(x^2) + eps) * w, w bf16), a head being 16 neighbouring
+// threads (head_dim 128) whose sums of squares meet by shuffles: the least
+// any QK-norm adds, a reduction across the head before its first store.
+template <int kPoolBytes, bool kNorm>
+__global__ void pool_floor_kernel(const uint4* q, const uint4* k, const uint4* v, uint4* q_rot,
+                                  uint4* k_rot, unsigned char* k_pool, unsigned char* v_pool,
+                                  const int32_t* slots, const uint4* w, int T, int q_chunks,
+                                  int kv_chunks) {
+  const int per_token = q_chunks + 2 * kv_chunks;
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= static_cast<long long>(T) * per_token) return;  // (whole heads: T * per_token % 16 == 0)
+  const int t = static_cast<int>(i / per_token), c = static_cast<int>(i % per_token);
+  const bool is_q = c < q_chunks, is_k = !is_q && c < q_chunks + kv_chunks;
+  const int j = c - (is_q ? 0 : q_chunks) - (is_q || is_k ? 0 : kv_chunks);
+  const long long at = static_cast<long long>(t) * (is_q ? q_chunks : kv_chunks) + j;
+  uint4 x = is_q ? q[at] : is_k ? k[at] : v[at];
+  if (kNorm && (is_q || is_k)) {
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&x);
+    float2 f[4];
+    float ss = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      f[e] = __bfloat1622float2(h[e]);
+      ss = fmaf(f[e].x, f[e].x, fmaf(f[e].y, f[e].y, ss));
+    }
+#pragma unroll
+    for (int m = 8; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m, 16);
+    const float r = rsqrtf(ss / 128.f + 1e-6f);
+    uint4 wv = w[threadIdx.x % 16];
+    const __nv_bfloat162* wh = reinterpret_cast<const __nv_bfloat162*>(&wv);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 we = __bfloat1622float2(wh[e]);
+      h[e] = __floats2bfloat162_rn(f[e].x * r * we.x, f[e].y * r * we.y);
+    }
+  }
+  if (is_q) {
+    q_rot[at] = x;
+    return;
+  }
+  if (is_k) k_rot[at] = x;
+  unsigned char* row = (is_k ? k_pool : v_pool) +
+                       (static_cast<long long>(slots[t]) * kv_chunks + j) * 8 * kPoolBytes;
+  if constexpr (kPoolBytes == 1) {
+    // The high byte of each element: 8 bytes.
+    const auto hi = [](unsigned a, unsigned b) { return __byte_perm(a, b, 0x7531); };
+    *reinterpret_cast<uint2*>(row) = make_uint2(hi(x.x, x.y), hi(x.z, x.w));
+  } else if constexpr (kPoolBytes == 2) {
+    *reinterpret_cast<uint4*>(row) = x;
+  } else {
+    // bf16 -> float32 is the bits moved up: 32 bytes.
+    const auto wide = [](unsigned a) { return make_uint2(a << 16, a & 0xffff0000u); };
+    const uint2 a = wide(x.x), b = wide(x.y), cc = wide(x.z), d = wide(x.w);
+    reinterpret_cast<uint4*>(row)[0] = make_uint4(a.x, a.y, b.x, b.y);
+    reinterpret_cast<uint4*>(row)[1] = make_uint4(cc.x, cc.y, d.x, d.y);
+  }
+}
+
+// --pool-floor: Llama-3.1-8B bf16 calls of T = 512..32768 with each pool
+// format (bf16, float32, fp8_e4m3 with power-of-two scales), and with a
+// QK-norm (bf16 weights) with bf16 or fp8 pools, random or ascending slots,
+// cold as in cold(), next to pool_floor_kernel on the same buffers and slots
+// and to a device copy of the same bytes: does an option cost the library's
+// kernel more than its access pattern (and, with a QK-norm, the head's
+// reduction) costs any kernel?
+void pool_floor() {
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  Buf flush(size_t(256) << 20);
+  std::mt19937 rng(17);
+  const Shape m = kLlama;
+  std::printf("slots | options | T | ropekv us | floor us | copy us | ropekv of copy | "
+              "floor of copy | ropekv / floor\n");
+  std::vector<int32_t> perm(ModelCall::P);
+  for (bool random_slots : {true, false})
+  for (int options : {0, int{kOptF32Pools}, int{kOptFp8}, int{kOptNorm}, int{kNormFp8}}) {
+    if (!random_slots && (options & kOptNorm)) continue;
+    const bool norm = options & kOptNorm;
+    for (int T : {512, 2048, 8192, 32768}) {
+      ModelCall c(T, m, options);
+      const size_t set_bytes = c.q.bytes * 2 + c.k.bytes * 3 + size_t(T) * 8;
+      const int n = static_cast<int>(std::clamp<size_t>((size_t(1) << 30) / set_bytes, 1, 50));
+      std::vector<std::unique_ptr<ModelCall>> sets;
+      for (int i = 0; i < n; ++i) {
+        sets.emplace_back(new ModelCall(T, m, 0, /*pool_rows=*/1));
+        std::vector<int32_t> pos(T), slot(T);
+        for (int j = 0; j < T; ++j) pos[j] = static_cast<int32_t>(rng() % (1 << 17));
+        // Distinct slots: the first T of a random permutation of the pool
+        // (bench/gpu_bench.py's), or one random row of each of T strides of
+        // it in order (cold()'s).
+        if (random_slots) {
+          for (int64_t j = 0; j < ModelCall::P; ++j) perm[j] = static_cast<int32_t>(j);
+          std::shuffle(perm.begin(), perm.end(), rng);
+          std::copy(perm.begin(), perm.begin() + T, slot.begin());
+        } else {
+          const int64_t stride = ModelCall::P / T;
+          for (int j = 0; j < T; ++j) slot[j] = static_cast<int32_t>(j * stride + rng() % stride);
+        }
+        CK(cudaMemcpy(sets[i]->dpos.ptr, pos.data(), T * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(sets[i]->dslot.ptr, slot.data(), T * 4, cudaMemcpyHostToDevice));
+      }
+      // The copy: as many bytes read and written as the call moves.
+      const size_t half = static_cast<size_t>(c.bytes() / 2);
+      Buf src(half * n), dst(half * n);
+      CK(cudaMemset(src.ptr, 1, src.bytes));
+      CK(cudaDeviceSynchronize());
+      const int q_chunks = m.Hq * m.D / 8, kv_chunks = m.Hk * m.D / 8;
+      const long long threads = static_cast<long long>(T) * (q_chunks + 2 * kv_chunks);
+      const int grid = static_cast<int>((threads + 255) / 256);
+      auto floor = [&](auto kernel, const ModelCall& x) {
+        kernel<<<grid, 256, 0, s>>>(
+            static_cast<const uint4*>(x.q.ptr), static_cast<const uint4*>(x.k.ptr),
+            static_cast<const uint4*>(x.v.ptr), static_cast<uint4*>(x.qr.ptr),
+            static_cast<uint4*>(x.kr.ptr), static_cast<unsigned char*>(c.kp.ptr),
+            static_cast<unsigned char*>(c.vp.ptr), static_cast<const int32_t*>(x.dslot.ptr),
+            static_cast<const uint4*>(c.w.ptr), T, q_chunks, kv_chunks);
+      };
+      auto run = [&](int way, int i) {
+        const ModelCall& x = *sets[i % n];
+        if (way == 0) {
+          ropekv::RopePoolTensors t = c.t;
+          t.q.data = x.q.ptr;
+          t.k.data = x.k.ptr;
+          t.v.data = x.v.ptr;
+          t.q_rot.data = x.qr.ptr;
+          t.k_rot.data = x.kr.ptr;
+          t.positions.data = x.dpos.ptr;
+          t.slots.data = x.dslot.ptr;
+          ropekv::ExecOptions o;
+          o.stream = s;
+          ropekv::rope_pool_fused(t, c.cfg, o);
+        } else if (way == 1) {
+          if (c.pool_esize == 1) {
+            norm ? floor(pool_floor_kernel<1, true>, x) : floor(pool_floor_kernel<1, false>, x);
+          } else if (c.pool_esize == 2) {
+            norm ? floor(pool_floor_kernel<2, true>, x) : floor(pool_floor_kernel<2, false>, x);
+          } else {
+            floor(pool_floor_kernel<4, false>, x);
+          }
+        } else {
+          CK(cudaMemcpyAsync(static_cast<char*>(dst.ptr) + (i % n) * half,
+                             static_cast<char*>(src.ptr) + (i % n) * half, half,
+                             cudaMemcpyDeviceToDevice, s));
+        }
+      };
+      // Per-call time of each way: 8 calls per graph (T = 512: 50), the L2
+      // flushed before each replay, median of 9; the three ways alternate
+      // replay by replay so that clock drift falls on each alike.
+      const int calls = T <= 512 ? 50 : 8;
+      cudaGraphExec_t ge[3];
+      for (int way = 0; way < 3; ++way) {
+        cudaGraph_t g;
+        CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+        for (int i = 0; i < calls; ++i) run(way, i);
+        CK(cudaStreamEndCapture(s, &g));
+        CK(cudaGraphInstantiate(&ge[way], g, 0));
+        CK(cudaGraphDestroy(g));
+      }
+      std::vector<float> ms[3];
+      for (int r = 0; r < 10; ++r) {
+        for (int way = 0; way < 3; ++way) {
+          CK(cudaMemsetAsync(flush.ptr, r, flush.bytes, s));
+          CK(cudaEventRecord(e0, s));
+          CK(cudaGraphLaunch(ge[way], s));
+          CK(cudaEventRecord(e1, s));
+          CK(cudaEventSynchronize(e1));
+          float t;
+          CK(cudaEventElapsedTime(&t, e0, e1));
+          if (r > 0) ms[way].push_back(t);
+        }
+      }
+      double us[3];
+      for (int way = 0; way < 3; ++way) {
+        std::sort(ms[way].begin(), ms[way].end());
+        us[way] = ms[way][ms[way].size() / 2] * 1e3 / calls;
+        CK(cudaGraphExecDestroy(ge[way]));
+      }
+      // The floor replayed last: its pool row of the last call's first token
+      // holds that token's k (normalised with kNorm) as the kernel promises,
+      // else it timed less work. (The inputs are one repeated value, so a
+      // QK-norm gives x / |x| * w, to within rsqrtf's and bf16's rounding.)
+      {
+        const ModelCall& x = *sets[(calls - 1) % n];
+        int32_t slot0;
+        CK(cudaMemcpy(&slot0, x.dslot.ptr, 4, cudaMemcpyDeviceToHost));
+        const size_t row = size_t(m.Hk) * m.D;
+        std::vector<uint16_t> k0(row), w(m.D);
+        std::vector<unsigned char> got(row * c.pool_esize);
+        CK(cudaMemcpy(k0.data(), x.k.ptr, row * 2, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(w.data(), c.w.ptr, m.D * 2, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(got.data(), static_cast<char*>(c.kp.ptr) + size_t(slot0) * got.size(),
+                      got.size(), cudaMemcpyDeviceToHost));
+        const int bf = kDLBfloat;
+        for (size_t e = 0; e < row; ++e) {
+          const float kx = to_float(k0[e], bf);
+          const float want = norm ? std::copysign(1.f, kx) * to_float(w[e % m.D], bf) : kx;
+          uint32_t bits = 0;
+          std::memcpy(&bits, &got[e * c.pool_esize], c.pool_esize);
+          // (fp8: the high byte of a bf16, its sign, exponent and one bit.)
+          const float have = c.pool_esize == 4   ? to_float(static_cast<uint16_t>(bits >> 16), bf)
+                             : c.pool_esize == 2 ? to_float(static_cast<uint16_t>(bits), bf)
+                                                 : to_float(static_cast<uint16_t>(bits << 8), bf);
+          if (!(std::fabs(have - want) <= (c.pool_esize == 1 ? 0.5f : 0.01f) * std::fabs(want))) {
+            std::printf("FAIL: pool floor row element %zu: %g, not %g\n", e, have, want);
+            ++g_failures;
+            break;
+          }
+        }
+      }
+      std::printf("%s | %s | %d | %.2f | %.2f | %.2f | %.3f | %.3f | %.3f\n",
+                  random_slots ? "random" : "ascending", options ? options_name(options) + 1 : "bf16",
+                  T, us[0], us[1], us[2], us[2] / us[0], us[2] / us[1], us[0] / us[1]);
+      std::fflush(stdout);
+    }
+  }
+  ropekv::check_device_errors(0, s);
+}
+
 // Host time per call of a stream of asynchronous T = 1 calls (Llama bf16,
 // the kernels run behind; synchronised once at the end), next to the parts
 // of a call: the contract check alone (ropekv::validate, which also asks
@@ -722,6 +952,10 @@ int main(int argc, char** argv) {
     cold(opts ? driver_options() : 0, mode == "--cold-inplace", mode == "--cold-table",
          mode == "--cold-interleaved");
     return 0;
+  }
+  if (mode == "--pool-floor") {
+    pool_floor();
+    return g_failures == 0 ? 0 : 1;
   }
   if (mode == "--host") {
     host();
