@@ -2,12 +2,16 @@
 
 Llama-3.1-8B bf16, T = 8192, random distinct slots in a 2^20-row pool, each
 call timed as bench/gpu_bench.py --options times it (its Timer: 4-call CUDA
-graphs, median of 7 passes). First the plain call, float32 pools, fp8 pools
-and the QK-norm + fp8 + yarn combination with every format's pools made once
-and kept (twice over); then each format's pools freed (with the caching
-allocator's memory given back to CUDA, as the options benchmark did between
-formats before it kept them), made again and the same call timed three times
-at once, and again after half a second idle.
+graphs, median of 7 passes):
+
+1. the plain call, float32 pools, fp8 pools, the QK-norm + fp8 + yarn
+   combination and fp8 pools again with one format's pools at a time: the
+   previous format's freed, and the caching allocator's memory given back
+   to CUDA, before the next format's are made (the options benchmark's
+   order before it kept every format's pools);
+2. the first four with every format's pools made once and kept, twice over;
+3. each format's pools freed (the memory given back), made again and its
+   call timed three times at once, then the same after half a second idle.
 
     python bench/gpu_fresh_pools.py      (needs PyTorch with CUDA and ropekv)
 """
@@ -40,7 +44,7 @@ def main():
         return tuple(torch.zeros(POOL_ROWS, HK, D, device="cuda", dtype=pool_dtype[pe])
                      for _ in range(2))
 
-    pools = {pe: make(pe) for pe in pool_dtype}
+    pools = {}
 
     def time_case(name):
         kw, _, pe = cases[name]
@@ -50,6 +54,20 @@ def main():
             rope_base=BASE, q_out=q_out, k_out=k_out, **kw), 4, 4)
 
     order = ["plain", "float32 pools", "fp8_e4m3 pools", "QK-norm + fp8 + yarn"]
+    # As the options benchmark did: one format's pools at a time, the
+    # previous format's freed before the next are made.
+    line = []
+    for name in order + ["fp8_e4m3 pools"]:
+        pe = cases[name][2] or 2
+        if pe not in pools:
+            pools.clear()
+            torch.cuda.empty_cache()
+            pools[pe] = make(pe)
+        line.append(f"{name} {time_case(name):.2f} us")
+    print("one format's pools at a time: " + " | ".join(line), flush=True)
+    pools.clear()
+    torch.cuda.empty_cache()
+    pools.update({pe: make(pe) for pe in pool_dtype})
     for _ in range(2):
         print("pools kept: " + " | ".join(f"{n} {time_case(n):.2f} us" for n in order), flush=True)
     for name, pe in (("fp8_e4m3 pools", 1), ("float32 pools", 4), ("plain", 2)):
