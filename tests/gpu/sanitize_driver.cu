@@ -585,6 +585,51 @@ const char* options_name(int o) {
   return s.c_str();
 }
 
+// The input sets of cold calls like c: as many as keep them within about
+// 1 GB (at most 50), each with its own q, k, v, q_rot and k_rot (memset
+// values), random positions below 2^17 and T distinct slots of the pool:
+// one random row of each of T strides, in order, or (random_slots) the
+// first T of a random permutation of its rows.
+std::vector<std::unique_ptr<ModelCall>> cold_sets(const ModelCall& c, Shape m, std::mt19937& rng,
+                                                  bool random_slots = false) {
+  const int T = c.T;
+  const size_t set_bytes = c.q.bytes * 2 + c.k.bytes * 3 + size_t(T) * 8;
+  const int n = static_cast<int>(std::clamp<size_t>((size_t(1) << 30) / set_bytes, 1, 50));
+  std::vector<std::unique_ptr<ModelCall>> sets;
+  std::vector<int32_t> perm(random_slots ? ModelCall::P : 0);
+  for (int i = 0; i < n; ++i) {
+    sets.emplace_back(new ModelCall(T, m, 0, /*pool_rows=*/1));
+    std::vector<int32_t> pos(T), slot(T);
+    for (int j = 0; j < T; ++j) pos[j] = static_cast<int32_t>(rng() % (1 << 17));
+    if (random_slots) {
+      for (int64_t j = 0; j < ModelCall::P; ++j) perm[j] = static_cast<int32_t>(j);
+      std::shuffle(perm.begin(), perm.end(), rng);
+      std::copy(perm.begin(), perm.begin() + T, slot.begin());
+    } else {
+      const int64_t stride = ModelCall::P / T;
+      for (int j = 0; j < T; ++j) slot[j] = static_cast<int32_t>(j * stride + rng() % stride);
+    }
+    CK(cudaMemcpy(sets[i]->dpos.ptr, pos.data(), T * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(sets[i]->dslot.ptr, slot.data(), T * 4, cudaMemcpyHostToDevice));
+  }
+  CK(cudaDeviceSynchronize());
+  return sets;
+}
+
+// c's tensors (its pools, weights, dtypes) with the inputs and outputs of
+// set x; in place: q_rot and k_rot are x's q and k.
+ropekv::RopePoolTensors with_set(const ModelCall& c, const ModelCall& x, bool inplace = false) {
+  ropekv::RopePoolTensors t = c.t;
+  t.q.data = x.q.ptr;
+  t.k.data = x.k.ptr;
+  t.v.data = x.v.ptr;
+  t.q_rot.data = inplace ? x.q.ptr : x.qr.ptr;
+  t.k_rot.data = inplace ? x.k.ptr : x.kr.ptr;
+  t.positions.data = x.dpos.ptr;
+  t.slots.data = x.dslot.ptr;
+  return t;
+}
+
 void cold(int options, bool inplace, bool table, bool interleaved) {
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -616,30 +661,10 @@ void cold(int options, bool inplace, bool table, bool interleaved) {
     for (int T : driver_tokens()) {
       ModelCall c(T, m, options);
       c.cfg.is_neox = !interleaved;
-      const size_t set_bytes = c.q.bytes * 2 + c.k.bytes * 3 + size_t(T) * 8;
-      const int n = static_cast<int>(std::clamp<size_t>((size_t(1) << 30) / set_bytes, 1, 50));
-      std::vector<std::unique_ptr<ModelCall>> sets;  // inputs and outputs of each call
-      for (int i = 0; i < n; ++i) {
-        sets.emplace_back(new ModelCall(T, m, 0, /*pool_rows=*/1));
-        std::vector<int32_t> pos(T), slot(T);
-        for (int j = 0; j < T; ++j) pos[j] = static_cast<int32_t>(rng() % (1 << 17));
-        // Distinct slots: T draws from disjoint strides of the pool.
-        const int64_t stride = ModelCall::P / T;
-        for (int j = 0; j < T; ++j) slot[j] = static_cast<int32_t>(j * stride + rng() % stride);
-        CK(cudaMemcpy(sets[i]->dpos.ptr, pos.data(), T * 4, cudaMemcpyHostToDevice));
-        CK(cudaMemcpy(sets[i]->dslot.ptr, slot.data(), T * 4, cudaMemcpyHostToDevice));
-      }
-      CK(cudaDeviceSynchronize());
+      const auto sets = cold_sets(c, m, rng);  // inputs and outputs of each call
+      const int n = static_cast<int>(sets.size());
       auto call = [&](int i) {
-        ropekv::RopePoolTensors t = c.t;
-        const ModelCall& x = *sets[i % n];
-        t.q.data = x.q.ptr;
-        t.k.data = x.k.ptr;
-        t.v.data = x.v.ptr;
-        t.q_rot.data = inplace ? x.q.ptr : x.qr.ptr;
-        t.k_rot.data = inplace ? x.k.ptr : x.kr.ptr;
-        t.positions.data = x.dpos.ptr;
-        t.slots.data = x.dslot.ptr;
+        ropekv::RopePoolTensors t = with_set(c, *sets[i % n], inplace);
         if (table) t.cos_sin_cache = view(tab.ptr, table_dt, 2, tab_shape, nullptr);
         ropekv::ExecOptions o;
         o.stream = s;
@@ -756,34 +781,17 @@ void pool_floor() {
   const Shape m = kLlama;
   std::printf("slots | options | T | ropekv us | floor us | copy us | ropekv of copy | "
               "floor of copy | ropekv / floor\n");
-  std::vector<int32_t> perm(ModelCall::P);
-  for (bool random_slots : {true, false})
-  for (int options : {0, int{kOptF32Pools}, int{kOptFp8}, int{kOptNorm}, int{kNormFp8}}) {
-    if (!random_slots && (options & kOptNorm)) continue;
+  // (Ascending slots were within 1 % of random ones for every pool format:
+  // the QK-norm rows take random slots only.)
+  const std::pair<bool, int> cases[] = {
+      {true, 0},  {true, kOptF32Pools},  {true, kOptFp8}, {true, kOptNorm}, {true, kNormFp8},
+      {false, 0}, {false, kOptF32Pools}, {false, kOptFp8}};
+  for (const auto& [random_slots, options] : cases) {
     const bool norm = options & kOptNorm;
     for (int T : {512, 2048, 8192, 32768}) {
       ModelCall c(T, m, options);
-      const size_t set_bytes = c.q.bytes * 2 + c.k.bytes * 3 + size_t(T) * 8;
-      const int n = static_cast<int>(std::clamp<size_t>((size_t(1) << 30) / set_bytes, 1, 50));
-      std::vector<std::unique_ptr<ModelCall>> sets;
-      for (int i = 0; i < n; ++i) {
-        sets.emplace_back(new ModelCall(T, m, 0, /*pool_rows=*/1));
-        std::vector<int32_t> pos(T), slot(T);
-        for (int j = 0; j < T; ++j) pos[j] = static_cast<int32_t>(rng() % (1 << 17));
-        // Distinct slots: the first T of a random permutation of the pool
-        // (bench/gpu_bench.py's), or one random row of each of T strides of
-        // it in order (cold()'s).
-        if (random_slots) {
-          for (int64_t j = 0; j < ModelCall::P; ++j) perm[j] = static_cast<int32_t>(j);
-          std::shuffle(perm.begin(), perm.end(), rng);
-          std::copy(perm.begin(), perm.begin() + T, slot.begin());
-        } else {
-          const int64_t stride = ModelCall::P / T;
-          for (int j = 0; j < T; ++j) slot[j] = static_cast<int32_t>(j * stride + rng() % stride);
-        }
-        CK(cudaMemcpy(sets[i]->dpos.ptr, pos.data(), T * 4, cudaMemcpyHostToDevice));
-        CK(cudaMemcpy(sets[i]->dslot.ptr, slot.data(), T * 4, cudaMemcpyHostToDevice));
-      }
+      const auto sets = cold_sets(c, m, rng, random_slots);
+      const int n = static_cast<int>(sets.size());
       // The copy: as many bytes read and written as the call moves.
       const size_t half = static_cast<size_t>(c.bytes() / 2);
       Buf src(half * n), dst(half * n);
@@ -803,17 +811,9 @@ void pool_floor() {
       auto run = [&](int way, int i) {
         const ModelCall& x = *sets[i % n];
         if (way == 0) {
-          ropekv::RopePoolTensors t = c.t;
-          t.q.data = x.q.ptr;
-          t.k.data = x.k.ptr;
-          t.v.data = x.v.ptr;
-          t.q_rot.data = x.qr.ptr;
-          t.k_rot.data = x.kr.ptr;
-          t.positions.data = x.dpos.ptr;
-          t.slots.data = x.dslot.ptr;
           ropekv::ExecOptions o;
           o.stream = s;
-          ropekv::rope_pool_fused(t, c.cfg, o);
+          ropekv::rope_pool_fused(with_set(c, x), c.cfg, o);
         } else if (way == 1) {
           if (c.pool_esize == 1) {
             norm ? floor(pool_floor_kernel<1, true>, x) : floor(pool_floor_kernel<1, false>, x);
