@@ -327,6 +327,13 @@ def option_cases(D, dt):
     }
 
 
+def make_pools(pool_esize, Hk, D, dt):
+    """k_pool and v_pool, [POOL_ROWS, Hk, D] zeros on the GPU, of pool_esize
+    bytes per element: 1 fp8 (as uint8), 2 q's dtype dt, 4 float32."""
+    pdt = {1: torch.uint8, 2: dt, 4: torch.float32}[pool_esize]
+    return tuple(torch.zeros(POOL_ROWS, Hk, D, device="cuda", dtype=pdt) for _ in range(2))
+
+
 def bench_options(args, timer, log):
     """Each option's cost next to the plain call and a copy of the same bytes."""
     rows = []
@@ -338,9 +345,7 @@ def bench_options(args, timer, log):
         # its KV cache. (Freed and made again between formats, the first
         # format timed after a free ran slower: fp8 pools 1.00x the plain
         # call at T = 8192 where kept pools give 0.92x; gpu_fresh_pools.py.)
-        pools = {pe: tuple(torch.zeros(POOL_ROWS, Hk, D, device="cuda",
-                                       dtype={1: torch.uint8, 2: dt, 4: torch.float32}[pe])
-                           for _ in range(2))
+        pools = {pe: make_pools(pe, Hk, D, dt)
                  for pe in sorted({c[2] or 2 for c in cases.values()})}
         for T in OPTION_TOKENS:
             g = torch.Generator(device="cuda").manual_seed(T)

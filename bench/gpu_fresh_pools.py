@@ -24,7 +24,7 @@ import torch
 import ropekv
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_bench import POOL_ROWS, Timer, option_cases  # noqa: E402
+from gpu_bench import POOL_ROWS, Timer, make_pools, option_cases  # noqa: E402
 
 T, HQ, HK, D, BASE = 8192, 32, 8, 128, 500000.0
 
@@ -38,11 +38,9 @@ def main():
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     pos = torch.randint(0, 1 << 17, (T,), device="cuda", dtype=torch.int32, generator=g)
     slots = torch.randperm(POOL_ROWS, device="cuda", generator=g)[:T].to(torch.int32)
-    pool_dtype = {1: torch.uint8, 2: dt, 4: torch.float32}
 
     def make(pe):
-        return tuple(torch.zeros(POOL_ROWS, HK, D, device="cuda", dtype=pool_dtype[pe])
-                     for _ in range(2))
+        return make_pools(pe, HK, D, dt)
 
     pools = {}
 
@@ -67,7 +65,7 @@ def main():
     print("one format's pools at a time: " + " | ".join(line), flush=True)
     pools.clear()
     torch.cuda.empty_cache()
-    pools.update({pe: make(pe) for pe in pool_dtype})
+    pools.update({pe: make(pe) for pe in (1, 2, 4)})
     for _ in range(2):
         print("pools kept: " + " | ".join(f"{n} {time_case(n):.2f} us" for n in order), flush=True)
     for name, pe in (("fp8_e4m3 pools", 1), ("float32 pools", 4), ("plain", 2)):

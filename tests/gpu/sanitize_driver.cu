@@ -465,6 +465,28 @@ void profile_decode() {
   std::printf("profile cases done\n");
 }
 
+// A non-blocking stream of the timing modes, and the time in ms of the work
+// a callable enqueues on it (between two events, waited for).
+struct StreamTimer {
+  cudaStream_t s;
+  cudaEvent_t e0, e1;
+  StreamTimer() {
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+  }
+  template <class F>
+  float ms(F&& enqueue) {
+    CK(cudaEventRecord(e0, s));
+    enqueue();
+    CK(cudaEventRecord(e1, s));
+    CK(cudaEventSynchronize(e1));
+    float t;
+    CK(cudaEventElapsedTime(&t, e0, e1));
+    return t;
+  }
+};
+
 __global__ void empty_kernel(int) {}
 
 // Per-call time of small calls, 50 back-to-back in one CUDA graph (inputs
@@ -472,22 +494,11 @@ __global__ void empty_kernel(int) {}
 // of large calls, plain launches timed with events. One line; run it with
 // ROPEKV_CUDA_UNROLL=1|2|4|8 to compare the kernel's steps per team.
 void latency() {
-  cudaStream_t s;
-  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
+  StreamTimer timer;
+  cudaStream_t s = timer.s;
   auto median_us = [&](auto&& launch, int per_rep) {
     std::vector<float> ms;
-    for (int r = 0; r < 9; ++r) {
-      CK(cudaEventRecord(e0, s));
-      launch();
-      CK(cudaEventRecord(e1, s));
-      CK(cudaEventSynchronize(e1));
-      float m;
-      CK(cudaEventElapsedTime(&m, e0, e1));
-      ms.push_back(m);
-    }
+    for (int r = 0; r < 9; ++r) ms.push_back(timer.ms(launch));
     std::sort(ms.begin(), ms.end());
     return ms[ms.size() / 2] * 1e3 / per_rep;
   };
@@ -631,11 +642,8 @@ ropekv::RopePoolTensors with_set(const ModelCall& c, const ModelCall& x, bool in
 }
 
 void cold(int options, bool inplace, bool table, bool interleaved) {
-  cudaStream_t s;
-  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
+  StreamTimer timer;
+  cudaStream_t s = timer.s;
   Buf flush(size_t(256) << 20);
   const char* u = std::getenv("ROPEKV_CUDA_UNROLL");
   std::mt19937 rng(11);
@@ -679,12 +687,7 @@ void cold(int options, bool inplace, bool table, bool interleaved) {
       std::vector<float> ms;
       for (int r = 0; r < 11; ++r) {
         CK(cudaMemsetAsync(flush.ptr, r, flush.bytes, s));
-        CK(cudaEventRecord(e0, s));
-        CK(cudaGraphLaunch(ge, s));
-        CK(cudaEventRecord(e1, s));
-        CK(cudaEventSynchronize(e1));
-        float t;
-        CK(cudaEventElapsedTime(&t, e0, e1));
+        const float t = timer.ms([&] { CK(cudaGraphLaunch(ge, s)); });
         if (r > 0) ms.push_back(t);
       }
       std::sort(ms.begin(), ms.end());
@@ -771,11 +774,8 @@ __global__ void pool_floor_kernel(const uint4* q, const uint4* k, const uint4* v
 // kernel more than its access pattern (and, with a QK-norm, the head's
 // reduction) costs any kernel?
 void pool_floor() {
-  cudaStream_t s;
-  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
+  StreamTimer timer;
+  cudaStream_t s = timer.s;
   Buf flush(size_t(256) << 20);
   std::mt19937 rng(17);
   const Shape m = kLlama;
@@ -845,12 +845,7 @@ void pool_floor() {
       for (int r = 0; r < 10; ++r) {
         for (int way = 0; way < 3; ++way) {
           CK(cudaMemsetAsync(flush.ptr, r, flush.bytes, s));
-          CK(cudaEventRecord(e0, s));
-          CK(cudaGraphLaunch(ge[way], s));
-          CK(cudaEventRecord(e1, s));
-          CK(cudaEventSynchronize(e1));
-          float t;
-          CK(cudaEventElapsedTime(&t, e0, e1));
+          const float t = timer.ms([&] { CK(cudaGraphLaunch(ge[way], s)); });
           if (r > 0) ms[way].push_back(t);
         }
       }
