@@ -16,10 +16,10 @@
 #             one keeps small plain calls on the plain kernel; not a default step)
 #   coldopt   the same at the library's steps with a float32 cos_sin_cache (four
 #             shapes), then with QK-norm and fp8 pools (Llama) (not a default step)
-#   poolfloor each pool format (bf16, float32, fp8_e4m3) at T = 512..32768, Llama
-#             bf16, cold: the library's call next to a kernel of the same loads and
-#             stores without arithmetic and a copy of the same bytes (not a default
-#             step)
+#   poolfloor each pool format (bf16, float32, fp8_e4m3) and the QK-norm at T =
+#             512..32768, Llama bf16, cold: the library's call next to a kernel of
+#             the same loads and stores without its arithmetic and a copy of the
+#             same bytes (not a default step)
 #   freshpools bench/gpu_fresh_pools.py: a call into freshly allocated pools against
 #             one into pools made once and kept (not a default step)
 #   split     small calls split over several blocks per token (the library's rule)
