@@ -221,10 +221,10 @@ def _as_array(x: Any, name: str, written: bool = False) -> Tuple[Any, int, bool]
     return x, 0, written and not _ext.writable(x)
 
 
-# DLPack type codes (dlpack.h; fp8 those of DLPack 1.1): the dtypes
+# DLPack type codes (the extension's, from dlpack.h and ropekv.h): the dtypes
 # _ext.run_fast reads in place.
-_DL_INT, _DL_UINT, _DL_FLOAT, _DL_BFLOAT = 0, 1, 2, 4
-_DL_FP8 = {"float8_e4m3fn": 10, "float8_e5m2": 12}
+_DL_INT, _DL_UINT, _DL_FLOAT, _DL_BFLOAT, _DL_E4M3, _DL_E5M2 = _ext.DL_CODES
+_DL_FP8 = {"float8_e4m3fn": _DL_E4M3, "float8_e5m2": _DL_E5M2}
 # Types whose calls _ext.run_fast takes: numpy.ndarray now, torch.Tensor
 # once a call has seen that torch is imported.
 _FAST_TENSOR: Optional[type] = None

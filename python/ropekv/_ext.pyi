@@ -2,6 +2,7 @@
 from typing import Any, List, Optional, Tuple
 
 __version__: str
+DL_CODES: Tuple[int, int, int, int, int, int]
 
 def run(q: Any, k: Any, v: Any, positions: Any, slots: Any, k_pool: Any, v_pool: Any,
         q_rot: Optional[Any], k_rot: Optional[Any], head_dim: int, num_qo_heads: int,

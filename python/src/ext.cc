@@ -850,4 +850,10 @@ NB_MODULE(_ext, m) {
   m.def("has_cuda", &ropekv::has_cuda);
   m.def("cpu_target", &ropekv::cpu_target);
   m.attr("__version__") = ropekv::version();
+  // DLPack type codes (dlpack.h; fp8: DLPack 1.1's, from ropekv.h), so that
+  // the package names the dtypes run_fast reads without its own copy.
+  m.attr("DL_CODES") = nb::make_tuple(
+      static_cast<int>(kDLInt), static_cast<int>(kDLUInt), static_cast<int>(kDLFloat),
+      static_cast<int>(kDLBfloat), static_cast<int>(ropekv::kDLCodeFloat8E4M3fn),
+      static_cast<int>(ropekv::kDLCodeFloat8E5M2));
 }
