@@ -39,9 +39,6 @@ def main():
     pos = torch.randint(0, 1 << 17, (T,), device="cuda", dtype=torch.int32, generator=g)
     slots = torch.randperm(POOL_ROWS, device="cuda", generator=g)[:T].to(torch.int32)
 
-    def make(pe):
-        return make_pools(pe, HK, D, dt)
-
     pools = {}
 
     def time_case(name):
@@ -60,19 +57,19 @@ def main():
         if pe not in pools:
             pools.clear()
             torch.cuda.empty_cache()
-            pools[pe] = make(pe)
+            pools[pe] = make_pools(pe, HK, D, dt)
         line.append(f"{name} {time_case(name):.2f} us")
     print("one format's pools at a time: " + " | ".join(line), flush=True)
     pools.clear()
     torch.cuda.empty_cache()
-    pools.update({pe: make(pe) for pe in (1, 2, 4)})
+    pools.update({pe: make_pools(pe, HK, D, dt) for pe in (1, 2, 4)})
     for _ in range(2):
         print("pools kept: " + " | ".join(f"{n} {time_case(n):.2f} us" for n in order), flush=True)
     for name, pe in (("fp8_e4m3 pools", 1), ("float32 pools", 4), ("plain", 2)):
         for idle_s in (0.0, 0.5):
             del pools[pe]
             torch.cuda.empty_cache()
-            pools[pe] = make(pe)
+            pools[pe] = make_pools(pe, HK, D, dt)
             torch.cuda.synchronize()
             time.sleep(idle_s)
             us = [time_case(name) for _ in range(3)]

@@ -820,7 +820,7 @@ void pool_floor() {
           } else if (c.pool_esize == 2) {
             norm ? floor(pool_floor_kernel<2, true>, x) : floor(pool_floor_kernel<2, false>, x);
           } else {
-            floor(pool_floor_kernel<4, false>, x);
+            norm ? floor(pool_floor_kernel<4, true>, x) : floor(pool_floor_kernel<4, false>, x);
           }
         } else {
           CK(cudaMemcpyAsync(static_cast<char*>(dst.ptr) + (i % n) * half,
