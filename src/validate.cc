@@ -405,7 +405,7 @@ void check_frequencies(const FreqSpec& spec) {
       fail("rope_base " + num_str(spec.rope_base) +
            (spec.scaling.type == RopeScalingType::kNone ? std::string()
                                                         : std::string(" with its rope_scaling")) +
-           " gives inverse frequency " + std::to_string(i) + " = " + num_str(f[i]) +
+           " gives inv_freq[" + std::to_string(i) + "] = " + num_str(f[i]) +
            ", not finite in float32: no angle can be computed from it");
   last = spec;
   have = true;

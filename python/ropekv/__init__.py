@@ -44,7 +44,24 @@ __version__: str = _ext.__version__
 
 _NAMES = ("q", "k", "v", "positions", "slots", "k_pool", "v_pool", "q_rot", "k_rot")
 _ALL_NAMES = _NAMES + ("cos_sin_cache", "q_norm_weight", "k_norm_weight")
-_checked = os.environ.get("ROPEKV_CHECKED", "0") not in ("", "0", "false", "False")
+
+
+def _checked_from_env(value: str) -> bool:
+    """ROPEKV_CHECKED's value as a switch: 1/true/yes/on or 0/false/no/off
+    (any case; empty = off); any other value turns checked mode on, with a
+    warning (the safe reading of a setting meant to catch errors)."""
+    v = value.strip().lower()
+    if v in ("", "0", "false", "no", "off"):
+        return False
+    if v not in ("1", "true", "yes", "on"):
+        import warnings
+
+        warnings.warn(f"ROPEKV_CHECKED={value!r} is not 1/true/yes/on or 0/false/no/off: "
+                      f"checked mode is on", RuntimeWarning, stacklevel=2)
+    return True
+
+
+_checked = _checked_from_env(os.environ.get("ROPEKV_CHECKED", ""))
 
 
 def set_checked(enabled: bool) -> None:
@@ -57,10 +74,19 @@ def set_checked(enabled: bool) -> None:
     recorded in a device-side flag, since reading slots on the host would
     cost a device-to-host sync; in checked mode every CUDA call synchronises
     its stream after the launch and raises the CPU's ``ValueError`` for it.
-    Off by default; ``ROPEKV_CHECKED=1`` in the environment turns it on at
-    import. Out-of-range slots on the CPU always raise.
+    Off by default; ``ROPEKV_CHECKED=1`` in the environment (or true, yes,
+    on, in any case) turns it on at import. Out-of-range slots on the CPU
+    always raise.
+
+    Args:
+        enabled: a bool (numpy's too).
+
+    Raises:
+        ValueError: for anything else (a string such as ``"no"`` included).
     """
     global _checked
+    if not isinstance(enabled, (bool, _np.bool_)):
+        raise ValueError(f"set_checked takes a bool, got {enabled!r}")
     _checked = bool(enabled)
 
 
@@ -249,7 +275,7 @@ _DECLINE = object()  # a rope_scaling the fast path leaves to the general path
 
 def _torch_fast() -> Optional[Tuple[Any, ...]]:
     """(torch.Tensor, torch.bfloat16, torch.int16, the dtypes numpy shares,
-    torch.strided)
+    torch.strided, torch.is_grad_enabled, torch._C._increment_version)
     once torch is imported (by the caller: ropekv never imports it here),
     else None: the inline path of CPU tensors in rope_pool_fused. The first
     time, also tells _ext.run_fast the tensor type and dtypes it reads."""
@@ -259,10 +285,32 @@ def _torch_fast() -> Optional[Tuple[Any, ...]]:
         if torch is None or not hasattr(torch, "Tensor"):
             return None
         _TORCH_FAST = (torch.Tensor, torch.bfloat16, torch.int16,
-                       (torch.float32, torch.float16, torch.int32, torch.int64), torch.strided)
+                       (torch.float32, torch.float16, torch.int32, torch.int64), torch.strided,
+                       torch.is_grad_enabled, torch._C._increment_version)
         _register_fast_torch(torch)
         _FAST_TENSOR = torch.Tensor
     return _TORCH_FAST
+
+
+def _torch_written(tf: Tuple[Any, ...], k_pool: Any, v_pool: Any, q_out: Any, k_out: Any,
+                   inplace: bool) -> Tuple[Any, ...]:
+    """The PyTorch tensors among the arrays a call writes (the pools, given
+    outputs, q and k in place), whose version counters the call bumps after
+    writing, as PyTorch's own in-place ops do: autograd then refuses a
+    backward pass through a value the call changed. Raises ValueError, before
+    anything is written, for one that requires grad while grad mode is on:
+    ropekv is not differentiable, and autograd could not record the write."""
+    arrays = (k_pool, v_pool, q_out, k_out)
+    written = tuple([x for x in arrays if isinstance(x, tf[0])])
+    if written and tf[5]():
+        names = ("k_pool", "v_pool", "q" if inplace else "q_out", "k" if inplace else "k_out")
+        for x, name in zip(arrays, names):
+            if isinstance(x, tf[0]) and x.requires_grad:
+                raise ValueError(
+                    f"{name} requires grad, and ropekv writes it in place, which autograd cannot "
+                    f"record (ropekv is not differentiable): call under torch.no_grad() or "
+                    f"torch.inference_mode(), or pass {name}.detach() (the same memory)")
+    return written
 
 
 def _register_fast_torch(torch: Any, exchange_api: bool = True) -> bool:
@@ -362,7 +410,14 @@ def _stream_handle(stream: Any) -> int:
     for attr in ("cuda_stream", "ptr"):
         if hasattr(stream, attr):
             return int(getattr(stream, attr))
-    return int(stream)
+    if isinstance(stream, (str, bytes)) or _not_a_scalar(stream):
+        raise ValueError(f"stream must be a CUDA stream (torch.cuda.Stream, cupy's Stream) or its "
+                         f"handle as an int, got {stream!r}")
+    try:
+        return int(stream)  # (objects with __int__, such as cuda-python's CUstream)
+    except (TypeError, ValueError):
+        raise ValueError(f"stream must be a CUDA stream (torch.cuda.Stream, cupy's Stream) or its "
+                         f"handle as an int, got {stream!r}") from None
 
 
 def _not_a_scalar(value: Any) -> bool:
@@ -455,6 +510,11 @@ def _scaling_params(rope_scaling: Any) -> Optional[Tuple[float, ...]]:
         raise ValueError(f"rope_scaling must be a dict (a Hugging Face config's rope_scaling) "
                          f"or None, got {type(rope_scaling).__name__}")
     kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if kind is None and any(key not in ("rope_type", "type") for key in rope_scaling):
+        # (transformers fails on such a dict too; its fields would be dropped)
+        raise ValueError(f"rope_scaling has no 'rope_type' (or 'type'), so its fields "
+                         f"{', '.join(map(repr, rope_scaling))} would mean nothing: give the "
+                         f"type (linear, llama3, yarn), or pass None for no scaling")
     if kind in (None, "default"):
         return None
     if not isinstance(kind, str) or kind not in _SCALING_TYPES:
@@ -478,6 +538,8 @@ def _scaling_params(rope_scaling: Any) -> Optional[Tuple[float, ...]]:
         values[key] = default if got is None else got
     for key, val in values.items():
         # (numbers.Real: numpy's scalars too, as a config read by numpy has them)
+        if key == "truncate" and isinstance(val, _np.bool_):
+            continue  # (numbers.Real has no numpy bool)
         if isinstance(val, bool) and key != "truncate" or not isinstance(val, numbers.Real):
             raise ValueError(f"rope_scaling {key!r} must be a number, got {val!r}")
         try:
@@ -603,15 +665,16 @@ def rope_pool_fused(
             or None is plain RoPE. Frequencies are transformers'
             rope initialisation formulas in double, rounded once to fp32;
             yarn also multiplies cos and sin by its attention factor. Unknown
-            types, missing fields and text that is not JSON raise ValueError.
+            types, missing fields, a dict of fields without a type and text
+            that is not JSON raise ValueError.
         cos_sin_cache: ``[max_position, R]`` float32 or q's dtype, vLLM's
             layout: row p is ``cos(p * inv_freq)`` in columns ``[0, R/2)``
             and ``sin`` in ``[R/2, R)``. Used instead of rope_base (so any
             scaling an engine computes works); excludes rope_scaling. Every
             position must be in ``[0, max_position)``: ValueError on the CPU;
             on a GPU the token is skipped and reported like a bad slot.
-        inplace: rotate q and k in their own buffers and return them (q_out
-            and k_out must then be None).
+        inplace: a bool: rotate q and k in their own buffers and return
+            them (q_out and k_out must then be None).
         q_out: optional preallocated ``[T, num_qo_heads, head_dim]`` output
             for the rotated queries (else a new array is made); may be q.
         k_out: optional preallocated output for the rotated keys; may be k.
@@ -642,7 +705,10 @@ def rope_pool_fused(
     CUDA), CuPy, MLX, JAX (inputs only: JAX arrays are immutable, so pools
     and outputs cannot be JAX arrays; the rotated q and k of JAX inputs come
     back as JAX arrays), or anything with ``__dlpack__``, all on one device.
-    The GIL is released while the kernel runs.
+    The GIL is released while the kernel runs. PyTorch tensors the call
+    writes (pools, given outputs, q and k in place) have their version
+    counters bumped, as PyTorch's in-place ops do; the call is not
+    differentiable (q_rot and k_rot never require grad).
 
     Returns:
         ``(q_rot, k_rot, k_pool, v_pool)``: new arrays of the caller's array
@@ -661,8 +727,10 @@ def rope_pool_fused(
             weight of the wrong shape or dtype, a pool that does not match
             kv_cache_dtype, scales that are not finite and > 0, a yarn factor
             or norm_eps beyond float32), for an array that is None (its rank
-            rule) or that cannot be imported, and for a negative
-            num_threads (the last check). Everything
+            rule) or that cannot be imported, for a PyTorch tensor the call
+            writes that requires grad while grad mode is on (autograd could
+            not record the write), and for a negative num_threads (the last
+            check). Everything
             is checked before the first write: a call that raises leaves
             every array as it was. On a GPU, an out-of-range slot (or a
             position outside cos_sin_cache) is skipped and raised only in
@@ -676,10 +744,24 @@ def rope_pool_fused(
                or not _is_number(v_scale, 1.0) or cos_sin_cache is not None
                or q_norm_weight is not None or k_norm_weight is not None or is_neox is not True
                or rope_scaling is not None or not _is_number(norm_eps, 1e-6))
-    if inplace:
-        if q_out is not None or k_out is not None:
-            raise ValueError("inplace=True writes q and k themselves: pass no q_out/k_out")
-        q_out, k_out = q, k
+    if inplace is not False:
+        if inplace is not True and not isinstance(inplace, _np.bool_):
+            raise ValueError(f"inplace must be a bool, got {inplace!r}")
+        if inplace:
+            if q_out is not None or k_out is not None:
+                raise ValueError("inplace=True writes q and k themselves: pass no q_out/k_out")
+            q_out, k_out = q, k
+    tf = _torch_fast()
+    written: Tuple[Any, ...] = ()
+    if tf is not None:
+        if (q_out is None and k_out is None and type(k_pool) is tf[0]
+                and type(v_pool) is tf[0]):
+            # The common call (0.5 us less than the general rule, of 6.5 at T = 1).
+            written = (k_pool, v_pool)
+            if (k_pool.requires_grad or v_pool.requires_grad) and tf[5]():
+                _torch_written(tf, k_pool, v_pool, q_out, k_out, inplace)  # raises
+        else:
+            written = _torch_written(tf, k_pool, v_pool, q_out, k_out, inplace)
     kv_code = _KV_CACHE_DTYPES.get(kv_cache_dtype) if isinstance(kv_cache_dtype, str) else None
     if kv_code is not None and stream is None and (type(q) is _np.ndarray
                                                    or type(q) is _FAST_TENSOR):
@@ -701,8 +783,9 @@ def rope_pool_fused(
                                  q_norm_weight, k_norm_weight, norm_eps, kv_code, k_scale,
                                  v_scale)
             if done is not None:
+                if written:
+                    tf[6](written)
                 return done
-    tf = _torch_fast()
     if tf is not None:
         # Sparse (or MKL-DNN) tensors have no strided memory to read in place.
         for x, name in zip((q, k, v, positions, slots, k_pool, v_pool, q_out, k_out,
@@ -823,6 +906,8 @@ def rope_pool_fused(
         import jax.numpy as jnp
 
         outs = [jnp.asarray(o) if isinstance(o, _np.ndarray) else o for o in outs]
+    if written:
+        tf[6](written)
     return outs[0], outs[1], k_pool, v_pool
 
 

@@ -89,9 +89,7 @@ def _kernel(q, k, v, positions, slots, k_pool, v_pool, cos_sin_cache=None, q_nor
     q_rot, k_rot, _, _ = _rope_pool_fused(
         q, k, v, positions, slots, k_pool, v_pool, cos_sin_cache=cos_sin_cache,
         q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, **options)
-    # What PyTorch's own in-place ops do: autograd sees the pools changed
-    # (a no-op for inference-mode tensors).
-    torch._C._increment_version((k_pool, v_pool))
+    # (The call bumps the pools' version counters, as PyTorch's in-place ops do.)
     return q_rot, k_rot
 
 

@@ -389,19 +389,19 @@ TEST(Validate, RopeBase) {
   EXPECT_NO_THROW(ropekv::validate(b.tensors(), s.cfg));
   // base^(-2i/8) overflows float32 from i = 1: no angle can be computed.
   s.cfg.rope_base = 1e-300;
-  EXPECT_PREFIX(error_of(s), "rope_base 1e-300 gives inverse frequency 1 = inf, not finite");
+  EXPECT_PREFIX(error_of(s), "rope_base 1e-300 gives inv_freq[1] = inf, not finite");
   // yarn with rope_base 1 divides by log(1) = 0 (transformers' formula).
   s = valid_spec();
   s.cfg.rope_base = 1.0;
   s.cfg.rope_scaling.type = ropekv::RopeScalingType::kYarn;
   s.cfg.rope_scaling.factor = 4.0;
   s.cfg.rope_scaling.original_max_position_embeddings = 4096;
-  EXPECT_PREFIX(error_of(s), "rope_base 1 with its rope_scaling gives inverse frequency 0 = ");
+  EXPECT_PREFIX(error_of(s), "rope_base 1 with its rope_scaling gives inv_freq[0] = ");
   // A linear factor whose reciprocal overflows float32.
   s = valid_spec();
   s.cfg.rope_scaling.type = ropekv::RopeScalingType::kLinear;
   s.cfg.rope_scaling.factor = 1e-40;
-  EXPECT_PREFIX(error_of(s), "rope_base 500000 with its rope_scaling gives inverse frequency 0 = inf");
+  EXPECT_PREFIX(error_of(s), "rope_base 500000 with its rope_scaling gives inv_freq[0] = inf");
 }
 
 // Factors the kernels apply in fp32 must be finite there, not only as doubles

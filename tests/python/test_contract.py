@@ -494,14 +494,26 @@ def test_writable_memory_of_any_kind(rng):
     ("v_scale", np.array([1.0]), "v_scale must be a number, got "),
     ("rope_scaling", {"rope_type": ["yarn"], "factor": 4.0},
      "rope_scaling type ['yarn'] is not supported"),
-    ("rope_base", 1e-300, "rope_base 1e-300 gives inverse frequency 2 = inf, not finite"),
+    ("rope_base", 1e-300, "rope_base 1e-300 gives inv_freq[2] = inf, not finite"),
+    # a dict of fields without its type: transformers fails on it too (the
+    # fields would otherwise be dropped without a word)
+    ("rope_scaling", {"factor": 8.0}, "rope_scaling has no 'rope_type' (or 'type'), so its "
+     "fields 'factor' would mean nothing"),
+    ("rope_scaling", {"rope_type": None, "factor": 8.0}, "rope_scaling has no 'rope_type'"),
+    ("inplace", "False", "inplace must be a bool, got 'False'"),
+    ("inplace", 1, "inplace must be a bool, got 1"),
+    ("inplace", np.array([True, True]), "inplace must be a bool, got "),
+    ("stream", "x", "stream must be a CUDA stream (torch.cuda.Stream, cupy's Stream) or its "
+     "handle as an int, got 'x'"),
+    ("stream", True, "stream must be a CUDA stream"),
+    ("stream", object(), "stream must be a CUDA stream"),
     ("rotary_dim", 0, f"rotary_dim must be even and in [2, head_dim], got 0 for head_dim {D}"),
     ("is_neox", None, "is_neox must be a bool, got None"),
     ("is_neox", "no", "is_neox must be a bool, got 'no'"),
     ("rope_scaling", {"type": "linear", "factor": 10**400},
      "rope_scaling 'factor' is too large for a float"),
     ("rope_scaling", {"type": "linear", "factor": 1e-40},
-     "rope_base 10000 with its rope_scaling gives inverse frequency 0 = inf"),
+     "rope_base 10000 with its rope_scaling gives inv_freq[0] = inf"),
 ])
 def test_argument_errors_are_value_errors(rng, name, value, prefix):
     arrays, kw = make_call(rng)
@@ -647,3 +659,28 @@ def test_outputs_made_for_inputs_of_any_kind(rng):
         assert isinstance(got[0], np.ndarray) and isinstance(got[1], np.ndarray), wrap.__name__
         for w, g in zip(want, got[:2] + (pools["k_pool"], pools["v_pool"])):
             assert bits(w) == bits(g), wrap.__name__
+
+
+@pytest.mark.parametrize("value,on", [
+    ("", False), ("0", False), ("false", False), ("False", False), ("FALSE", False),
+    ("no", False), ("Off", False), (" 0 ", False),
+    ("1", True), ("true", True), ("YES", True), ("on", True)])
+def test_checked_env_values(value, on):
+    """ROPEKV_CHECKED reads as a switch in any case: no/off are off."""
+    assert ropekv._checked_from_env(value) is on
+
+
+def test_checked_env_unknown_value_warns_and_is_on():
+    with pytest.warns(RuntimeWarning, match=r"ROPEKV_CHECKED='maybe' is not 1/true/yes/on"):
+        assert ropekv._checked_from_env("maybe") is True
+
+
+@pytest.mark.parametrize("value", ["no", "False", 1, 0, None, np.array([True])])
+def test_set_checked_takes_a_bool(value):
+    was = ropekv.is_checked()
+    with pytest.raises(ValueError, match=r"^set_checked takes a bool, got "):
+        ropekv.set_checked(value)
+    assert ropekv.is_checked() == was
+    ropekv.set_checked(np.False_)
+    assert ropekv.is_checked() is False
+    ropekv.set_checked(was)

@@ -166,19 +166,76 @@ def test_no_tokens(framework):
 
 
 def test_tensors_that_require_grad_are_read_and_written_in_place():
-    """As the general path does (through torch.utils.dlpack.to_dlpack)."""
+    """As the general path does (through torch.utils.dlpack.to_dlpack): an
+    input that requires grad is read in place (the outputs do not require
+    grad: ropekv is not differentiable), and under torch.no_grad() so is a
+    written array that requires grad."""
     seed = new_seed()
     c, general = torch_call("float32", seed), torch_call("float32", seed)
     for x in (c, general):
         x["q"] = x["q"].clone().requires_grad_()
         x["k_pool"] = x["k_pool"].clone().requires_grad_()
-    assert _ext.run_fast(*args_of(c), None, None, D, HQ, HK, KW["rope_base"], None, True, None,
-                         0, True) is not None
+    with torch.no_grad():
+        assert _ext.run_fast(*args_of(c), None, None, D, HQ, HK, KW["rope_base"], None, True,
+                             None, 0, True) is not None
+        c = torch_call("float32", seed)
+        c["q"] = c["q"].clone().requires_grad_()
+        c["k_pool"] = c["k_pool"].clone().requires_grad_()
+        assert outcome(c, None) == outcome(general, 0)
     c = torch_call("float32", seed)
     c["q"] = c["q"].clone().requires_grad_()
-    c["k_pool"] = c["k_pool"].clone().requires_grad_()
-    assert outcome(c, None) == outcome(general, 0)
     assert not any(x.requires_grad for x in ropekv.rope_pool_fused(*args_of(c), **KW)[:2])
+
+
+@pytest.mark.parametrize("written", ["k_pool", "v_pool", "q_out", "k_out", "q", "k"])
+@pytest.mark.parametrize("stream", [None, 0])
+def test_writing_a_tensor_that_requires_grad_is_an_error_under_grad_mode(written, stream):
+    """As PyTorch refuses an in-place op on a leaf that requires grad: ropekv
+    cannot record its write for autograd. Nothing is written; under
+    torch.no_grad() the same call runs."""
+    seed = new_seed()
+    c = torch_call("float32", seed)
+    inplace = written in ("q", "k")
+    c[written] = c[written].clone().requires_grad_()
+    outs = {} if inplace else {"q_out": c["q_out"], "k_out": c["k_out"]}
+    before = snapshot(args_of(c) + (c["q_out"], c["k_out"]))
+    with pytest.raises(ValueError, match=rf"^{written} requires grad, and ropekv writes it in "
+                                         rf"place, which autograd cannot record"):
+        ropekv.rope_pool_fused(*args_of(c), **outs, inplace=inplace, stream=stream, **KW)
+    assert snapshot(args_of(c) + (c["q_out"], c["k_out"])) == before
+    with torch.no_grad():
+        ropekv.rope_pool_fused(*args_of(c), **outs, inplace=inplace, stream=stream, **KW)
+    assert snapshot(args_of(c) + (c["q_out"], c["k_out"])) != before
+
+
+@pytest.mark.parametrize("stream", [None, 0])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_written_tensors_have_their_version_bumped(stream, inplace):
+    """What PyTorch's own in-place ops do: a backward pass through a tensor
+    the call changed raises instead of using the new values; inference-mode
+    tensors (no version counter) are written as well."""
+    seed = new_seed()
+    c = torch_call("float32", seed)
+    a = c["q"].clone().requires_grad_()
+    q = a * 1.0  # not a leaf; saved by the product below
+    loss = (q * q).sum()
+    c["q"] = q
+    outs = {} if inplace else {"q_out": c["q_out"], "k_out": c["k_out"]}
+    written = ([q, c["k"]] if inplace else [c["q_out"], c["k_out"]]) + [c["k_pool"], c["v_pool"]]
+    before = [x._version for x in written]
+    with torch.no_grad():  # (q requires grad: written in place only without grad mode)
+        ropekv.rope_pool_fused(*args_of(c), **outs, inplace=inplace, stream=stream, **KW)
+    assert all(x._version > b for x, b in zip(written, before))
+    if inplace:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+    plain = torch_call("float32", seed)
+    with torch.inference_mode():
+        d = torch_call("float32", seed)
+        ropekv.rope_pool_fused(*args_of(d), stream=stream, **KW)
+        assert d["k_pool"].is_inference()
+    ropekv.rope_pool_fused(*args_of(plain), stream=stream, **KW)
+    assert snapshot(args_of(d)) == snapshot(args_of(plain))
 
 
 @pytest.mark.parametrize("framework", ["torch", "numpy"])

@@ -155,9 +155,12 @@ def test_interleaved_matches_mlx_traditional():
     # transformers' reading of yarn's optional keys: beta 0 is the default (get(k) or 32 / 1),
     # a null truncate does not truncate (get("truncate", True) is None, falsy)
     {**YARN_QWEN, "beta_fast": 0, "beta_slow": 0.0}, {**YARN_QWEN, "truncate": None},
-    {**YARN_QWEN, "truncate": False}],
+    {**YARN_QWEN, "truncate": False},
+    # a config read by numpy has numpy's bools
+    {**YARN_QWEN, "truncate": np.False_}, {**YARN_QWEN, "truncate": np.True_}],
     ids=["linear", "llama3.1", "llama3.2", "yarn", "yarn-mscale", "yarn-beta-0",
-         "yarn-truncate-null", "yarn-truncate-false"])
+         "yarn-truncate-null", "yarn-truncate-false", "yarn-truncate-np-false",
+         "yarn-truncate-np-true"])
 def test_inv_freq_matches_reference_formulas(scaling):
     for base, D in ((500000.0, 128), (1e6, 128), (10000.0, 64), (10000.0, 96)):
         got, m = ropekv.rope_inv_freq(D, base, rope_scaling=scaling)

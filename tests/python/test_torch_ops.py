@@ -41,6 +41,29 @@ def test_opcheck():
                           (q, k, v, pos, slots, kp, vp), CFG)
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_call_on_layer_views_writes_those_layers(dynamic):
+    """An engine's layered cache: the pools are views kcache[layer] made
+    outside the compiled function (as README advises for dynamic=True),
+    and each compiled call writes its own layer's rows, as eager does."""
+    torch._dynamo.reset()
+    L, P = 3, 32
+    q, k, v, pos, slots, _, _ = make(P=P)
+    kc_eager, vc_eager = torch.randn(L, P, 2, 64), torch.randn(L, P, 2, 64)
+    kc, vc = kc_eager.clone(), vc_eager.clone()
+
+    def step(q, k, v, pos, slots, kp, vp):
+        return torch.ops.ropekv.rope_pool_fused(q, k, v, pos, slots, kp, vp, **CFG)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=dynamic)
+    for layer in (1, 2):
+        want = step(q, k, v, pos, slots, kc_eager[layer], vc_eager[layer])
+        got = compiled(q, k, v, pos, slots, kc[layer], vc[layer])
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(kc, kc_eager) and torch.equal(vc, vc_eager)
+    assert torch.equal(kc[1][slots], kc[2][slots]) and not torch.equal(kc[0][slots], kc[1][slots])
+
+
 def test_errors_are_value_errors():
     q, k, v, pos, slots, kp, vp = make()
     with pytest.raises(ValueError, match="^rope_pool_fused expects q/k/v to be 3-D"):
