@@ -300,16 +300,24 @@ def _torch_written(tf: Tuple[Any, ...], k_pool: Any, v_pool: Any, q_out: Any, k_
     backward pass through a value the call changed. Raises ValueError, before
     anything is written, for one that requires grad while grad mode is on:
     ropekv is not differentiable, and autograd could not record the write."""
-    arrays = (k_pool, v_pool, q_out, k_out)
-    written = tuple([x for x in arrays if isinstance(x, tf[0])])
-    if written and tf[5]():
-        names = ("k_pool", "v_pool", "q" if inplace else "q_out", "k" if inplace else "k_out")
-        for x, name in zip(arrays, names):
-            if isinstance(x, tf[0]) and x.requires_grad:
-                raise ValueError(
-                    f"{name} requires grad, and ropekv writes it in place, which autograd cannot "
-                    f"record (ropekv is not differentiable): call under torch.no_grad() or "
-                    f"torch.inference_mode(), or pass {name}.detach() (the same memory)")
+    T = tf[0]
+    # Plain tensors first, without isinstance (a decode call's host time).
+    if type(k_pool) is T and type(v_pool) is T and q_out is None and k_out is None:
+        written: Tuple[Any, ...] = (k_pool, v_pool)
+    elif type(k_pool) is T and type(v_pool) is T and type(q_out) is T and type(k_out) is T:
+        written = (k_pool, v_pool, q_out, k_out)
+    else:
+        written = tuple([x for x in (k_pool, v_pool, q_out, k_out) if isinstance(x, T)])
+    if not tf[5]():  # (grad mode off, as in serving: no tensor's flag is read)
+        return written
+    for x in written:
+        if x.requires_grad:
+            names = ("k_pool", "v_pool", "q" if inplace else "q_out", "k" if inplace else "k_out")
+            name = next(n for n, y in zip(names, (k_pool, v_pool, q_out, k_out)) if y is x)
+            raise ValueError(
+                f"{name} requires grad, and ropekv writes it in place, which autograd cannot "
+                f"record (ropekv is not differentiable): call under torch.no_grad() or "
+                f"torch.inference_mode(), or pass {name}.detach() (the same memory)")
     return written
 
 
@@ -752,16 +760,7 @@ def rope_pool_fused(
                 raise ValueError("inplace=True writes q and k themselves: pass no q_out/k_out")
             q_out, k_out = q, k
     tf = _torch_fast()
-    written: Tuple[Any, ...] = ()
-    if tf is not None:
-        if (q_out is None and k_out is None and type(k_pool) is tf[0]
-                and type(v_pool) is tf[0]):
-            # The common call (0.5 us less than the general rule, of 6.5 at T = 1).
-            written = (k_pool, v_pool)
-            if (k_pool.requires_grad or v_pool.requires_grad) and tf[5]():
-                _torch_written(tf, k_pool, v_pool, q_out, k_out, inplace)  # raises
-        else:
-            written = _torch_written(tf, k_pool, v_pool, q_out, k_out, inplace)
+    written = _torch_written(tf, k_pool, v_pool, q_out, k_out, inplace) if tf is not None else ()
     kv_code = _KV_CACHE_DTYPES.get(kv_cache_dtype) if isinstance(kv_cache_dtype, str) else None
     if kv_code is not None and stream is None and (type(q) is _np.ndarray
                                                    or type(q) is _FAST_TENSOR):
