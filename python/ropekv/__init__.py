@@ -418,14 +418,13 @@ def _stream_handle(stream: Any) -> int:
     for attr in ("cuda_stream", "ptr"):
         if hasattr(stream, attr):
             return int(getattr(stream, attr))
-    if isinstance(stream, (str, bytes)) or _not_a_scalar(stream):
-        raise ValueError(f"stream must be a CUDA stream (torch.cuda.Stream, cupy's Stream) or its "
-                         f"handle as an int, got {stream!r}")
-    try:
-        return int(stream)  # (objects with __int__, such as cuda-python's CUstream)
-    except (TypeError, ValueError):
-        raise ValueError(f"stream must be a CUDA stream (torch.cuda.Stream, cupy's Stream) or its "
-                         f"handle as an int, got {stream!r}") from None
+    if not isinstance(stream, (str, bytes)) and not _not_a_scalar(stream):
+        try:
+            return int(stream)  # (objects with __int__, such as cuda-python's CUstream)
+        except (TypeError, ValueError):
+            pass
+    raise ValueError(f"stream must be a CUDA stream (torch.cuda.Stream, cupy's Stream) or its "
+                     f"handle as an int, got {stream!r}")
 
 
 def _not_a_scalar(value: Any) -> bool:
