@@ -321,6 +321,12 @@ def _torch_written(tf: Tuple[Any, ...], k_pool: Any, v_pool: Any, q_out: Any, k_
     return written
 
 
+def _bump_versions(written: Tuple[Any, ...]) -> None:
+    """Bumps the version counters of _torch_written's tensors after the write
+    (a no-op for inference-mode tensors, which have none)."""
+    _TORCH_FAST[6](written)  # type: ignore[index]  (set: written is not empty)
+
+
 def _register_fast_torch(torch: Any, exchange_api: bool = True) -> bool:
     """Tells _ext.run_fast torch.Tensor and the dtypes it reads, and (unless
     exchange_api is False: the tests run both ways) the type's DLPack C
@@ -758,8 +764,14 @@ def rope_pool_fused(
             if q_out is not None or k_out is not None:
                 raise ValueError("inplace=True writes q and k themselves: pass no q_out/k_out")
             q_out, k_out = q, k
-    tf = _torch_fast()
-    written = _torch_written(tf, k_pool, v_pool, q_out, k_out, inplace) if tf is not None else ()
+    # The PyTorch tensors the call writes (none where all are numpy: no cost there).
+    written: Tuple[Any, ...] = ()
+    if not (type(k_pool) is _np.ndarray and type(v_pool) is _np.ndarray
+            and (q_out is None or type(q_out) is _np.ndarray)
+            and (k_out is None or type(k_out) is _np.ndarray)):
+        tf = _torch_fast()
+        if tf is not None:
+            written = _torch_written(tf, k_pool, v_pool, q_out, k_out, inplace)
     kv_code = _KV_CACHE_DTYPES.get(kv_cache_dtype) if isinstance(kv_cache_dtype, str) else None
     if kv_code is not None and stream is None and (type(q) is _np.ndarray
                                                    or type(q) is _FAST_TENSOR):
@@ -782,8 +794,9 @@ def rope_pool_fused(
                                  v_scale)
             if done is not None:
                 if written:
-                    tf[6](written)
+                    _bump_versions(written)
                 return done
+    tf = _torch_fast()
     if tf is not None:
         # Sparse (or MKL-DNN) tensors have no strided memory to read in place.
         for x, name in zip((q, k, v, positions, slots, k_pool, v_pool, q_out, k_out,
@@ -905,7 +918,7 @@ def rope_pool_fused(
 
         outs = [jnp.asarray(o) if isinstance(o, _np.ndarray) else o for o in outs]
     if written:
-        tf[6](written)
+        _bump_versions(written)
     return outs[0], outs[1], k_pool, v_pool
 
 
