@@ -179,8 +179,10 @@ void check_index_dtype(const DLTensor& t, const char* name, IndexType* out) {
 }
 
 // The bytes an array's elements span, [lo, hi); lo == hi: no elements.
+// (Addresses as unsigned: a span checked_span accepted ends at most at the
+// top of the address space, which a signed end could pass and wrap.)
 struct Span {
-  intptr_t lo, hi;
+  uintptr_t lo, hi;
   bool empty() const { return lo == hi; }
 };
 
@@ -366,7 +368,7 @@ Span checked_span(const DLTensor& t, const char* name) {
       UINTPTR_MAX - reinterpret_cast<uintptr_t>(t.data) < static_cast<uintptr_t>(t.byte_offset))
     fail(std::string(name) + "'s byte_offset " + std::to_string(t.byte_offset) +
          " runs past the top of the address space: memory ropekv cannot address");
-  const intptr_t base = reinterpret_cast<intptr_t>(base_pointer(t));
+  const uintptr_t base = reinterpret_cast<uintptr_t>(base_pointer(t));
   if (n == 0) return {base, base};
   const int64_t esize = element_size(t);
   int64_t s[3];
@@ -382,12 +384,12 @@ Span checked_span(const DLTensor& t, const char* name) {
            " and strides whose byte span does not fit in 64 bits: memory ropekv cannot "
            "address");
   }
-  const uintptr_t ubase = static_cast<uintptr_t>(base);
-  if (t.data != nullptr && (ubase < static_cast<uintptr_t>(below) ||
-                            UINTPTR_MAX - ubase < static_cast<uintptr_t>(above)))
+  if (t.data != nullptr && (base < static_cast<uintptr_t>(below) ||
+                            UINTPTR_MAX - base < static_cast<uintptr_t>(above)))
     fail(std::string(name) + "'s elements would wrap around the address space "
          "(its strides run past address 0 or the top): memory ropekv cannot address");
-  return {base - below, base + above};
+  // (A null array's span is not used: it fails its null check first.)
+  return {base - static_cast<uintptr_t>(below), base + static_cast<uintptr_t>(above)};
 }
 
 // The fp32 inverse frequencies the kernels compute from rope_base and

@@ -574,6 +574,17 @@ TEST(Validate, ArraysSharingMemory) {
     EXPECT_PREFIX(error_of_built(b, s.cfg), "k_pool overlaps q_rot in memory");
   }
   {
+    // k_pool over q, declared with a byte span just under 2^63 (a shape its
+    // buffer does not have): its end lies past INTPTR_MAX, and the overlap
+    // is still seen (a signed end wrapped, and the call wrote into q).
+    Built b = call();
+    const int64_t rows = std::numeric_limits<int64_t>::max() / (kHk * kD * 4);
+    b.t[5] = view_of(b.t[0], {rows, kHk, kD}, pool_strides, 0);
+    b.t[6] = Tensor::view(Tensor::compact(dt, {kHk * kD}).storage(), dt, {rows, kHk, kD},
+                          pool_strides, 0);
+    EXPECT_PREFIX(error_of_built(b, s.cfg), "k_pool overlaps q in memory");
+  }
+  {
     Built b = call();
     b.t[8] = view_of(b.t[2], {kT, kHk, kD}, {kHk * kD, kD, 1}, 0);  // k_rot = v
     EXPECT_PREFIX(error_of_built(b, s.cfg), "k_rot overlaps v in memory");
