@@ -336,6 +336,17 @@ int main(int argc, char** argv) {
     return rc == 0 ? 0 : 2;
   }
 
+  // The tool's own parallel loops (data, checks, the memcpy baseline) run
+  // OpenMP's default team: --threads, else OMP_NUM_THREADS capped as the
+  // library caps a call's threads, so that a huge OMP_NUM_THREADS cannot make
+  // libgomp start (and fail to start) that many threads.
+  bool threads_capped = false;
+#ifdef _OPENMP
+  const int thread_cap = std::max(64, 4 * omp_get_num_procs());
+  threads_capped = opt.threads == 0 && omp_get_max_threads() > thread_cap;
+  omp_set_num_threads(opt.threads > 0 ? opt.threads : std::min(omp_get_max_threads(), thread_cap));
+#endif
+
   try {
     opt.dtype = dtype_s == "f32" ? Dtype::kF32 : dtype_s == "f16" ? Dtype::kF16 : Dtype::kBF16;
     opt.fused_qkv = qkv_s == "fused";
@@ -384,7 +395,7 @@ int main(int argc, char** argv) {
     std::printf("ropekv-replay  ropekv %s, CPU target %s, %d thread%s%s\n", ropekv::version(),
                 ropekv::cpu_target().c_str(), effective_threads(opt.threads),
                 effective_threads(opt.threads) == 1 ? "" : "s",
-                opt.threads > 0 ? "" : " (OpenMP default)");
+                opt.threads > 0 ? "" : threads_capped ? " (OpenMP default, capped)" : " (OpenMP default)");
     std::printf("model     %s%s%s: Hq %lld, Hk %lld, head_dim %lld, rotary %lld (%s), rope_theta %g, "
                 "rope_scaling %s, layers %lld of %lld, %s, q/k/v %s\n",
                 config_path.c_str(), model.model_type.empty() ? "" : " (",
