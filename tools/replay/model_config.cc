@@ -222,14 +222,19 @@ static ModelConfig load_model_config_json(const std::string& path) {
             "attention layers with different parameters) is not supported by the replay: " +
                 scaling->dump());
 
-  if (const json* v = field(j, {"rope_theta", "rotary_emb_base", "rope_base"}, &which)) {
-    c.rope_theta = get_number(c, *v, which);
+  // rope_theta and partial_rotary_factor inside rope_parameters (or
+  // rope_scaling) win over the top-level keys, as transformers 5 ranks them
+  // (convert_rope_params_to_dict: the top-level value only fills a gap).
+  const json* theta_v = scaling ? field(*scaling, {"rope_theta"}, &which) : nullptr;
+  std::string theta_key = theta_v ? scaling_key + "." + which : "";
+  if (!theta_v) {
+    theta_v = field(j, {"rope_theta", "rotary_emb_base", "rope_base"}, &which);
+    theta_key = which;
+  }
+  if (theta_v) {
+    c.rope_theta = get_number(c, *theta_v, theta_key);
     if (!(c.rope_theta > 0) || !std::isfinite(c.rope_theta))
-      fail(c, "\"" + which + "\" must be a finite number > 0, got " + v->dump());
-  } else if (const json* t = scaling ? field(*scaling, {"rope_theta"}, &which) : nullptr) {
-    c.rope_theta = get_number(c, *t, scaling_key + "." + which);
-    if (!(c.rope_theta > 0) || !std::isfinite(c.rope_theta))
-      fail(c, "\"" + scaling_key + ".rope_theta\" must be a finite number > 0, got " + t->dump());
+      fail(c, "\"" + theta_key + "\" must be a finite number > 0, got " + theta_v->dump());
   } else {
     c.notes.push_back("no rope_theta: using the Hugging Face default 10000");
   }
@@ -245,11 +250,11 @@ static ModelConfig load_model_config_json(const std::string& path) {
   // in GPT-NeoX). Hugging Face: int(head_dim * factor). Absent, the config
   // classes' defaults apply (GPT-J 64 dims; GPT-NeoX 0.25; Phi, GLM 0.5).
   c.rotary_dim = c.head_dim;
-  const json* factor_v = field(j, {"partial_rotary_factor", "rotary_pct"}, &which);
-  std::string factor_key = which;
-  if (!factor_v && scaling) {
-    factor_v = field(*scaling, {"partial_rotary_factor"}, &which);
-    factor_key = scaling_key + "." + which;
+  const json* factor_v = scaling ? field(*scaling, {"partial_rotary_factor"}, &which) : nullptr;
+  std::string factor_key = factor_v ? scaling_key + "." + which : "";
+  if (!factor_v) {
+    factor_v = field(j, {"partial_rotary_factor", "rotary_pct"}, &which);
+    factor_key = which;
   }
   if (const json* v = field(j, {"rotary_dim"}, &which)) {
     c.rotary_dim = get_positive_int(c, *v, which);
