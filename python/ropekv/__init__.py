@@ -524,7 +524,9 @@ def _scaling_params(rope_scaling: Any) -> Optional[Tuple[float, ...]]:
                          f"or None, got {type(rope_scaling).__name__}")
     kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
     if kind is None and any(key not in ("rope_type", "type") for key in rope_scaling):
-        # (transformers fails on such a dict too; its fields would be dropped)
+        # (transformers 5 reads it as the default type and warns that the
+        # fields are unrecognized: a factor dropped that way changes every
+        # angle, so it is an error here, as in the replay tool's reader)
         raise ValueError(f"rope_scaling has no 'rope_type' (or 'type'), so its fields "
                          f"{', '.join(map(repr, rope_scaling))} would mean nothing: give the "
                          f"type (linear, llama3, yarn), or pass None for no scaling")

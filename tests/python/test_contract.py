@@ -495,8 +495,8 @@ def test_writable_memory_of_any_kind(rng):
     ("rope_scaling", {"rope_type": ["yarn"], "factor": 4.0},
      "rope_scaling type ['yarn'] is not supported"),
     ("rope_base", 1e-300, "rope_base 1e-300 gives inv_freq[2] = inf, not finite"),
-    # a dict of fields without its type: transformers fails on it too (the
-    # fields would otherwise be dropped without a word)
+    # a dict of fields without its type (transformers 5 reads it as plain
+    # RoPE with a warning; ropekv does not drop a factor)
     ("rope_scaling", {"factor": 8.0}, "rope_scaling has no 'rope_type' (or 'type'), so its "
      "fields 'factor' would mean nothing"),
     ("rope_scaling", {"rope_type": None, "factor": 8.0}, "rope_scaling has no 'rope_type'"),
