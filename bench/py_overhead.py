@@ -3,8 +3,8 @@
 PyTorch CPU tensors (Llama-3.1-8B shapes, warm caches): the plain call, the
 call with Llama 3.1's rope_scaling, with interleaved pairs, with a QK-norm
 (weights in the input dtype, as Qwen3 has them), with a float32
-cos_sin_cache, with fp8 pools, with q_out / k_out given and in place, each
-through the binding's fast path (the default) and through the general path
+cos_sin_cache, with fp8 pools, with q_out / k_out given and in place, and
+the plain call with numpy arrays, each through the binding's fast path (the default) and through the general path
 (stream=0, which CPU arrays otherwise ignore). Where PyTorch has the DLPack C
 exchange API (2.10 and later), which the fast path reads tensors through,
 also the fast path reading them through their attributes instead, as with
@@ -51,7 +51,19 @@ def calls(dt: torch.dtype) -> dict:
             "fp8_e4m3 pools": {"kv_cache_dtype": "fp8_e4m3", "k_scale": 0.5, "v_scale": 0.5},
             # outputs an engine preallocates (no allocation per call); not in torch.ops
             "q_out/k_out given": {"q_out": "given", "k_out": "given"},
-            "inplace=True": {"inplace": True}}
+            "inplace=True": {"inplace": True},
+            # the plain call with numpy arrays (CPU; torch imported, so the
+            # call looks at whether it writes PyTorch tensors)
+            "numpy arrays": {"numpy": True}}
+
+
+def numpy_of(x: torch.Tensor):
+    """A numpy array of a CPU tensor's values (bf16 through ml_dtypes)."""
+    if x.dtype is torch.bfloat16:
+        import ml_dtypes
+
+        return x.view(torch.int16).numpy().copy().view(ml_dtypes.bfloat16)
+    return x.numpy().copy()
 
 
 def main() -> None:
@@ -83,9 +95,15 @@ def main() -> None:
             fp8 = kw.get("kv_cache_dtype") == "fp8_e4m3"
             k_pool, v_pool = ((torch.zeros(P, HK, D, dtype=torch.float8_e4m3fn, device=dev)
                                for _ in range(2)) if fp8 else pools)
+            arrays = (q, k, v, pos, slots, k_pool, v_pool)
+            if kw.pop("numpy", False):
+                if cuda:
+                    continue
+                arrays = tuple(numpy_of(x) for x in arrays)
             us = []
             for path in paths:
-                if path == "ops" and ("q_out" in kw or "inplace" in kw):
+                if (path == "ops" and ("q_out" in kw or "inplace" in kw)
+                        or path in ("ops", "fast-attributes") and arrays[0] is not q):
                     us.append(float("nan"))
                     continue
                 if path == "ops":
@@ -93,14 +111,14 @@ def main() -> None:
 
                     def call(kw=okw):
                         torch.ops.ropekv.rope_pool_fused(
-                            q, k, v, pos, slots, k_pool, v_pool, head_dim=D, num_qo_heads=HQ,
+                            *arrays, head_dim=D, num_qo_heads=HQ,
                             num_kv_heads=HK, rope_base=500000.0, **kw)
                 else:
                     stream = None if path.startswith("fast") else (
                         torch.cuda.current_stream() if cuda else 0)
 
                     def call(stream=stream, kw=kw):
-                        ropekv.rope_pool_fused(q, k, v, pos, slots, k_pool, v_pool, head_dim=D,
+                        ropekv.rope_pool_fused(*arrays, head_dim=D,
                                                num_qo_heads=HQ, num_kv_heads=HK,
                                                rope_base=500000.0, stream=stream, **kw)
 
