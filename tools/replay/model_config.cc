@@ -225,12 +225,21 @@ static ModelConfig load_model_config_json(const std::string& path) {
   // rope_theta and partial_rotary_factor inside rope_parameters (or
   // rope_scaling) win over the top-level keys, as transformers 5 ranks them
   // (convert_rope_params_to_dict: the top-level value only fills a gap).
-  const json* theta_v = scaling ? field(*scaling, {"rope_theta"}, &which) : nullptr;
-  std::string theta_key = theta_v ? scaling_key + "." + which : "";
-  if (!theta_v) {
-    theta_v = field(j, {"rope_theta", "rotary_emb_base", "rope_base"}, &which);
-    theta_key = which;
-  }
+  // Returns the field, its name in messages in *key.
+  auto rope_field = [&](const char* inside, std::initializer_list<const char*> top,
+                        std::string* key) -> const json* {
+    std::string name;
+    if (const json* v = scaling ? field(*scaling, {inside}, &name) : nullptr) {
+      *key = scaling_key + "." + name;
+      return v;
+    }
+    const json* v = field(j, top, &name);
+    *key = name;
+    return v;
+  };
+  std::string theta_key;
+  const json* theta_v = rope_field("rope_theta", {"rope_theta", "rotary_emb_base", "rope_base"},
+                                   &theta_key);
   if (theta_v) {
     c.rope_theta = get_number(c, *theta_v, theta_key);
     if (!(c.rope_theta > 0) || !std::isfinite(c.rope_theta))
@@ -250,12 +259,9 @@ static ModelConfig load_model_config_json(const std::string& path) {
   // in GPT-NeoX). Hugging Face: int(head_dim * factor). Absent, the config
   // classes' defaults apply (GPT-J 64 dims; GPT-NeoX 0.25; Phi, GLM 0.5).
   c.rotary_dim = c.head_dim;
-  const json* factor_v = scaling ? field(*scaling, {"partial_rotary_factor"}, &which) : nullptr;
-  std::string factor_key = factor_v ? scaling_key + "." + which : "";
-  if (!factor_v) {
-    factor_v = field(j, {"partial_rotary_factor", "rotary_pct"}, &which);
-    factor_key = which;
-  }
+  std::string factor_key;
+  const json* factor_v = rope_field("partial_rotary_factor",
+                                    {"partial_rotary_factor", "rotary_pct"}, &factor_key);
   if (const json* v = field(j, {"rotary_dim"}, &which)) {
     c.rotary_dim = get_positive_int(c, *v, which);
     c.partial_rotary_factor = static_cast<double>(c.rotary_dim) / static_cast<double>(c.head_dim);
