@@ -499,31 +499,41 @@ _SCALING_KEYS = {
 }
 
 
-def _scaling_params(rope_scaling: Any) -> Optional[Tuple[float, ...]]:
-    """A Hugging Face rope_scaling dict (or its JSON text) as the binding's
+# Keys of a transformers 5 rope_parameters dict (which a config's
+# rope_scaling is there) that are not scaling fields: checked against
+# rope_base and rotary_dim by _rotary_dim_for.
+_BASE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
+_RopeParameters = Tuple[Optional[Tuple[float, ...]], Optional[float], Optional[float]]
+
+
+def _rope_parameters(rope_scaling: Any) -> _RopeParameters:
+    """A Hugging Face rope_scaling dict (or its JSON text) as (the binding's
     12 numbers: (type, factor, low_freq_factor, high_freq_factor,
     original_max_position_embeddings, beta_fast, beta_slow, attention_factor,
     mscale, mscale_all_dim, truncate, 1 where attention_factor is given, else
-    0: the library's default from mscale); None for no scaling."""
+    0: the library's default from mscale), or None for no scaling; the dict's
+    rope_theta, or None; its partial_rotary_factor, or None)."""
     if rope_scaling is None:
-        return None
+        return None, None, None
     if isinstance(rope_scaling, str):
         import json
 
         if rope_scaling.strip() == "default":  # the rope_type of plain RoPE, bare
-            return None
+            return None, None, None
         try:
             rope_scaling = json.loads(rope_scaling)
         except json.JSONDecodeError as e:
             raise ValueError(f"rope_scaling text is not JSON ({e.msg} at character {e.pos}): "
                              f"pass a dict, its JSON text, \"default\" or None") from None
         if rope_scaling is None:  # JSON null
-            return None
+            return None, None, None
     if not isinstance(rope_scaling, dict):
         raise ValueError(f"rope_scaling must be a dict (a Hugging Face config's rope_scaling) "
                          f"or None, got {type(rope_scaling).__name__}")
+    theta = _rope_base_field(rope_scaling, "rope_theta")
+    factor = _rope_base_field(rope_scaling, "partial_rotary_factor")
     kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
-    if kind is None and any(key not in ("rope_type", "type") for key in rope_scaling):
+    if kind is None and any(key not in _BASE_KEYS for key in rope_scaling):
         # (transformers 5 reads it as the default type and warns that the
         # fields are unrecognized: a factor dropped that way changes every
         # angle, so it is an error here, as in the replay tool's reader)
@@ -531,7 +541,7 @@ def _scaling_params(rope_scaling: Any) -> Optional[Tuple[float, ...]]:
                          f"{', '.join(map(repr, rope_scaling))} would mean nothing: give the "
                          f"type (linear, llama3, yarn), or pass None for no scaling")
     if kind in (None, "default"):
-        return None
+        return None, theta, factor
     if not isinstance(kind, str) or kind not in _SCALING_TYPES:
         raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: linear, "
                          f"llama3, yarn (any other scheme: pass its table as cos_sin_cache)")
@@ -562,12 +572,75 @@ def _scaling_params(rope_scaling: Any) -> Optional[Tuple[float, ...]]:
         except OverflowError:  # an int beyond a double's range
             raise ValueError(f"rope_scaling {key!r} is too large for a float, got {val!r}") from None
     g = values.get
-    return (float(_SCALING_TYPES[kind]), float(g("factor", 1.0)), float(g("low_freq_factor", 0.0)),
-            float(g("high_freq_factor", 0.0)), float(g("original_max_position_embeddings", 0.0)),
-            float(g("beta_fast", 32.0)), float(g("beta_slow", 1.0)),
-            float(g("attention_factor", 0.0)), float(g("mscale", 0.0)),
-            float(g("mscale_all_dim", 0.0)), float(bool(g("truncate", True))),
-            float(kind == "yarn" and rope_scaling.get("attention_factor") is not None))
+    return ((float(_SCALING_TYPES[kind]), float(g("factor", 1.0)),
+             float(g("low_freq_factor", 0.0)), float(g("high_freq_factor", 0.0)),
+             float(g("original_max_position_embeddings", 0.0)), float(g("beta_fast", 32.0)),
+             float(g("beta_slow", 1.0)), float(g("attention_factor", 0.0)),
+             float(g("mscale", 0.0)), float(g("mscale_all_dim", 0.0)),
+             float(bool(g("truncate", True))),
+             float(kind == "yarn" and rope_scaling.get("attention_factor") is not None)),
+            theta, factor)
+
+
+def _rope_base_field(rope_scaling: dict, key: str) -> Optional[float]:
+    """rope_theta (finite, > 0) or partial_rotary_factor (in (0, 1]) of a
+    rope_parameters dict as a float; None where absent or null."""
+    val = rope_scaling.get(key)
+    if val is None:
+        return None
+    if isinstance(val, bool) or not isinstance(val, numbers.Real):
+        raise ValueError(f"rope_scaling {key!r} must be a number, got {val!r}")
+    try:
+        x = float(val)
+    except OverflowError:
+        x = float("inf")
+    ok = 0 < x <= 1 if key == "partial_rotary_factor" else 0 < x < float("inf")
+    if not ok:
+        raise ValueError(f"rope_scaling {key!r} must be "
+                         f"{'in (0, 1]' if key == 'partial_rotary_factor' else 'finite and > 0'}"
+                         f", got {val!r}")
+    return x
+
+
+def _rotary_dim_for(theta: Optional[float], factor: Optional[float], rope_base: Any,
+                    rotary_dim: Any, head_dim: Any) -> Any:
+    """The rotary_dim a call uses, given the rope_theta and
+    partial_rotary_factor its rope_scaling holds (either may be None).
+
+    In transformers 5 a config's rope_scaling is its rope_parameters, which
+    also holds rope_theta and, for partial rotary models (Phi, GLM),
+    partial_rotary_factor; ropekv takes the base from rope_base alone, so a
+    rope_theta that is not rope_base is an error rather than silently one of
+    the two. A partial_rotary_factor gives the rotary_dim transformers uses,
+    int(head_dim * factor), where rotary_dim is not given, and must agree with
+    it where it is. Arguments the core rejects themselves are left to it."""
+    if theta is not None:
+        try:
+            base = _float_arg(rope_base, "rope_base")
+        except ValueError:
+            base = None
+        if base is not None and base != theta:
+            raise ValueError(f"rope_scaling has rope_theta {theta!r} but rope_base is {base!r}: "
+                             f"ropekv takes the base from rope_base, so pass "
+                             f"rope_base={theta!r}")
+    if factor is None:
+        return rotary_dim
+    try:
+        dim = int(_int_arg(head_dim, "head_dim") * factor)
+        given = None if rotary_dim is None else _int_arg(rotary_dim, "rotary_dim")
+    except ValueError:
+        return rotary_dim
+    if given is None:
+        if dim < 2 or dim % 2:
+            raise ValueError(f"rope_scaling has partial_rotary_factor {factor!r}, which makes "
+                             f"rotary_dim int({head_dim} * {factor!r}) = {dim}: rotary_dim "
+                             f"must be even and in [2, head_dim]")
+        return dim
+    if given != dim:
+        raise ValueError(f"rope_scaling has partial_rotary_factor {factor!r}, which makes "
+                         f"rotary_dim int({head_dim} * {factor!r}) = {dim}, but rotary_dim "
+                         f"is {given}: pass rotary_dim={dim}")
+    return rotary_dim
 
 
 # Parsed rope_scaling dicts by their items and the items' types (True and 1
@@ -582,11 +655,11 @@ _SCALING_SEEN_MAX = 64
 _SCALING_PLAIN = (str, int, float, bool)
 
 
-def _scaling_params_seen(rope_scaling: Any) -> Optional[Tuple[float, ...]]:
-    """_scaling_params, remembered for a dict whose items and their types
+def _rope_parameters_seen(rope_scaling: Any) -> _RopeParameters:
+    """_rope_parameters, remembered for a dict whose items and their types
     were parsed before (the same result, the same errors)."""
     if type(rope_scaling) is not dict:
-        return _scaling_params(rope_scaling)
+        return _rope_parameters(rope_scaling)
     values = rope_scaling.values()
     try:
         key = (*rope_scaling.items(), *map(type, values))
@@ -594,8 +667,8 @@ def _scaling_params_seen(rope_scaling: Any) -> Optional[Tuple[float, ...]]:
     except KeyError:
         pass
     except Exception:  # noqa: BLE001 - a value without a usable hash: no memory
-        return _scaling_params(rope_scaling)
-    params = _scaling_params(rope_scaling)  # a dict it cannot read raises: nothing kept
+        return _rope_parameters(rope_scaling)
+    params = _rope_parameters(rope_scaling)  # a dict it cannot read raises: nothing kept
     if len(_SCALING_SEEN) < _SCALING_SEEN_MAX and all(
             type(v) in _SCALING_PLAIN and not (type(v) is float and (v == 0.0 or v != v))
             for v in values):
@@ -679,9 +752,14 @@ def rope_pool_fused(
             the rope_type ``"default"`` (or that bare string), JSON ``null``
             or None is plain RoPE. Frequencies are transformers'
             rope initialisation formulas in double, rounded once to fp32;
-            yarn also multiplies cos and sin by its attention factor. Unknown
-            types, missing fields, a dict of fields without a type and text
-            that is not JSON raise ValueError.
+            yarn also multiplies cos and sin by its attention factor. A
+            transformers 5 ``rope_parameters`` dict (a config's rope_scaling
+            there) may also hold ``rope_theta``, which must equal rope_base,
+            and ``partial_rotary_factor``, which sets rotary_dim to
+            ``int(head_dim * factor)`` where rotary_dim is not given and must
+            agree with it where it is. Unknown types, missing fields, a dict
+            of fields without a type, text that is not JSON and a rope_theta
+            or partial_rotary_factor that disagrees raise ValueError.
         cos_sin_cache: ``[max_position, R]`` float32 or q's dtype, vLLM's
             layout: row p is ``cos(p * inv_freq)`` in columns ``[0, R/2)``
             and ``sin`` in ``[R/2, R)``. Used instead of rope_base (so any
@@ -783,14 +861,18 @@ def rope_pool_fused(
         # general path below takes the call. A rope_scaling it cannot read is
         # left to the general path too, which raises in its own order.
         scaling: Any = None
+        fast_rotary_dim = rotary_dim
         if rope_scaling is not None:
             try:
-                scaling = _scaling_params_seen(rope_scaling)
+                scaling, theta, factor = _rope_parameters_seen(rope_scaling)
+                if theta is not None or factor is not None:
+                    fast_rotary_dim = _rotary_dim_for(theta, factor, rope_base, rotary_dim,
+                                                      head_dim)
             except Exception:  # noqa: BLE001 - the general path reports it
                 scaling = _DECLINE
         if scaling is not _DECLINE:
             done = _ext.run_fast(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out,
-                                 head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim,
+                                 head_dim, num_qo_heads, num_kv_heads, rope_base, fast_rotary_dim,
                                  is_neox, scaling, num_threads, _checked, cos_sin_cache,
                                  q_norm_weight, k_norm_weight, norm_eps, kv_code, k_scale,
                                  v_scale)
@@ -878,6 +960,12 @@ def rope_pool_fused(
                          f"{common[0]}")
     if is_neox is not True and is_neox is not False and not isinstance(is_neox, _np.bool_):
         raise ValueError(f"is_neox must be a bool, got {is_neox!r}")
+    scaling = None
+    if rope_scaling is not None:
+        scaling, theta, factor = _rope_parameters(rope_scaling)
+        dim = _rotary_dim_for(theta, factor, rope_base, rotary_dim, head_dim)
+        if dim is not rotary_dim:  # (from the dict's partial_rotary_factor)
+            common = common[:4] + (dim,)
     try:
         if not options:
             _ext.run(*converted, *common, dtype_views, readonly_mask, handle,
@@ -897,7 +985,7 @@ def rope_pool_fused(
                     and len(getattr(cos_sin_cache, "shape", ())) == 2):
                 common = common[:4] + (int(cos_sin_cache.shape[1]),)
             _ext.run_options(*converted, *extra, *common, bool(is_neox),
-                             _scaling_params(rope_scaling), kv_code,
+                             scaling, kv_code,
                              _float_arg(k_scale, "k_scale"), _float_arg(v_scale, "v_scale"),
                              _float_arg(norm_eps, "norm_eps"), dtype_views, readonly_mask, handle,
                              _threads_arg(num_threads), _checked)
@@ -944,7 +1032,9 @@ def rope_inv_freq(head_dim: int, rope_base: float, rotary_dim: Optional[int] = N
     Raises:
         ValueError: for the values rope_pool_fused rejects.
     """
+    scaling, theta, factor = _rope_parameters(rope_scaling)
+    rotary_dim = _rotary_dim_for(theta, factor, rope_base, rotary_dim, head_dim)
     freq, factor = _ext.inv_freq(_int_arg(head_dim, "head_dim"), _float_arg(rope_base, "rope_base"),
                                  0 if rotary_dim is None else _int_arg(rotary_dim, "rotary_dim"),
-                                 _scaling_params(rope_scaling))
+                                 scaling)
     return _np.asarray(freq, dtype=_np.float32), factor

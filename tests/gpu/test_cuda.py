@@ -564,6 +564,9 @@ FAST_OPTIONS = {
                                 "original_max_position_embeddings": 8192}},
     "cos_sin_cache": {"cos_sin_cache": "table"},
     "qk-norm": {"q_norm_weight": "w", "k_norm_weight": "w", "norm_eps": 1e-5},
+    # transformers 5's rope_parameters: rotary_dim from partial_rotary_factor
+    "rope-parameters-partial": {"rope_scaling": {"rope_type": "default", "rope_theta": 5e5,
+                                                 "partial_rotary_factor": 0.25}},
 }
 
 
@@ -612,10 +615,10 @@ def test_fast_path_equals_general_path(dtype, opts, T):
         results.append(out)
         if not general:
             # the fast path did take it: run_fast returns None where it declines
-            scaling = (ropekv._scaling_params(kw["rope_scaling"]) if "rope_scaling" in kw
-                       else None)
+            scaling, theta, factor = ropekv._rope_parameters(kw.get("rope_scaling"))
+            rotary_dim = ropekv._rotary_dim_for(theta, factor, 5e5, None, D)
             assert ropekv._ext.run_fast(
-                q, k, v, pos, slots, kp, vp, None, None, D, Hq, Hk, 5e5, None,
+                q, k, v, pos, slots, kp, vp, None, None, D, Hq, Hk, 5e5, rotary_dim,
                 kw.get("is_neox", True), scaling, 0, False, kw.get("cos_sin_cache"),
                 kw.get("q_norm_weight"), kw.get("k_norm_weight"),
                 kw.get("norm_eps", 1e-6)) is not None
@@ -983,6 +986,8 @@ def options_reference(t, kw, snap):
     """{"q_rot"/"k_rot": (reference, magnitude, rel)} for the inputs in snap."""
     D = snap["q"].shape[-1]
     R = kw["rotary_dim"] or D
+    if not kw["rotary_dim"] and isinstance(kw["rope_scaling"], dict):
+        R = int(D * kw["rope_scaling"].get("partial_rotary_factor", 1.0))  # (transformers' rule)
     cache = t.get("cos_sin_cache")
     args = dict(is_neox=kw["is_neox"], norm_eps=kw["norm_eps"],
                 cos_sin_cache=None if cache is None else f64(cache),
@@ -1084,6 +1089,16 @@ def test_options_rope_scaling(scaling, dtype):
     for T in (1, 40, 3000):
         run_options(T, 8, 2, 128, DTYPES[dtype], seed=T, base=500000.0, rope_scaling=scaling,
                     what=f"scaling T={T}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_options_rope_parameters(dtype):
+    """A transformers 5 rope_parameters dict (Phi-2's: rope_theta and
+    partial_rotary_factor inside): rotary_dim int(80 * 0.4) = 32 from it."""
+    phi2 = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.4}
+    for T in (1, 40, 3000):
+        run_options(T, 8, 2, 80, DTYPES[dtype], seed=T, base=1e4, rope_scaling=phi2,
+                    what=f"rope_parameters T={T}")
 
 
 @pytest.mark.parametrize("idx", [torch.int64, torch.int32], ids=["int64", "int32"])

@@ -467,6 +467,9 @@ FREQ_OPTIONS = {
                                "original_max_position_embeddings": 32768}),
     "linear-json-interleaved": dict(is_neox=False,
                                     rope_scaling='{"type": "linear", "factor": 2.0}'),
+    # transformers 5's rope_parameters: rotary_dim from partial_rotary_factor
+    "rope-parameters-partial": dict(rope_scaling={"rope_type": "default", "rope_theta": 500000.0,
+                                                  "partial_rotary_factor": 0.5}),
 }
 
 
@@ -484,9 +487,10 @@ def test_is_neox_and_rope_scaling_match_general_path(make, dtype, opts):
         assert bits(np_of(g)) == bits(np_of(w))
     assert not np.isnan(np_of(got[0]).astype(np.float32)).any()  # every element written
     again = make(dtype, seed)
-    scaling = ropekv._scaling_params(kw.get("rope_scaling"))
+    scaling, theta, factor = ropekv._rope_parameters(kw.get("rope_scaling"))
+    rotary_dim = ropekv._rotary_dim_for(theta, factor, KW["rope_base"], None, D)
     assert _ext.run_fast(*args_of(again), again["q_out"], again["k_out"], D, HQ, HK,
-                         KW["rope_base"], None, kw.get("is_neox", True), scaling, 0,
+                         KW["rope_base"], rotary_dim, kw.get("is_neox", True), scaling, 0,
                          True) is not None
 
 
@@ -504,7 +508,7 @@ def test_bad_rope_scaling_raises_the_general_paths_error(framework, bad):
 def test_rope_scaling_text_that_is_not_json_names_the_argument():
     with pytest.raises(ValueError, match=r"^rope_scaling text is not JSON \(Expecting value at "
                                          r"character 0\): pass a dict, its JSON text"):
-        ropekv._scaling_params("{not json"[1:])
+        ropekv._rope_parameters("{not json"[1:])
     with pytest.raises(ValueError, match=r"^rope_scaling text is not JSON"):
         ropekv.rope_inv_freq(16, 1e4, None, "linear")
 
@@ -572,16 +576,16 @@ def test_remembered_rope_scaling_is_exact(framework, monkeypatch):
         def __hash__(self):
             return 7
 
-    got = [ropekv._scaling_params_seen({"rope_type": "linear", "factor": Same(f)})[1]
+    got = [ropekv._rope_parameters_seen({"rope_type": "linear", "factor": Same(f)})[0][1]
            for f in (2.0, 3.0)]
     assert got == [2.0, 3.0] and len(ropekv._SCALING_SEEN) == 2
     # An int zero or False is kept (yarn's truncate=False).
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
             "truncate": False}
-    assert ropekv._scaling_params_seen(yarn) == ropekv._scaling_params(yarn)
+    assert ropekv._rope_parameters_seen(yarn) == ropekv._rope_parameters(yarn)
     assert len(ropekv._SCALING_SEEN) == 3
     for i in range(2 * ropekv._SCALING_SEEN_MAX):
-        ropekv._scaling_params_seen({"rope_type": "linear", "factor": 1.0 + i})
+        ropekv._rope_parameters_seen({"rope_type": "linear", "factor": 1.0 + i})
     assert len(ropekv._SCALING_SEEN) == ropekv._SCALING_SEEN_MAX
 
 

@@ -38,6 +38,8 @@ def call_and_check(T, Hq, Hk, D, dtype, *, base=10000.0, rotary_dim=None, is_neo
     checked: q_rot/k_rot against the float64 reference, pool rows exactly
     encode(k_rot) / encode(v), other pool rows bit-identical."""
     R = D if rotary_dim is None else rotary_dim
+    if rotary_dim is None and isinstance(rope_scaling, dict) and "partial_rotary_factor" in rope_scaling:
+        R = int(D * rope_scaling["partial_rotary_factor"])  # (transformers' rule)
     if strided:  # q, k, v as views of one fused projection, last dim strided by 2
         qkv = randn((T, Hq + 2 * Hk, 2 * D), dtype)
         q, k, v = qkv[:, :Hq, ::2], qkv[:, Hq:Hq + Hk, ::2], qkv[:, Hq + Hk:, ::2]
@@ -246,6 +248,73 @@ def test_scaling_default_type_is_plain():
 ])
 def test_scaling_errors(scaling, match):
     assert_rejected(match, rope_scaling=scaling)
+
+
+# --- transformers 5's rope_parameters ---------------------------------------------------
+# There a config's rope_scaling is its rope_parameters, holding rope_theta and (Phi, GLM)
+# partial_rotary_factor besides the scaling fields.
+
+PHI2 = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.4}
+
+
+@pytest.mark.parametrize("dtype", DT)
+@pytest.mark.parametrize("scaling,base,D,R", [
+    ({"rope_type": "default", "rope_theta": 1e6}, 1e6, 128, None),
+    ({**LLAMA3, "rope_theta": 500000}, 500000.0, 128, None),
+    (PHI2, 10000.0, 80, None),  # rotary_dim from the factor: int(80 * 0.4) = 32
+    (PHI2, 10000.0, 80, 32),  # given, and agreeing
+    ({**YARN_QWEN, "rope_theta": 1e6, "partial_rotary_factor": 0.5}, 1e6, 128, None),
+], ids=["qwen3", "llama3.1", "phi-2", "phi-2-rotary-dim", "yarn-partial"])
+def test_rope_parameters(scaling, base, D, R, dtype):
+    for T in (1, 23):
+        call_and_check(T, 4, 2, D, DTYPES[dtype], base=base, rotary_dim=R, rope_scaling=scaling)
+
+
+@pytest.mark.parametrize("config", ["PhiConfig", "Qwen3Config", "GPTNeoXConfig"])
+def test_rope_parameters_of_a_transformers_config(config):
+    """A transformers 5 config's own rope_scaling, with its rope_theta as rope_base."""
+    transformers = pytest.importorskip("transformers")
+    cfg = getattr(transformers, config)()
+    params = getattr(cfg, "rope_parameters", None)
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        pytest.skip("transformers < 5 keeps rope_theta out of rope_scaling")
+    D = cfg.hidden_size // cfg.num_attention_heads
+    D = getattr(cfg, "head_dim", None) or D
+    call_and_check(5, 4, 2, D, np.dtype(np.float32), base=params["rope_theta"],
+                   rope_scaling=cfg.rope_scaling)
+
+
+def test_rope_parameters_inv_freq():
+    got, m = ropekv.rope_inv_freq(80, 1e4, rope_scaling=PHI2)
+    want, m_want = ropekv.rope_inv_freq(80, 1e4, 32)
+    assert bits(got) == bits(want) and got.shape == (16,) and m == m_want == 1.0
+    import json
+    got, _ = ropekv.rope_inv_freq(80, 1e4, rope_scaling=json.dumps(PHI2))
+    assert bits(got) == bits(want)
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(rope_scaling={"rope_type": "default", "rope_theta": 1e6}),
+     r"^rope_scaling has rope_theta 1000000.0 but rope_base is 10000.0: ropekv takes the base "
+     r"from rope_base, so pass rope_base=1000000.0$"),
+    (dict(rope_scaling={**LINEAR, "rope_theta": 5e5}), "rope_theta 500000.0 but rope_base is"),
+    (dict(rope_scaling={"rope_type": "default", "partial_rotary_factor": 0.5}, rotary_dim=16),
+     r"^rope_scaling has partial_rotary_factor 0.5, which makes rotary_dim int\(16 \* 0.5\) = 8, "
+     r"but rotary_dim is 16: pass rotary_dim=8$"),
+    (dict(rope_scaling={"rope_type": "default", "partial_rotary_factor": 0.1}),
+     r"int\(16 \* 0.1\) = 1: rotary_dim must be even and in \[2, head_dim\]"),
+    (dict(rope_scaling={"rope_type": "default", "partial_rotary_factor": 0.01}), r"= 0: rotary_dim"),
+    (dict(rope_scaling={"rope_type": "default", "partial_rotary_factor": 1.5}),
+     r"'partial_rotary_factor' must be in \(0, 1\], got 1.5"),
+    (dict(rope_scaling={"rope_type": "default", "rope_theta": "1e4"}),
+     "'rope_theta' must be a number"),
+    (dict(rope_scaling={"rope_type": "default", "rope_theta": float("inf")}),
+     "'rope_theta' must be finite and > 0"),
+    (dict(rope_scaling={"rope_type": "default", "rope_theta": True}),
+     "'rope_theta' must be a number"),
+])
+def test_rope_parameters_errors(options, match):
+    assert_rejected(match, **options)
 
 
 # --- cos_sin_cache ----------------------------------------------------------------------
