@@ -530,6 +530,13 @@ def _rope_parameters(rope_scaling: Any) -> _RopeParameters:
     if not isinstance(rope_scaling, dict):
         raise ValueError(f"rope_scaling must be a dict (a Hugging Face config's rope_scaling) "
                          f"or None, got {type(rope_scaling).__name__}")
+    if (rope_scaling and "rope_type" not in rope_scaling and "type" not in rope_scaling
+            and all(isinstance(val, dict) for val in rope_scaling.values())):
+        raise ValueError(f"rope_scaling holds RoPE parameters per layer type "
+                         f"({', '.join(map(repr, rope_scaling))}), as a transformers 5 config of "
+                         f"a model with sliding and full attention layers does: pass those of "
+                         f"the layer's type, e.g. rope_scaling=config.rope_scaling"
+                         f"[{next(iter(rope_scaling))!r}]")
     theta = _rope_base_field(rope_scaling, "rope_theta")
     factor = _rope_base_field(rope_scaling, "partial_rotary_factor")
     kind = rope_scaling.get("rope_type", rope_scaling.get("type"))

@@ -270,18 +270,28 @@ def test_rope_parameters(scaling, base, D, R, dtype):
         call_and_check(T, 4, 2, D, DTYPES[dtype], base=base, rotary_dim=R, rope_scaling=scaling)
 
 
-@pytest.mark.parametrize("config", ["PhiConfig", "Qwen3Config", "GPTNeoXConfig"])
+@pytest.mark.parametrize("config", ["PhiConfig", "Qwen3Config", "GPTNeoXConfig",
+                                    "Gemma3TextConfig"])
 def test_rope_parameters_of_a_transformers_config(config):
-    """A transformers 5 config's own rope_scaling, with its rope_theta as rope_base."""
+    """A transformers 5 config's own rope_scaling, with its rope_theta as
+    rope_base (Gemma-3: those of each layer type; the whole dict is an error)."""
     transformers = pytest.importorskip("transformers")
     cfg = getattr(transformers, config)()
     params = getattr(cfg, "rope_parameters", None)
-    if not isinstance(params, dict) or "rope_theta" not in params:
+    if not isinstance(params, dict) or ("rope_theta" not in params and config != "Gemma3TextConfig"):
         pytest.skip("transformers < 5 keeps rope_theta out of rope_scaling")
     D = cfg.hidden_size // cfg.num_attention_heads
     D = getattr(cfg, "head_dim", None) or D
-    call_and_check(5, 4, 2, D, np.dtype(np.float32), base=params["rope_theta"],
-                   rope_scaling=cfg.rope_scaling)
+    per_layer_type = "rope_type" not in cfg.rope_scaling
+    for scaling in cfg.rope_scaling.values() if per_layer_type else [cfg.rope_scaling]:
+        call_and_check(5, 4, 2, D, np.dtype(np.float32), base=scaling["rope_theta"],
+                       rope_scaling=scaling)
+    if per_layer_type:
+        first = next(iter(cfg.rope_scaling))
+        assert_rejected(rf"^rope_scaling holds RoPE parameters per layer type \('{first}', .*\), "
+                        rf".*: pass those of the layer's type, e.g. "
+                        rf"rope_scaling=config.rope_scaling\['{first}'\]$",
+                        rope_scaling=cfg.rope_scaling)
 
 
 def test_rope_parameters_inv_freq():
