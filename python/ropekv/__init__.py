@@ -745,7 +745,8 @@ def rope_pool_fused(
         rotary_dim: R, the leading dimensions of each head that rotate
             (partial rotary: Phi-2 32 of 80, GPT-NeoX 24 of 96, GPT-J 64 of
             256); dimensions R..head_dim-1 are copied. Even, 2 <= R <=
-            head_dim; default head_dim (or cos_sin_cache's width). The angles
+            head_dim; default head_dim (or cos_sin_cache's width, or
+            int(head_dim * rope_scaling's partial_rotary_factor)). The angles
             use base ** (-2i / R).
         is_neox: True (default): rotate-half pairs (i, i + R/2), as GPT-NeoX,
             Llama and the original call. False: interleaved pairs (2i, 2i+1),
