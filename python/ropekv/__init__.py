@@ -547,12 +547,19 @@ def _rope_parameters(rope_scaling: Any) -> _RopeParameters:
         raise ValueError(f"rope_scaling has no 'rope_type' (or 'type'), so its fields "
                          f"{', '.join(map(repr, rope_scaling))} would mean nothing: give the "
                          f"type (linear, llama3, yarn), or pass None for no scaling")
+    if "mrope_section" in rope_scaling:
+        raise ValueError("rope_scaling has mrope_section (multimodal RoPE, as Qwen2-VL's): "
+                         "ropekv rotates each token by one position; for text tokens, whose "
+                         "three positions agree, that is the same rotation: pass the dict "
+                         "without mrope_section")
     if kind in (None, "default"):
+        _warn_unread(rope_scaling, "default", _BASE_KEYS)
         return None, theta, factor
     if not isinstance(kind, str) or kind not in _SCALING_TYPES:
         raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: linear, "
                          f"llama3, yarn (any other scheme: pass its table as cos_sin_cache)")
     required, optional = _SCALING_KEYS[kind]
+    _warn_unread(rope_scaling, kind, (*_BASE_KEYS, *required, *optional))
     values = {}
     for key in required:
         if rope_scaling.get(key) is None:
@@ -587,6 +594,21 @@ def _rope_parameters(rope_scaling: Any) -> _RopeParameters:
              float(bool(g("truncate", True))),
              float(kind == "yarn" and rope_scaling.get("attention_factor") is not None)),
             theta, factor)
+
+
+def _warn_unread(rope_scaling: dict, kind: str, read: Tuple[str, ...]) -> None:
+    """A warning for keys ropekv does not read (a misspelt optional key would
+    otherwise leave its default in silence), as transformers warns of them."""
+    unread = [key for key in rope_scaling if key not in read]
+    if unread:
+        import warnings
+
+        level, frame = 1, _sys._getframe(0)  # (the warning names the caller's line)
+        while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("ropekv"):
+            frame, level = frame.f_back, level + 1
+        warnings.warn(f"rope_scaling of type {kind!r}: ropekv ignores "
+                      f"{', '.join(map(repr, unread))} (it reads "
+                      f"{', '.join(k for k in read if k != 'type')})", stacklevel=level)
 
 
 def _rope_base_field(rope_scaling: dict, key: str) -> Optional[float]:
@@ -766,8 +788,10 @@ def rope_pool_fused(
             and ``partial_rotary_factor``, which sets rotary_dim to
             ``int(head_dim * factor)`` where rotary_dim is not given and must
             agree with it where it is. Unknown types, missing fields, a dict
-            of fields without a type, text that is not JSON and a rope_theta
-            or partial_rotary_factor that disagrees raise ValueError.
+            of fields without a type, text that is not JSON, a rope_theta
+            or partial_rotary_factor that disagrees, per-layer-type dicts and
+            mrope_section (multimodal RoPE) raise ValueError; a key ropekv
+            does not read is a UserWarning.
         cos_sin_cache: ``[max_position, R]`` float32 or q's dtype, vLLM's
             layout: row p is ``cos(p * inv_freq)`` in columns ``[0, R/2)``
             and ``sin`` in ``[R/2, R)``. Used instead of rope_base (so any

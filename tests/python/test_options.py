@@ -327,6 +327,42 @@ def test_rope_parameters_errors(options, match):
     assert_rejected(match, **options)
 
 
+def test_mrope_section_is_an_error():
+    """Multimodal RoPE (Qwen2-VL) needs three positions per token: not done."""
+    assert_rejected(r"^rope_scaling has mrope_section \(multimodal RoPE, as Qwen2-VL's\): .*pass "
+                    r"the dict without mrope_section$",
+                    rope_scaling={"rope_type": "default", "rope_theta": 1e4,
+                                  "mrope_section": [2, 3, 3]})
+
+
+@pytest.mark.parametrize("scaling,unread", [
+    ({**YARN_QWEN, "beta_fasst": 16}, "'beta_fasst'"),
+    ({"rope_type": "default", "rope_theta": 1e4, "factor": 2.0}, "'factor'"),
+    ({**LINEAR, "low_freq_factor": 1.0, "foo": None}, "'low_freq_factor', 'foo'"),
+])
+def test_unread_rope_scaling_keys_warn(scaling, unread, monkeypatch):
+    """A key ropekv does not read (a misspelt optional one would leave its
+    default) is a warning naming it, at the caller's line; the call runs.
+    (Once per dict the fast path remembers: the memory is emptied first.)"""
+    monkeypatch.setattr(ropekv, "_SCALING_SEEN", {})
+    with pytest.warns(UserWarning, match=rf"^rope_scaling of type '\w+': ropekv ignores "
+                                         rf"{re.escape(unread)} \(it reads rope_type, ") as rec:
+        call_and_check(3, 2, 1, 16, np.dtype(np.float32), rope_scaling=scaling)
+    assert rec[0].filename == __file__
+    with pytest.warns(UserWarning, match="ropekv ignores") as rec:
+        ropekv.rope_inv_freq(16, 1e4, None, scaling)
+    assert rec[0].filename == __file__
+
+
+def test_read_rope_scaling_keys_do_not_warn():
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for scaling in (LINEAR, LLAMA3, YARN_QWEN, YARN_MSCALE, PHI2,
+                        {**YARN_QWEN, "attention_factor": 1.1, "truncate": False}):
+            ropekv.rope_inv_freq(80, 1e4, None, scaling)
+
+
 # --- cos_sin_cache ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DT)
