@@ -1,5 +1,6 @@
 #include "model_config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <sstream>
@@ -82,6 +83,26 @@ void parse_rope_scaling(ModelConfig& c, const json& s, const std::string& key) {
     break;
   }
   if (type.empty()) fail(c, "\"" + key + "\" has no \"rope_type\" (or \"type\"): " + s.dump());
+  // Keys the replay does not read, named in a note (a misspelt optional key
+  // keeps its default), as the Python layer warns and transformers logs.
+  std::vector<std::string> read = {"rope_type", "type", "rope_theta", "partial_rotary_factor"};
+  if (type == "linear") read.insert(read.end(), {"factor"});
+  if (type == "llama3")
+    read.insert(read.end(), {"factor", "low_freq_factor", "high_freq_factor",
+                             "original_max_position_embeddings"});
+  if (type == "yarn")
+    read.insert(read.end(), {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                             "attention_factor", "mscale", "mscale_all_dim", "truncate"});
+  const bool known_type = type == "default" || type == "linear" || type == "llama3" || type == "yarn";
+  std::string unread;
+  for (const auto& item : s.items())
+    if (known_type && std::find(read.begin(), read.end(), item.key()) == read.end())
+      unread += (unread.empty() ? "\"" : ", \"") + item.key() + "\"";
+  if (!unread.empty())
+    c.notes.push_back(key + " " + unread + " ignored" +
+                      (s.contains("mrope_section")
+                           ? ": one position per token (multimodal RoPE's three agree for text tokens)"
+                           : std::string(" (not read for type \"") + type + "\")"));
   if (type == "default") return;
   c.rope_scaling_type = type;
   c.rope_scaling_desc = s.dump();
