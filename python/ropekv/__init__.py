@@ -1064,8 +1064,8 @@ def rope_inv_freq(head_dim: int, rope_base: float, rotary_dim: Optional[int] = N
     Raises:
         ValueError: for the values rope_pool_fused rejects.
     """
-    scaling, theta, factor = _rope_parameters(rope_scaling)
-    rotary_dim = _rotary_dim_for(theta, factor, rope_base, rotary_dim, head_dim)
+    scaling, theta, partial = _rope_parameters(rope_scaling)
+    rotary_dim = _rotary_dim_for(theta, partial, rope_base, rotary_dim, head_dim)
     freq, factor = _ext.inv_freq(_int_arg(head_dim, "head_dim"), _float_arg(rope_base, "rope_base"),
                                  0 if rotary_dim is None else _int_arg(rotary_dim, "rotary_dim"),
                                  scaling)
