@@ -247,7 +247,10 @@ def python_overhead(min_time: float) -> list[dict]:
             return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
         args_n = tuple(np_view(t) for t in args_t)
-        mask = 0b111100111 if bf16 else 0  # the float arrays, passed as int16 views
+        # The float arrays, passed as int16 views: the binding's dtype_views
+        # has 2 bits per array (argument order q, k, v, positions, slots,
+        # k_pool, v_pool, q_out, k_out).
+        mask = sum(ropekv._VIEW_BF16 << (2 * i) for i in (0, 1, 2, 5, 6, 7, 8)) if bf16 else 0
         tail = (c.d, c.hq, c.hk, c.base)
         if "rotary_dim" in (_ext.run.__doc__ or ""):  # newer binding: 0 = the whole head
             tail += (0,)
@@ -361,8 +364,8 @@ def main() -> int:
                           f"{(r_o or 0) * 1e6:>10.2f} | "
                           f"{cell(t_t)} | {cell(mlx_t)} | "
                           f"{cell(g[0] * 1e-6 if g else None)} | "
-                          f"{2 * (c.bytes // 2) / mc * 1e-9 if mc else 0:>11.1f} "
-                          f"{(mc / r_t) if (mc and r_t) else 0:>13.2f}", flush=True)
+                          + (f"{2 * (c.bytes // 2) / mc * 1e-9:>11.1f} " if mc else f"{'-':>11} ")
+                          + (f"{mc / r_t:>13.2f}" if mc and r_t else f"{'-':>13}"), flush=True)
                 del c
     print("(x = time of the peer / time of ropekv; mlx: MLX's own threading, same row for every "
           "thread count; ggml: f16 for the bf16 rows, its rope has no bf16)")
