@@ -3,7 +3,7 @@
 # through ctest (GoogleTest, the replay runs, the example consumer) and the
 # Python suite through pytest, then the C++ suite again under ASan+UBSan and
 # TSan, and the fuzz target for a bounded time (scripts/sanitize.sh).
-# GPU tests run on a GPU machine: scripts/gpu-check.sh.
+# The GPU tests themselves run on a GPU machine: scripts/gpu-check.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -12,4 +12,8 @@ ctest --test-dir build --output-on-failure -j"$(nproc)"
 # without them, as on a GPU machine without network): here they must be.
 .venv/bin/python -c "import mlx.core, jax, torch, transformers"
 .venv/bin/python -m pytest tests/python -q
+# The GPU suite's device-agnostic tests on the CPU backend (about 4 minutes
+# here), so that a change to the Python layer cannot break it unseen between
+# GPU sessions; the CUDA-only ones skip.
+ROPEKV_TEST_DEVICE=cpu .venv/bin/python -m pytest tests/gpu/test_cuda.py -q
 scripts/sanitize.sh
