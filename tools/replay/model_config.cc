@@ -270,10 +270,21 @@ static ModelConfig load_model_config_json(const std::string& path) {
   }
 
   // Pair layout: GPT-J and CodeGen (which copies GPT-J's attention) rotate
-  // interleaved pairs, as do transformers' GLM-4 models (glm, glm4); every
-  // other model here rotates NeoX halves.
+  // interleaved pairs, as do transformers' GLM-4 models (glm, glm4) and
+  // DeepSeek-V2/V3 (whose transformers 5 configs say so in rope_interleave,
+  // true by default); every other model here rotates NeoX halves.
   c.is_neox = !(c.model_type == "gptj" || c.model_type == "codegen" || c.model_type == "glm" ||
-                c.model_type == "glm4");
+                c.model_type == "glm4" || c.model_type == "deepseek_v2" ||
+                c.model_type == "deepseek_v3");
+  if (const json* v = field(j, {"rope_interleave"}, &which)) {
+    if (!v->is_boolean()) fail(c, "\"rope_interleave\" must be true or false, got " + v->dump());
+    c.is_neox = !v->get<bool>();
+  }
+  if (field(j, {"kv_lora_rank"}, &which))
+    c.notes.push_back("multi-head latent attention (kv_lora_rank): replayed as " +
+                      std::to_string(c.num_kv_heads) + " key heads of head_dim " +
+                      std::to_string(c.head_dim) +
+                      " in the pool; an MLA engine caches a latent and one shared rope key instead");
 
   // Rotary dimension: an absolute rotary_dim (GPT-J, CodeGen) or a fraction
   // of the head (partial_rotary_factor in Phi/Phi-3/StableLM/GLM, rotary_pct
