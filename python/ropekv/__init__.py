@@ -772,7 +772,7 @@ def rope_pool_fused(
             use base ** (-2i / R).
         is_neox: True (default): rotate-half pairs (i, i + R/2), as GPT-NeoX,
             Llama and the original call. False: interleaved pairs (2i, 2i+1),
-            as GPT-J, GLM and MLX's ``traditional=True``.
+            as GPT-J, GLM, DeepSeek-V2/V3 and MLX's ``traditional=True``.
         rope_scaling: a Hugging Face config's ``rope_scaling`` dict (or its
             JSON text): ``{"rope_type": "linear", "factor": f}``,
             ``"llama3"`` (factor, low_freq_factor, high_freq_factor,
