@@ -93,11 +93,13 @@ void parse_rope_scaling(ModelConfig& c, const json& s, const std::string& key) {
   if (type == "yarn")
     read.insert(read.end(), {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
                              "attention_factor", "mscale", "mscale_all_dim", "truncate"});
-  const bool known_type = type == "default" || type == "linear" || type == "llama3" || type == "yarn";
+  // (A type the replay does not compute is refused or replayed as default
+  // RoPE by check_supported: its keys are not listed.)
   std::string unread;
-  for (const auto& item : s.items())
-    if (known_type && std::find(read.begin(), read.end(), item.key()) == read.end())
-      unread += (unread.empty() ? "\"" : ", \"") + item.key() + "\"";
+  if (type == "default" || type == "linear" || type == "llama3" || type == "yarn")
+    for (const auto& item : s.items())
+      if (std::find(read.begin(), read.end(), item.key()) == read.end())
+        unread += (unread.empty() ? "\"" : ", \"") + item.key() + "\"";
   if (!unread.empty())
     c.notes.push_back(key + " " + unread + " ignored" +
                       (s.contains("mrope_section")
