@@ -396,17 +396,32 @@ int main(int argc, char** argv) {
                 ropekv::cpu_target().c_str(), effective_threads(opt.threads),
                 effective_threads(opt.threads) == 1 ? "" : "s",
                 opt.threads > 0 ? "" : threads_capped ? " (OpenMP default, capped)" : " (OpenMP default)");
-    std::printf("model     %s%s%s: Hq %lld, Hk %lld, head_dim %lld, rotary %lld (%s), rope_theta %g, "
-                "rope_scaling %s, layers %lld of %lld, %s, q/k/v %s\n",
+    // One type's RoPE: "rope_theta 500000, rope_scaling llama3".
+    auto rope_desc = [](const LayerRope& lr) {
+      return "rope_theta " + fmt_g(lr.rope_theta) + ", rope_scaling " +
+             (lr.rope_scaling.type == ropekv::RopeScalingType::kNone ? std::string("none")
+                                                                    : lr.rope_scaling_type);
+    };
+    std::printf("model     %s%s%s: Hq %lld, Hk %lld, head_dim %lld, rotary %lld (%s), %s, "
+                "layers %lld of %lld, %s, q/k/v %s\n",
                 config_path.c_str(), model.model_type.empty() ? "" : " (",
                 model.model_type.empty() ? "" : (model.model_type + ")").c_str(),
                 static_cast<long long>(model.num_qo_heads), static_cast<long long>(model.num_kv_heads),
                 static_cast<long long>(model.head_dim), static_cast<long long>(model.rotary_dim),
-                model.is_neox ? "neox" : "interleaved", model.rope_theta,
-                model.rope_scaling.type == ropekv::RopeScalingType::kNone ? "none"
-                                                                          : model.rope_scaling_type.c_str(),
+                model.is_neox ? "neox" : "interleaved",
+                model.ropes.size() == 1 ? rope_desc(model.ropes[0]).c_str() : "RoPE per layer type",
                 static_cast<long long>(L), static_cast<long long>(model.num_layers), dtype_name(opt.dtype),
                 opt.fused_qkv ? "fused (strided views)" : "separate");
+    if (model.ropes.size() > 1)
+      for (size_t i = 0; i < model.ropes.size(); ++i) {
+        std::string which;  // the first 8 replayed layers of this type
+        int64_t n = 0;
+        for (int64_t l = 0; l < L; ++l)
+          if (model.rope_index(l) == i && n++ < 8) which += (n == 1 ? ": " : ", ") + std::to_string(l);
+        if (n > 8) which += ", ...";
+        std::printf("rope      %s: %s; %lld of the replayed layers%s\n", model.ropes[i].layer_type.c_str(),
+                    rope_desc(model.ropes[i]).c_str(), static_cast<long long>(n), which.c_str());
+      }
     if (opt.kv_dtype != KvDtype::kAuto)
       std::printf("kv cache  %s pools%s\n", kv_dtype_name(opt.kv_dtype),
                   is_fp8(opt.kv_dtype)
@@ -529,12 +544,27 @@ int main(int argc, char** argv) {
                     {"head_dim", model.head_dim},
                     {"rotary_dim", model.rotary_dim},
                     {"is_neox", model.is_neox},
-                    {"rope_theta", model.rope_theta},
-                    {"rope_scaling", model.rope_scaling.type == ropekv::RopeScalingType::kNone
-                                         ? nlohmann::ordered_json(nullptr)
-                                         : nlohmann::ordered_json::parse(model.rope_scaling_desc)},
                     {"num_layers", model.num_layers},
                     {"notes", model.notes}};
+      // One type's RoPE as JSON: its rope_theta and rope_scaling (null: none).
+      auto rope_json = [](const LayerRope& lr, nlohmann::ordered_json& o) {
+        o["rope_theta"] = lr.rope_theta;
+        o["rope_scaling"] = lr.rope_scaling.type == ropekv::RopeScalingType::kNone
+                                ? nlohmann::ordered_json(nullptr)
+                                : nlohmann::ordered_json::parse(lr.rope_scaling_desc);
+      };
+      if (model.ropes.size() == 1) {
+        rope_json(model.ropes[0], j["model"]);
+      } else {
+        for (size_t i = 0; i < model.ropes.size(); ++i) {
+          nlohmann::ordered_json t{{"layer_type", model.ropes[i].layer_type}};
+          rope_json(model.ropes[i], t);
+          t["layers"] = nlohmann::ordered_json::array();
+          for (int64_t l = 0; l < model.num_layers; ++l)
+            if (model.rope_index(l) == i) t["layers"].push_back(l);
+          j["model"]["rope_per_layer_type"].push_back(t);
+        }
+      }
       j["dtype"] = dtype_name(opt.dtype);
       j["kv_cache_dtype"] = kv_dtype_name(opt.kv_dtype);
       j["k_scale"] = opt.k_scale;

@@ -73,7 +73,7 @@ double scaling_number(const ModelConfig& c, const json& s, const std::string& ke
   return v;
 }
 
-void parse_rope_scaling(ModelConfig& c, const json& s, const std::string& key) {
+void parse_rope_scaling(ModelConfig& c, const json& s, const std::string& key, LayerRope& lr) {
   std::string type;
   for (const char* k : {"rope_type", "type"}) {
     auto it = s.find(k);
@@ -106,9 +106,9 @@ void parse_rope_scaling(ModelConfig& c, const json& s, const std::string& key) {
                            ? ": one position per token (multimodal RoPE's three agree for text tokens)"
                            : std::string(" (not read for type \"") + type + "\")"));
   if (type == "default") return;
-  c.rope_scaling_type = type;
-  c.rope_scaling_desc = s.dump();
-  ropekv::RopeScaling& r = c.rope_scaling;
+  lr.rope_scaling_type = type;
+  lr.rope_scaling_desc = s.dump();
+  ropekv::RopeScaling& r = lr.rope_scaling;
   using T = ropekv::RopeScalingType;
   if (type == "linear") {
     r.type = T::kLinear;
@@ -230,7 +230,8 @@ static ModelConfig load_model_config_json(const std::string& path) {
     c.max_position_embeddings = get_positive_int(c, *v, which);
 
   // rope_scaling, or transformers 5's rope_parameters (the same keys plus
-  // rope_theta and partial_rotary_factor, one flat object).
+  // rope_theta and partial_rotary_factor, one flat object, or one such object
+  // per layer type: {"sliding_attention": {...}, "full_attention": {...}}).
   const json* scaling = field(j, {"rope_scaling"}, &which);
   std::string scaling_key = which;
   if (!scaling) {
@@ -239,36 +240,104 @@ static ModelConfig load_model_config_json(const std::string& path) {
   }
   if (scaling && !scaling->is_object())
     fail(c, "\"" + scaling_key + "\" must be an object or null, got " + scaling->dump());
-  if (scaling_key == "rope_parameters" && scaling && !scaling->contains("rope_type") &&
+  const bool per_type = scaling && !scaling->empty() && !scaling->contains("rope_type") &&
+                        !scaling->contains("type") &&
+                        std::all_of(scaling->begin(), scaling->end(),
+                                    [](const json& v) { return v.is_object(); });
+  if (scaling_key == "rope_parameters" && scaling && !per_type && !scaling->contains("rope_type") &&
       !scaling->contains("type"))
-    fail(c, "\"rope_parameters\" without a \"rope_type\" (per-layer-type RoPE, e.g. sliding and full "
-            "attention layers with different parameters) is not supported by the replay: " +
-                scaling->dump());
+    fail(c, "\"rope_parameters\" has no \"rope_type\" (or \"type\"), nor an object of RoPE "
+            "parameters per layer type: " + scaling->dump());
+
+  // The layer types and the object of RoPE parameters of each ("" and the
+  // whole rope_scaling for a model of one type). Gemma-3's configs of
+  // transformers 4 give the sliding-window layers' theta apart
+  // (rope_local_base_freq, default RoPE there) and the layer types by
+  // layer_types or sliding_window_pattern (a layer is full attention where
+  // (i + 1) % pattern == 0, as transformers' Gemma3 reads it).
+  struct TypeRope {
+    std::string name, key;
+    const json* params;  // nullptr: no rope_scaling
+    const json* theta;   // nullptr: the top-level keys
+  };
+  std::vector<TypeRope> types;
+  const json* local_theta = field(j, {"rope_local_base_freq"}, &which);
+  if (per_type) {
+    for (const auto& item : scaling->items())
+      types.push_back({item.key(), scaling_key + "." + item.key(), &item.value(), nullptr});
+  } else if (local_theta) {
+    types.push_back({"full_attention", scaling_key, scaling, nullptr});
+    types.push_back({"sliding_attention", "rope_local_base_freq", nullptr, local_theta});
+    c.notes.push_back("rope_local_base_freq: sliding_attention layers rotate with rope_theta " +
+                      local_theta->dump() + " and no rope_scaling, full_attention layers with the "
+                      "model's (as transformers' Gemma-3 does)");
+  } else {
+    types.push_back({"", scaling_key, scaling, nullptr});
+  }
 
   // rope_theta and partial_rotary_factor inside rope_parameters (or
   // rope_scaling) win over the top-level keys, as transformers 5 ranks them
   // (convert_rope_params_to_dict: the top-level value only fills a gap).
   // Returns the field, its name in messages in *key.
-  auto rope_field = [&](const char* inside, std::initializer_list<const char*> top,
+  auto rope_field = [&](const TypeRope& t, const char* inside, std::initializer_list<const char*> top,
                         std::string* key) -> const json* {
     std::string name;
-    if (const json* v = scaling ? field(*scaling, {inside}, &name) : nullptr) {
-      *key = scaling_key + "." + name;
+    if (const json* v = t.params ? field(*t.params, {inside}, &name) : nullptr) {
+      *key = t.key + "." + name;
       return v;
     }
     const json* v = field(j, top, &name);
     *key = name;
     return v;
   };
-  std::string theta_key;
-  const json* theta_v = rope_field("rope_theta", {"rope_theta", "rotary_emb_base", "rope_base"},
-                                   &theta_key);
-  if (theta_v) {
-    c.rope_theta = get_number(c, *theta_v, theta_key);
-    if (!(c.rope_theta > 0) || !std::isfinite(c.rope_theta))
-      fail(c, "\"" + theta_key + "\" must be a finite number > 0, got " + theta_v->dump());
-  } else {
-    c.notes.push_back("no rope_theta: using the Hugging Face default 10000");
+  c.ropes.assign(types.size(), LayerRope{});
+  for (size_t i = 0; i < types.size(); ++i) {
+    LayerRope& lr = c.ropes[i];
+    lr.layer_type = types[i].name;
+    std::string theta_key = types[i].theta ? types[i].key : std::string();
+    const json* theta_v = types[i].theta ? types[i].theta
+                                         : rope_field(types[i], "rope_theta",
+                                                      {"rope_theta", "rotary_emb_base", "rope_base"},
+                                                      &theta_key);
+    if (theta_v) {
+      lr.rope_theta = get_number(c, *theta_v, theta_key);
+      if (!(lr.rope_theta > 0) || !std::isfinite(lr.rope_theta))
+        fail(c, "\"" + theta_key + "\" must be a finite number > 0, got " + theta_v->dump());
+    } else {
+      c.notes.push_back("no rope_theta" + (lr.layer_type.empty() ? "" : " for " + lr.layer_type) +
+                        ": using the Hugging Face default 10000");
+    }
+  }
+  if (types.size() > 1) {
+    const json* lt = field(j, {"layer_types"}, &which);
+    if (lt) {
+      if (!lt->is_array() || static_cast<int64_t>(lt->size()) != c.num_layers)
+        fail(c, "\"layer_types\" must be a list of " + std::to_string(c.num_layers) +
+                    " layer types (num_hidden_layers), got " + lt->dump());
+      for (const json& name : *lt) {
+        int found = -1;
+        for (size_t i = 0; i < types.size(); ++i)
+          if (name.is_string() && name.get<std::string>() == types[i].name) found = static_cast<int>(i);
+        if (found < 0) {
+          std::string names;
+          for (const TypeRope& t : types) names += (names.empty() ? "\"" : ", \"") + t.name + "\"";
+          fail(c, "\"layer_types\" names " + name.dump() + ", which has no RoPE parameters (" +
+                      names + ")");
+        }
+        c.layer_rope.push_back(found);
+      }
+    } else if (!per_type) {
+      int64_t pattern = 6;
+      if (const json* v = field(j, {"sliding_window_pattern", "_sliding_window_pattern"}, &which))
+        pattern = get_positive_int(c, *v, which);
+      else
+        c.notes.push_back("no layer_types or sliding_window_pattern: every 6th layer is full attention "
+                          "(transformers' Gemma-3 default)");
+      for (int64_t i = 0; i < c.num_layers; ++i) c.layer_rope.push_back((i + 1) % pattern == 0 ? 0 : 1);
+    } else {
+      fail(c, "\"" + scaling_key + "\" gives RoPE parameters per layer type, but the config has no "
+              "\"layer_types\" to say which layer is of which type");
+    }
   }
 
   // Pair layout: GPT-J and CodeGen (which copies GPT-J's attention) rotate
@@ -294,8 +363,17 @@ static ModelConfig load_model_config_json(const std::string& path) {
   // classes' defaults apply (GPT-J 64 dims; GPT-NeoX 0.25; Phi, GLM 0.5).
   c.rotary_dim = c.head_dim;
   std::string factor_key;
-  const json* factor_v = rope_field("partial_rotary_factor",
+  const json* factor_v = rope_field(types[0], "partial_rotary_factor",
                                     {"partial_rotary_factor", "rotary_pct"}, &factor_key);
+  for (size_t i = 1; i < types.size(); ++i) {
+    std::string other_key;
+    const json* other = rope_field(types[i], "partial_rotary_factor",
+                                   {"partial_rotary_factor", "rotary_pct"}, &other_key);
+    if ((other == nullptr) != (factor_v == nullptr) || (other && *other != *factor_v))
+      fail(c, "the layer types rotate different dimensions (\"" + factor_key + "\" " +
+                  (factor_v ? factor_v->dump() : "absent") + ", \"" + other_key + "\" " +
+                  (other ? other->dump() : "absent") + "): the replay takes one rotary_dim");
+  }
   if (const json* v = field(j, {"rotary_dim"}, &which)) {
     c.rotary_dim = get_positive_int(c, *v, which);
     c.partial_rotary_factor = static_cast<double>(c.rotary_dim) / static_cast<double>(c.head_dim);
@@ -321,45 +399,49 @@ static ModelConfig load_model_config_json(const std::string& path) {
     fail(c, "rotary dimension " + std::to_string(c.rotary_dim) + " must be even, >= 2 and <= head_dim " +
                 std::to_string(c.head_dim));
 
-  if (scaling) parse_rope_scaling(c, *scaling, scaling_key);
+  for (size_t i = 0; i < types.size(); ++i)
+    if (types[i].params) parse_rope_scaling(c, *types[i].params, types[i].key, c.ropes[i]);
   return c;
 }
 
 void check_supported(ModelConfig& c, bool ignore_rope_scaling) {
-  if (!c.rope_scaling_type.empty() && c.rope_scaling.type == ropekv::RopeScalingType::kNone) {
-    if (!ignore_rope_scaling)
-      fail(c, "rope_scaling type \"" + c.rope_scaling_type +
-                  "\" is not supported: ropekv computes default, linear, llama3 and yarn frequencies; "
-                  "pass --ignore-rope-scaling to replay it as default RoPE (same cost per call, other "
-                  "angles)");
-    c.notes.push_back("rope_scaling " + c.rope_scaling_desc + " ignored (--ignore-rope-scaling): the op " +
-                      "is called with default RoPE frequencies (theta " + fmt_num(c.rope_theta) +
-                      "); cost per call is the same");
-  }
-  // The values ropekv would reject (e.g. high_freq_factor <= low_freq_factor),
-  // as a config error rather than a failed call.
-  try {
-    (void)ropekv::rope_inv_freq(rope_config(c));
-  } catch (const ropekv::Error& e) {
-    fail(c, std::string("ropekv rejects this model's RoPE parameters: ") + e.what());
-  }
-  if (c.rope_scaling.type != ropekv::RopeScalingType::kNone) {
-    const double m = ropekv::rope_attention_factor(c.rope_scaling);
-    c.notes.push_back("rope_scaling " + c.rope_scaling_type + " " + c.rope_scaling_desc +
-                      ": scaled frequencies (ropekv::rope_inv_freq)" +
-                      (m != 1.0 ? ", cos and sin times the attention factor " + fmt_num(m) : std::string()));
+  for (LayerRope& lr : c.ropes) {
+    const std::string of = lr.layer_type.empty() ? "" : " (" + lr.layer_type + " layers)";
+    if (!lr.rope_scaling_type.empty() && lr.rope_scaling.type == ropekv::RopeScalingType::kNone) {
+      if (!ignore_rope_scaling)
+        fail(c, "rope_scaling type \"" + lr.rope_scaling_type + "\"" + of +
+                    " is not supported: ropekv computes default, linear, llama3 and yarn frequencies; "
+                    "pass --ignore-rope-scaling to replay it as default RoPE (same cost per call, other "
+                    "angles)");
+      c.notes.push_back("rope_scaling " + lr.rope_scaling_desc + of + " ignored (--ignore-rope-scaling): " +
+                        "the op is called with default RoPE frequencies (theta " + fmt_num(lr.rope_theta) +
+                        "); cost per call is the same");
+    }
+    // The values ropekv would reject (e.g. high_freq_factor <= low_freq_factor),
+    // as a config error rather than a failed call.
+    try {
+      (void)ropekv::rope_inv_freq(rope_config(c, lr));
+    } catch (const ropekv::Error& e) {
+      fail(c, std::string("ropekv rejects this model's RoPE parameters") + of + ": " + e.what());
+    }
+    if (lr.rope_scaling.type != ropekv::RopeScalingType::kNone) {
+      const double m = ropekv::rope_attention_factor(lr.rope_scaling);
+      c.notes.push_back("rope_scaling " + lr.rope_scaling_type + " " + lr.rope_scaling_desc + of +
+                        ": scaled frequencies (ropekv::rope_inv_freq)" +
+                        (m != 1.0 ? ", cos and sin times the attention factor " + fmt_num(m) : std::string()));
+    }
   }
 }
 
-ropekv::RopeConfig rope_config(const ModelConfig& c) {
+ropekv::RopeConfig rope_config(const ModelConfig& c, const LayerRope& lr) {
   ropekv::RopeConfig r;
   r.head_dim = c.head_dim;
   r.num_qo_heads = c.num_qo_heads;
   r.num_kv_heads = c.num_kv_heads;
-  r.rope_base = c.rope_theta;
+  r.rope_base = lr.rope_theta;
   r.rotary_dim = c.rotary_dim;
   r.is_neox = c.is_neox;
-  r.rope_scaling = c.rope_scaling;
+  r.rope_scaling = lr.rope_scaling;
   return r;
 }
 

@@ -18,6 +18,20 @@ class InputError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// The RoPE parameters of one type of layer. A model has one; Gemma-3 has
+/// two (sliding-window layers: rope_theta 10000, no scaling; full-attention
+/// layers: rope_theta 1e6 and its rope_scaling).
+struct LayerRope {
+  std::string layer_type;     ///< "" for a model of one type; else e.g. "sliding_attention"
+  double rope_theta = 10000;  ///< rope_theta | rotary_emb_base (default 10000)
+  /// rope_scaling (or transformers 5's rope_parameters) as ropekv takes it:
+  /// type kNone for none, "default", or a type replayed as default RoPE
+  /// (--ignore-rope-scaling).
+  ropekv::RopeScaling rope_scaling;
+  std::string rope_scaling_type;  ///< "" when none; else rope_scaling.rope_type|type
+  std::string rope_scaling_desc;  ///< the rope_scaling object, compact JSON
+};
+
 struct ModelConfig {
   std::string path;        ///< file it was read from
   std::string model_type;  ///< "llama", "qwen2", ... ("" when absent)
@@ -25,20 +39,23 @@ struct ModelConfig {
   int64_t num_kv_heads = 0;   ///< num_key_value_heads (default: num_qo_heads)
   int64_t head_dim = 0;       ///< head_dim, else hidden_size / num_attention_heads
   int64_t num_layers = 0;     ///< num_hidden_layers | n_layer
-  double rope_theta = 10000;  ///< rope_theta | rotary_emb_base (default 10000)
   double partial_rotary_factor = 1.0;  ///< partial_rotary_factor | rotary_pct
   int64_t rotary_dim = 0;     ///< rotated dims per head (rotary_dim, else int(D * factor))
   /// false: GPT-J / CodeGen / GLM interleaved pairs (2i, 2i+1); true: NeoX
   /// rotate-half pairs (i, i + R/2).
   bool is_neox = true;
   int64_t max_position_embeddings = 0;  ///< 0 when absent
-  /// rope_scaling (or transformers 5's rope_parameters) as ropekv takes it:
-  /// type kNone for none, "default", or a type replayed as default RoPE
-  /// (--ignore-rope-scaling).
-  ropekv::RopeScaling rope_scaling;
-  std::string rope_scaling_type;  ///< "" when none; else rope_scaling.rope_type|type
-  std::string rope_scaling_desc;  ///< the rope_scaling object, compact JSON
+  /// The layer types' RoPE parameters (one entry but for models whose layer
+  /// types differ in them), and each layer's entry (empty: the first for all).
+  std::vector<LayerRope> ropes = {LayerRope{}};
+  std::vector<int> layer_rope;
   std::vector<std::string> notes;  ///< defaults taken, fields ignored (printed)
+
+  /// The index in `ropes` of layer `layer` (0-based), and its parameters.
+  size_t rope_index(int64_t layer) const {
+    return layer_rope.empty() ? 0 : static_cast<size_t>(layer_rope[static_cast<size_t>(layer)]);
+  }
+  const LayerRope& rope(int64_t layer) const { return ropes[rope_index(layer)]; }
 };
 
 /// Reads and checks a config.json. Throws InputError with the file name and
@@ -54,8 +71,9 @@ ModelConfig load_model_config(const std::string& path);
 /// ropekv::rope_inv_freq).
 void check_supported(ModelConfig& config, bool ignore_rope_scaling);
 
-/// The RopeConfig of one call for this model (shape, rope_base, rotary_dim,
-/// is_neox, rope_scaling); the pool format is the caller's.
-ropekv::RopeConfig rope_config(const ModelConfig& config);
+/// The RopeConfig of one call of this model with the RoPE parameters `rope`
+/// (shape, rope_base, rotary_dim, is_neox, rope_scaling); the pool format is
+/// the caller's.
+ropekv::RopeConfig rope_config(const ModelConfig& config, const LayerRope& rope);
 
 }  // namespace replay

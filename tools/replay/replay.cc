@@ -178,11 +178,14 @@ class Engine {
   void gen_row(uint64_t k, int64_t n, uint8_t* dst) const;
   void make_table();
   void generate_inputs(int64_t layer);
-  const double* cos_sin(int64_t pos) const { return &table_[static_cast<size_t>(pos) * R()]; }
+  /// Layer `layer`'s c and s at position `pos` (its type's RoPE parameters).
+  const double* cos_sin(int64_t layer, int64_t pos) const {
+    return &tables_[m_.rope_index(layer)][static_cast<size_t>(pos) * R()];
+  }
   void make_cos_sin(int64_t max_pos);
-  void rotate_ref(const double* x, int64_t pos, double* out) const;
-  Bad compare_rotated(const uint8_t* got, bool pool, const double* x, int64_t pos, int64_t heads,
-                      double ulps = -1.0) const;  // -1: rounding_ulps of q's dtype
+  void rotate_ref(const double* x, int64_t layer, int64_t pos, double* out) const;
+  Bad compare_rotated(const uint8_t* got, bool pool, const double* x, int64_t layer, int64_t pos,
+                      int64_t heads, double ulps = -1.0) const;  // -1: rounding_ulps of q's dtype
   Bad compare_pool_bits(const uint8_t* got, const uint8_t* want, int64_t n, float scale) const;
   // ---- pool format
   void encode_row(const uint8_t* src, int64_t n, float scale, uint8_t* dst) const;
@@ -225,7 +228,9 @@ class Engine {
   int64_t L_ = 0, P_ = 0;
 
   Buffer pool_, in_, q_, k_, v_, qrot_, krot_;
-  std::vector<double> table_;  // per position: c[0..R/2), s[0..R/2) (make_cos_sin)
+  // Per layer type (ModelConfig::ropes), per position: c[0..R/2), s[0..R/2)
+  // (make_cos_sin).
+  std::vector<std::vector<double>> tables_;
   std::vector<uint64_t> khash_;  // per (layer, slot, head): hash of the k_rot head the call wrote
   size_t hash_index(int64_t layer, int64_t slot, int64_t head) const {
     return static_cast<size_t>((layer * P_ + slot) * Hk() + head);
@@ -327,48 +332,54 @@ void Engine::make_cos_sin(int64_t max_pos) {
   // frequencies (ropekv::rope_inv_freq: the scaling formulas are the
   // library's; the angle and the rotation are the tool's): theta =
   // fp32(fp32(pos) * inv_freq[i]) (the product of two fp32 numbers is exact
-  // in double, then rounded once), times yarn's attention factor m in fp32.
-  const std::vector<float> inv = ropekv::rope_inv_freq(rope_config(m_));
+  // in double, then rounded once), times yarn's attention factor m in fp32;
+  // one table per layer type.
   const int64_t h = R() / 2;
-  if (static_cast<int64_t>(inv.size()) != h)
-    throw VerifyError("MISMATCH (ropekv::rope_inv_freq returned " + std::to_string(inv.size()) +
-                      " frequencies for rotary_dim " + std::to_string(R()) + ")");
-  const double m = static_cast<float>(ropekv::rope_attention_factor(m_.rope_scaling));
-  table_.assign(static_cast<size_t>((max_pos + 1) * R()), 0.0);
+  tables_.assign(m_.ropes.size(), {});
+  for (size_t kind = 0; kind < m_.ropes.size(); ++kind) {
+    const LayerRope& lr = m_.ropes[kind];
+    const std::vector<float> inv = ropekv::rope_inv_freq(rope_config(m_, lr));
+    if (static_cast<int64_t>(inv.size()) != h)
+      throw VerifyError("MISMATCH (ropekv::rope_inv_freq returned " + std::to_string(inv.size()) +
+                        " frequencies for rotary_dim " + std::to_string(R()) + ")");
+    const double m = static_cast<float>(ropekv::rope_attention_factor(lr.rope_scaling));
+    std::vector<double>& table = tables_[kind];
+    table.assign(static_cast<size_t>((max_pos + 1) * R()), 0.0);
 #pragma omp parallel for num_threads(nthreads()) schedule(static)
-  for (int64_t p = 0; p <= max_pos; ++p) {
-    double* row = &table_[static_cast<size_t>(p * R())];
-    for (int64_t i = 0; i < h; ++i) {
-      const double theta =
-          static_cast<float>(static_cast<double>(static_cast<float>(p)) * static_cast<double>(inv[i]));
-      row[i] = std::cos(theta) * m;
-      row[h + i] = std::sin(theta) * m;
+    for (int64_t p = 0; p <= max_pos; ++p) {
+      double* row = &table[static_cast<size_t>(p * R())];
+      for (int64_t i = 0; i < h; ++i) {
+        const double theta =
+            static_cast<float>(static_cast<double>(static_cast<float>(p)) * static_cast<double>(inv[i]));
+        row[i] = std::cos(theta) * m;
+        row[h + i] = std::sin(theta) * m;
+      }
     }
-  }
-  // Without scaling the frequencies are theta^(-2i/R) for both pair layouts:
-  // then the table must be exactly ropekv::reference's c and s (rope_head of
-  // x = (1,..,1, 0,..,0) gives out[i] = c_i, out[i + R/2] = s_i exactly).
-  if (m_.rope_scaling.type != ropekv::RopeScalingType::kNone) return;
-  std::vector<double> unit(static_cast<size_t>(D()), 0.0), out(static_cast<size_t>(D()));
-  for (int64_t i = 0; i < h; ++i) unit[i] = 1.0;
-  for (int64_t p = 0; p <= max_pos; ++p) {
-    ropekv::reference::rope_head(unit.data(), out.data(), D(), R(), p, m_.rope_theta);
-    for (int64_t i = 0; i < R(); ++i) {
-      if (out[i] != table_[static_cast<size_t>(p * R() + i)]) {
-        std::ostringstream o;
-        o << "MISMATCH (cos/sin from ropekv::rope_inv_freq differ from ropekv::reference): position " << p
-          << ", " << (i < h ? "cos" : "sin") << " of pair " << i % h << ": " << table_[p * R() + i]
-          << " vs reference " << out[i];
-        throw VerifyError(o.str());
+    // Without scaling the frequencies are theta^(-2i/R) for both pair layouts:
+    // then the table must be exactly ropekv::reference's c and s (rope_head of
+    // x = (1,..,1, 0,..,0) gives out[i] = c_i, out[i + R/2] = s_i exactly).
+    if (lr.rope_scaling.type != ropekv::RopeScalingType::kNone) continue;
+    std::vector<double> unit(static_cast<size_t>(D()), 0.0), out(static_cast<size_t>(D()));
+    for (int64_t i = 0; i < h; ++i) unit[i] = 1.0;
+    for (int64_t p = 0; p <= max_pos; ++p) {
+      ropekv::reference::rope_head(unit.data(), out.data(), D(), R(), p, lr.rope_theta);
+      for (int64_t i = 0; i < R(); ++i) {
+        if (out[i] != table[static_cast<size_t>(p * R() + i)]) {
+          std::ostringstream o;
+          o << "MISMATCH (cos/sin from ropekv::rope_inv_freq differ from ropekv::reference): position " << p
+            << ", " << (i < h ? "cos" : "sin") << " of pair " << i % h << ": " << table[p * R() + i]
+            << " vs reference " << out[i];
+          throw VerifyError(o.str());
+        }
       }
     }
   }
 }
 
-void Engine::rotate_ref(const double* x, int64_t pos, double* out) const {
+void Engine::rotate_ref(const double* x, int64_t layer, int64_t pos, double* out) const {
   // Float64 RoPE with the table's c and s, in the model's pair layout.
   const int64_t h = R() / 2;
-  const double* cs = cos_sin(pos);
+  const double* cs = cos_sin(layer, pos);
   for (int64_t i = 0; i < h; ++i) {
     const int64_t a = pair_a(i), b = pair_b(i);
     out[a] = x[a] * cs[i] - x[b] * cs[h + i];
@@ -378,15 +389,15 @@ void Engine::rotate_ref(const double* x, int64_t pos, double* out) const {
 }
 
 /// Compares `heads` rotated heads `got` with the float64 rotation of the
-/// dtype values `x` at `pos`: within rope_tolerance (q's dtype); for a pool
+/// dtype values `x` at `pos` in `layer`: within rope_tolerance (q's dtype); for a pool
 /// row (`pool`) in an fp8 format, plus one fp8 ulp of ref / k_scale (times
 /// k_scale) with ref clamped to the saturation bound. Copied dims must be
 /// exact: the value itself, or its fp8 encoding.
-Bad Engine::compare_rotated(const uint8_t* got, bool pool, const double* x, int64_t pos, int64_t heads,
-                            double ulps) const {
+Bad Engine::compare_rotated(const uint8_t* got, bool pool, const double* x, int64_t layer, int64_t pos,
+                            int64_t heads, double ulps) const {
   Bad b;
   const int64_t Dd = D(), R2 = R(), h = R2 / 2;
-  const double* cs = cos_sin(pos);
+  const double* cs = cos_sin(layer, pos);
   const UlpFn ulp(dt_);
   if (ulps < 0) ulps = rounding_ulps(dt_);
   const double K = 4.0 * 0x1p-24;
@@ -426,7 +437,7 @@ Bad Engine::compare_rotated(const uint8_t* got, bool pool, const double* x, int6
     if (!bad) continue;
     // Slow path: the first bad element in dim order, with its tolerance.
     std::vector<double> ref(static_cast<size_t>(Dd));
-    rotate_ref(xh, pos, ref.data());
+    rotate_ref(xh, layer, pos, ref.data());
     for (int64_t d = 0; d < Dd; ++d) {
       double tol = 0, want = ref[d];
       if (d < R2) {
@@ -682,7 +693,7 @@ void Engine::call(int64_t layer, bool timed) {
   t.v_pool = tensor(v_pool(layer, 0), 3, pool_shape, nullptr, pool_dl);
   t.q_rot = tensor(q_rot(0), 3, q_shape, nullptr, dl);
   t.k_rot = tensor(k_rot(0), 3, kv_shape, nullptr, dl);
-  ropekv::RopeConfig cfg = rope_config(m_);
+  ropekv::RopeConfig cfg = rope_config(m_, m_.rope(layer));
   cfg.kv_cache_dtype = kv_ == KvDtype::kAuto      ? ropekv::KvCacheDtype::kAuto
                        : kv_ == KvDtype::kFloat32 ? ropekv::KvCacheDtype::kFloat32
                        : kv_ == KvDtype::kFp8E4M3 ? ropekv::KvCacheDtype::kFp8E4M3
@@ -772,7 +783,8 @@ void Engine::spot_check(int64_t layer) {
   // (interleaved pairs through a permutation: they are NeoX pairs of the
   // de-interleaved head), else against the tool's float64 rotation.
   const int64_t Dd = D(), h = R() / 2;
-  const bool use_reference = m_.rope_scaling.type == ropekv::RopeScalingType::kNone;
+  const LayerRope& lr = m_.rope(layer);
+  const bool use_reference = lr.rope_scaling.type == ropekv::RopeScalingType::kNone;
   std::vector<double> x(Dd), y(Dd), z(Dd), ref(Dd);
   auto one = [&](bool is_q, int64_t t, int64_t hd) {
     const Token& tk = toks_[t];
@@ -780,17 +792,17 @@ void Engine::spot_check(int64_t layer) {
     const uint8_t* out = (is_q ? q_rot(t) : k_rot(t)) + hd * Dd * E_;
     load_row(dt_, in, Dd, x.data());
     if (!use_reference) {
-      rotate_ref(x.data(), tk.pos, ref.data());
+      rotate_ref(x.data(), layer, tk.pos, ref.data());
     } else if (m_.is_neox) {
-      ropekv::reference::rope_head(x.data(), ref.data(), Dd, R(), tk.pos, m_.rope_theta);
+      ropekv::reference::rope_head(x.data(), ref.data(), Dd, R(), tk.pos, lr.rope_theta);
     } else {
       y = x;
       for (int64_t i = 0; i < h; ++i) y[i] = x[2 * i], y[i + h] = x[2 * i + 1];
-      ropekv::reference::rope_head(y.data(), z.data(), Dd, R(), tk.pos, m_.rope_theta);
+      ropekv::reference::rope_head(y.data(), z.data(), Dd, R(), tk.pos, lr.rope_theta);
       ref = z;
       for (int64_t i = 0; i < h; ++i) ref[2 * i] = z[i], ref[2 * i + 1] = z[i + h];
     }
-    const double* cs = cos_sin(tk.pos);
+    const double* cs = cos_sin(layer, tk.pos);
     for (int64_t d = 0; d < Dd; ++d) {
       const double g = load_elem(dt_, out, d);
       double tol = 0;
@@ -823,10 +835,10 @@ void Engine::check_all(int64_t layer) {
     std::vector<double> x(static_cast<size_t>(qrow()));
     const Token& tk = toks_[t];
     load_row(dt_, q_in(t), qrow(), x.data());
-    bool bad = compare_rotated(q_rot(t), false, x.data(), tk.pos, Hq()).bad;
+    bool bad = compare_rotated(q_rot(t), false, x.data(), layer, tk.pos, Hq()).bad;
     if (!bad) {
       load_row(dt_, k_in(t), krow(), x.data());
-      bad = compare_rotated(k_rot(t), false, x.data(), tk.pos, Hk()).bad;
+      bad = compare_rotated(k_rot(t), false, x.data(), layer, tk.pos, Hk()).bad;
     }
     if (bad) {
       int64_t cur = first_bad.load();
@@ -838,10 +850,10 @@ void Engine::check_all(int64_t layer) {
     const Token& tk = toks_[t];
     std::vector<double> x(static_cast<size_t>(qrow()));
     for (int64_t e = 0; e < qrow(); ++e) x[e] = load_elem(dt_, q_in(t), e);
-    Bad b = compare_rotated(q_rot(t), false, x.data(), tk.pos, Hq());
+    Bad b = compare_rotated(q_rot(t), false, x.data(), layer, tk.pos, Hq());
     if (b.bad) report("q_rot vs reference (--check-all)", tk.req, tk.pos, tk.slot, layer, b, "q_rot", "reference");
     for (int64_t e = 0; e < krow(); ++e) x[e] = load_elem(dt_, k_in(t), e);
-    b = compare_rotated(k_rot(t), false, x.data(), tk.pos, Hk());
+    b = compare_rotated(k_rot(t), false, x.data(), layer, tk.pos, Hk());
     report("k_rot vs reference (--check-all)", tk.req, tk.pos, tk.slot, layer, b, "k_rot", "reference");
   }
 }
@@ -864,7 +876,7 @@ void Engine::check_cached(int64_t req, int64_t pos, int64_t layer, const char* w
            b, "v_pool", kv_ == KvDtype::kAuto ? "v" : "encode(v)");
   gen_row(key(req, pos, layer, 1), krow(), regen.data());
   load_row(dt_, regen.data(), krow(), x.data());
-  b = compare_rotated(k_pool(layer, slot), true, x.data(), pos, Hk());
+  b = compare_rotated(k_pool(layer, slot), true, x.data(), layer, pos, Hk());
   if (b.bad)
     report(std::string("k pool row ") + when + " vs float64 reference of k rotated at its position", req,
            pos, slot, layer, b, "k_pool", "reference");
@@ -879,7 +891,7 @@ void Engine::check_cached(int64_t req, int64_t pos, int64_t layer, const char* w
     o << "MISMATCH (k pool row " << when << " is not the row the call wrote: its hash differs): request "
       << req << ", token " << pos << ", layer " << layer << ", head " << hd << "\n  slot " << slot;
     if (!is_fp8(kv_)) {
-      Bad h = compare_rotated(row, true, x.data() + hd * D(), pos, 1, 0.5);
+      Bad h = compare_rotated(row, true, x.data() + hd * D(), layer, pos, 1, 0.5);
       if (h.bad)
         o << ", dim " << h.dim << ": k_pool " << fmt_elem(PE_, h.got_bits, h.got) << ", reference " << h.want
           << " (more than half an ulp off: not the nearest rounding)";
