@@ -414,13 +414,13 @@ int main(int argc, char** argv) {
                 opt.fused_qkv ? "fused (strided views)" : "separate");
     if (model.ropes.size() > 1)
       for (size_t i = 0; i < model.ropes.size(); ++i) {
-        std::string which;  // the first 8 replayed layers of this type
-        int64_t n = 0;
-        for (int64_t l = 0; l < L; ++l)
-          if (model.rope_index(l) == i && n++ < 8) which += (n == 1 ? ": " : ", ") + std::to_string(l);
-        if (n > 8) which += ", ...";
-        std::printf("rope      %s: %s; %lld of the replayed layers%s\n", model.ropes[i].layer_type.c_str(),
-                    rope_desc(model.ropes[i]).c_str(), static_cast<long long>(n), which.c_str());
+        const std::vector<int64_t> layers_i = model.layers_of(i, L);
+        std::string which;  // the first 8 of them
+        for (size_t k = 0; k < layers_i.size() && k < 8; ++k)
+          which += (k == 0 ? ": " : ", ") + std::to_string(layers_i[k]);
+        if (layers_i.size() > 8) which += ", ...";
+        std::printf("rope      %s: %s; %zu of the replayed layers%s\n", model.ropes[i].layer_type.c_str(),
+                    rope_desc(model.ropes[i]).c_str(), layers_i.size(), which.c_str());
       }
     if (opt.kv_dtype != KvDtype::kAuto)
       std::printf("kv cache  %s pools%s\n", kv_dtype_name(opt.kv_dtype),
@@ -559,9 +559,7 @@ int main(int argc, char** argv) {
         for (size_t i = 0; i < model.ropes.size(); ++i) {
           nlohmann::ordered_json t{{"layer_type", model.ropes[i].layer_type}};
           rope_json(model.ropes[i], t);
-          t["layers"] = nlohmann::ordered_json::array();
-          for (int64_t l = 0; l < model.num_layers; ++l)
-            if (model.rope_index(l) == i) t["layers"].push_back(l);
+          t["layers"] = model.layers_of(i, model.num_layers);
           j["model"]["rope_per_layer_type"].push_back(t);
         }
       }

@@ -56,6 +56,13 @@ struct ModelConfig {
     return layer_rope.empty() ? 0 : static_cast<size_t>(layer_rope[static_cast<size_t>(layer)]);
   }
   const LayerRope& rope(int64_t layer) const { return ropes[rope_index(layer)]; }
+  /// The layers, among the first `layers`, whose parameters are ropes[i].
+  std::vector<int64_t> layers_of(size_t i, int64_t layers) const {
+    std::vector<int64_t> out;
+    for (int64_t l = 0; l < layers; ++l)
+      if (rope_index(l) == i) out.push_back(l);
+    return out;
+  }
 };
 
 /// Reads and checks a config.json. Throws InputError with the file name and
