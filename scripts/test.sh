@@ -12,7 +12,7 @@ ctest --test-dir build --output-on-failure -j"$(nproc)"
 # without them, as on a GPU machine without network): here they must be.
 .venv/bin/python -c "import mlx.core, jax, torch, transformers"
 .venv/bin/python -m pytest tests/python -q
-# The GPU suite's device-agnostic tests on the CPU backend (about 4 minutes
+# The GPU suite's device-agnostic tests on the CPU backend (about 2 minutes
 # here), so that a change to the Python layer cannot break it unseen between
 # GPU sessions; the CUDA-only ones skip.
 ROPEKV_TEST_DEVICE=cpu .venv/bin/python -m pytest tests/gpu/test_cuda.py -q

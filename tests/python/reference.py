@@ -129,10 +129,11 @@ def rope(x: np.ndarray, positions: np.ndarray, base: float, rotary_dim: int | No
         th = angles(positions, R, base, inv_freq)[:, None, :]
         m = np.float64(np.float32(attention_factor))
         c, s = np.cos(th) * m, np.sin(th) * m
+    # Slices, not index arrays: views, several times faster on large T.
     if is_neox:
-        i1, i2 = np.arange(half), np.arange(half, R)
+        i1, i2 = slice(0, half), slice(half, R)
     else:
-        i1, i2 = np.arange(0, R, 2), np.arange(1, R, 2)
+        i1, i2 = slice(0, R, 2), slice(1, R, 2)
     x1, x2 = x[..., i1], x[..., i2]
     out = x.copy()
     out[..., i1] = x1 * c - x2 * s
@@ -165,10 +166,11 @@ def fp8_decode(bits_u8: np.ndarray, kind: str) -> np.ndarray:
 
 def ulp(dtype: np.dtype, ref: np.ndarray) -> np.ndarray:
     """One ulp of `dtype` at |ref| (the subnormal spacing below the normals)."""
-    a = np.abs(ref)
-    e = np.floor(np.log2(np.where(a > 0, a, 1.0)))
-    e = np.maximum(e, MIN_NORMAL_EXP[dtype])
-    return np.ldexp(1.0, (e - MANTISSA_BITS[dtype]).astype(np.int64))
+    # frexp: |ref| = m 2^e with m in [0.5, 1), so floor(log2 |ref|) = e - 1,
+    # read from the bits (a third of log2's time on large arrays).
+    _, e = np.frexp(np.where(ref != 0, ref, 1.0))
+    e = np.maximum(e - 1, MIN_NORMAL_EXP[dtype])
+    return np.ldexp(1.0, e - MANTISSA_BITS[dtype])
 
 
 def tolerance(dtype: np.dtype, ref: np.ndarray, mag: np.ndarray, rel: float = 4.0) -> np.ndarray:
