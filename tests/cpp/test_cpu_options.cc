@@ -497,28 +497,23 @@ uint64_t pool_ref(const OptSpec& s, uint64_t bits, double x, double scale) {
 
 // ============================================================ the checks
 
-void mark_bytes(std::map<const Storage*, std::vector<bool>>* masks, const Storage* st, int64_t byte,
-                int64_t n) {
-  auto& m = (*masks)[st];
-  if (m.empty()) m.assign(st->size, false);
-  for (int64_t b = 0; b < n; ++b) m[byte + b] = true;
-}
-
 void check_opt(const OptCase& c, const OptExpected& e,
                const std::map<const Storage*, std::vector<uint8_t>>& before) {
   const OptSpec& s = c.s;
   int64_t bad = check_rotated(c.q_rot, e.q, e.q_tol, "q_rot", 8);
   bad += check_rotated(c.k_rot, e.k, e.k_tol, "k_rot", 8);
 
-  std::map<const Storage*, std::vector<bool>> may_change;
+  WriteMask may_change;
+  auto& mq = may_change.of(c.q_rot.storage().get());
+  auto& mk = may_change.of(c.k_rot.storage().get());
+  auto& mkp = may_change.of(c.k_pool.storage());
+  auto& mvp = may_change.of(c.v_pool.storage());
   const int64_t es = dtype_size(s.dtype), pe = c.k_pool.elem_size();
   for (int64_t t = 0; t < s.T; ++t) {
     for (int64_t h = 0; h < s.Hq; ++h)
-      for (int64_t d = 0; d < s.D; ++d)
-        mark_bytes(&may_change, c.q_rot.storage().get(), c.q_rot.off(t, h, d) * es, es);
+      for (int64_t d = 0; d < s.D; ++d) WriteMask::set(mq, c.q_rot.off(t, h, d) * es, es);
     for (int64_t h = 0; h < s.Hk; ++h)
-      for (int64_t d = 0; d < s.D; ++d)
-        mark_bytes(&may_change, c.k_rot.storage().get(), c.k_rot.off(t, h, d) * es, es);
+      for (int64_t d = 0; d < s.D; ++d) WriteMask::set(mk, c.k_rot.off(t, h, d) * es, es);
     const int64_t slot = c.slots.index(t);
     if (slot < 0) continue;
     for (int64_t h = 0; h < s.Hk; ++h)
@@ -537,21 +532,13 @@ void check_opt(const OptCase& c, const OptExpected& e,
                           << " want 0x" << want_v << " (v 0x" << c.v.raw(vo) << ")" << std::dec;
           ++bad;
         }
-        mark_bytes(&may_change, c.k_pool.storage(), c.k_pool.off(slot, h, d) * pe, pe);
-        mark_bytes(&may_change, c.v_pool.storage(), c.v_pool.off(slot, h, d) * pe, pe);
+        WriteMask::set(mkp, c.k_pool.off(slot, h, d) * pe, pe);
+        WriteMask::set(mvp, c.v_pool.off(slot, h, d) * pe, pe);
       }
   }
   for (const auto& [storage, snap] : before) {
-    auto it = may_change.find(storage);
-    const std::vector<bool>* mask = it == may_change.end() ? nullptr : &it->second;
-    int64_t changed = 0, first = -1;
-    for (size_t b = 0; b < storage->size; ++b) {
-      if (mask && (*mask)[b]) continue;
-      if (storage->base[b] != snap[b]) {
-        if (first < 0) first = static_cast<int64_t>(b);
-        ++changed;
-      }
-    }
+    int64_t first = -1;
+    const int64_t changed = may_change.changed_outside(storage, snap, &first);
     if (changed) {
       ADD_FAILURE() << changed << " byte(s) the call must not touch changed (first at byte "
                     << first << " of a buffer of " << storage->size << ")";

@@ -719,13 +719,41 @@ struct Snapshot {
   }
 };
 
-/// Marks the bytes of element offsets in a per-storage mask.
-inline void mark(std::map<const Storage*, std::vector<bool>>* masks, const Tensor& t, int64_t elem) {
-  auto& m = (*masks)[t.storage().get()];
-  if (m.empty()) m.assign(t.storage()->size, false);
-  const int64_t es = dtype_size(t.dtype());
-  for (int64_t b = 0; b < es; ++b) m[elem * es + b] = true;
-}
+/// The bytes a call may write, per storage: every other byte must still hold
+/// its snapshot. Callers take a storage's mask once (`of`) and mark bytes in
+/// it, as the checks mark every element of every output (a lookup per
+/// element made them most of a large test's time under the sanitizers).
+class WriteMask {
+ public:
+  /// The mask of st's bytes (1 = may change), all clear at first; the
+  /// reference stays valid while this object lives.
+  std::vector<uint8_t>& of(const Storage* st) {
+    auto& m = masks_[st];
+    if (m.empty()) m.assign(st->size, 0);
+    return m;
+  }
+  /// Marks n bytes from `byte` in a mask from `of`.
+  static void set(std::vector<uint8_t>& m, int64_t byte, int64_t n) {
+    std::memset(m.data() + byte, 1, static_cast<size_t>(n));
+  }
+  /// The bytes of st outside its mask that differ from snap; *first the
+  /// first of them (-1 if none).
+  int64_t changed_outside(const Storage* st, const std::vector<uint8_t>& snap, int64_t* first) const {
+    const auto it = masks_.find(st);
+    const uint8_t* mask = it == masks_.end() ? nullptr : it->second.data();
+    int64_t changed = 0;
+    *first = -1;
+    for (size_t b = 0; b < st->size; ++b) {
+      if ((mask && mask[b]) || st->base[b] == snap[b]) continue;
+      if (*first < 0) *first = static_cast<int64_t>(b);
+      ++changed;
+    }
+    return changed;
+  }
+
+ private:
+  std::map<const Storage*, std::vector<uint8_t>> masks_;
+};
 
 /// The smallest magnitude that rounds to Inf in format f (max + half an ulp).
 inline double overflow_threshold(Format f) {
@@ -779,12 +807,17 @@ inline void check_call(const Case& c, const Expected& e, const Snapshot& before,
   int64_t bad = check_rotated(c.q_rot, e.q, e.q_tol, "q_rot", 8, skip_tokens);
   bad += check_rotated(c.k_rot, e.k, e.k_tol, "k_rot", 8, skip_tokens);
 
-  std::map<const Storage*, std::vector<bool>> may_change;
+  WriteMask may_change;
+  auto& mq = may_change.of(c.q_rot.storage().get());
+  auto& mk = may_change.of(c.k_rot.storage().get());
+  auto& mkp = may_change.of(c.k_pool.storage().get());
+  auto& mvp = may_change.of(c.v_pool.storage().get());
+  const int64_t es = dtype_size(c.q_rot.dtype()), pe = dtype_size(c.k_pool.dtype());
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t h = 0; h < Hq; ++h)
-      for (int64_t d = 0; d < D; ++d) mark(&may_change, c.q_rot, c.q_rot.off(t, h, d));
+      for (int64_t d = 0; d < D; ++d) WriteMask::set(mq, c.q_rot.off(t, h, d) * es, es);
     for (int64_t h = 0; h < Hk; ++h)
-      for (int64_t d = 0; d < D; ++d) mark(&may_change, c.k_rot, c.k_rot.off(t, h, d));
+      for (int64_t d = 0; d < D; ++d) WriteMask::set(mk, c.k_rot.off(t, h, d) * es, es);
     const int64_t slot = c.slots.index(t);
     if (slot < 0) continue;
     for (int64_t h = 0; h < Hk; ++h)
@@ -800,21 +833,13 @@ inline void check_call(const Case& c, const Expected& e, const Snapshot& before,
                           << ", v_pool 0x" << vp << " vs v 0x" << vv << std::dec;
           ++bad;
         }
-        mark(&may_change, c.k_pool, c.k_pool.off(slot, h, d));
-        mark(&may_change, c.v_pool, c.v_pool.off(slot, h, d));
+        WriteMask::set(mkp, c.k_pool.off(slot, h, d) * pe, pe);
+        WriteMask::set(mvp, c.v_pool.off(slot, h, d) * pe, pe);
       }
   }
   for (const auto& [storage, snap] : before.bytes) {
-    auto it = may_change.find(storage);
-    const std::vector<bool>* mask = it == may_change.end() ? nullptr : &it->second;
-    int64_t changed = 0, first = -1;
-    for (size_t b = 0; b < storage->size; ++b) {
-      if (mask && (*mask)[b]) continue;
-      if (storage->base[b] != snap[b]) {
-        if (first < 0) first = static_cast<int64_t>(b);
-        ++changed;
-      }
-    }
+    int64_t first = -1;
+    const int64_t changed = may_change.changed_outside(storage, snap, &first);
     if (changed) {
       const char* which = "?";
       for (const auto& [n, t] : std::vector<std::pair<const char*, const Tensor*>>{
