@@ -333,10 +333,11 @@ void Engine::make_cos_sin(int64_t max_pos) {
   // library's; the angle and the rotation are the tool's): theta =
   // fp32(fp32(pos) * inv_freq[i]) (the product of two fp32 numbers is exact
   // in double, then rounded once), times yarn's attention factor m in fp32;
-  // one table per layer type.
+  // one table per layer type that a replayed layer has.
   const int64_t h = R() / 2;
   tables_.assign(m_.ropes.size(), {});
   for (size_t kind = 0; kind < m_.ropes.size(); ++kind) {
+    if (m_.layers_of(kind, L_).empty()) continue;
     const LayerRope& lr = m_.ropes[kind];
     const std::vector<float> inv = ropekv::rope_inv_freq(rope_config(m_, lr));
     if (static_cast<int64_t>(inv.size()) != h)
