@@ -651,9 +651,14 @@ Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
   if (D < 2 || D % 2 != 0)
     fail("head_dim must be even and >= 2, got " + std::to_string(D));
   const int64_t R = cfg.rotary_dim == 0 ? D : cfg.rotary_dim;
-  if (R < 2 || R % 2 != 0 || R > D)
+  if (R < 2 || R % 2 != 0 || R > D) {
+    // The Python call takes rotary_dim from a table's width when not given.
+    const DLTensor& c = t.cos_sin_cache;
+    const bool table = present(c) && c.ndim == 2 && c.shape[1] == R;
     fail("rotary_dim must be even and in [2, head_dim], got " + std::to_string(R) +
-         " for head_dim " + std::to_string(D));
+         " for head_dim " + std::to_string(D) +
+         (table ? " (the width of cos_sin_cache, shape " + shape_str(c) + ")" : ""));
+  }
   if (Hq < 1) fail("num_qo_heads must be >= 1, got " + std::to_string(Hq));
   if (Hk < 1) fail("num_kv_heads must be >= 1, got " + std::to_string(Hk));
   if (!std::isfinite(cfg.rope_base) || cfg.rope_base <= 0.0)
