@@ -13,7 +13,9 @@ ctest --test-dir build --output-on-failure -j"$(nproc)"
 .venv/bin/python -c "import mlx.core, jax, torch, transformers"
 .venv/bin/python -m pytest tests/python -q
 # The GPU suite's device-agnostic tests on the CPU backend (about 2 minutes
-# here), so that a change to the Python layer cannot break it unseen between
-# GPU sessions; the CUDA-only ones skip.
-ROPEKV_TEST_DEVICE=cpu .venv/bin/python -m pytest tests/gpu/test_cuda.py -q
+# here, in a process per core up to four: a quarter less than in one), so
+# that a change to the Python layer cannot break it unseen between GPU
+# sessions; the CUDA-only ones skip.
+workers=$(( $(nproc) < 4 ? $(nproc) : 4 ))
+ROPEKV_TEST_DEVICE=cpu .venv/bin/python -m pytest tests/gpu/test_cuda.py -q -n "$workers"
 scripts/sanitize.sh
