@@ -721,8 +721,8 @@ struct Snapshot {
 
 /// The bytes a call may write, per storage: every other byte must still hold
 /// its snapshot. Callers take a storage's mask once (`of`) and mark bytes in
-/// it, as the checks mark every element of every output (a lookup per
-/// element made them most of a large test's time under the sanitizers).
+/// it: the checks mark every element of every output, and a map lookup per
+/// element was a large part of the large option tests' time.
 class WriteMask {
  public:
   /// The mask of st's bytes (1 = may change), all clear at first; the

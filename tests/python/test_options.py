@@ -391,17 +391,19 @@ def test_cos_sin_cache_infers_rotary_dim():
     assert bits(a) == bits(b)
 
 
-@pytest.mark.parametrize("width", [15, 18, 0])
-def test_cos_sin_cache_width_that_cannot_be_rotary_dim(width):
+@pytest.mark.parametrize("width,match", [
+    (15, r"^rotary_dim must be even and in \[2, head_dim\], got 15 for head_dim 16 "
+         r"\(the width of cos_sin_cache, shape \(8, 15\)\)$"),
+    (18, r"^rotary_dim must be even and in \[2, head_dim\], got 18 for head_dim 16 "
+         r"\(the width of cos_sin_cache, shape \(8, 18\)\)$"),
+    # (a width of 0 would be the core's "head_dim": the table's shape error)
+    (0, r"^cos_sin_cache shape must be \[max_position, rotary_dim\] = \[>= 1, 16\], "
+        r"got \(8, 0\)$"),
+])
+def test_cos_sin_cache_width_that_cannot_be_rotary_dim(width, match):
     """rotary_dim omitted and a table too wide or odd: the error names the
     table, whose width the call took as rotary_dim."""
-    if width == 0:  # (0 would be the core's "head_dim": a shape error instead)
-        assert_rejected(r"^cos_sin_cache shape must be \[max_position, rotary_dim\] = \[>= 1, 16\], "
-                        r"got \(8, 0\)$", cos_sin_cache=np.zeros((8, 0), np.float32))
-        return
-    assert_rejected(rf"^rotary_dim must be even and in \[2, head_dim\], got {width} for head_dim 16 "
-                    rf"\(the width of cos_sin_cache, shape \(8, {width}\)\)$",
-                    cos_sin_cache=randn((8, width), np.float32))
+    assert_rejected(match, cos_sin_cache=randn((8, width), np.float32))
 
 
 # --- inplace and preallocated outputs ---------------------------------------------------
