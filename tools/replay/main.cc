@@ -322,7 +322,7 @@ int main(int argc, char** argv) {
   app.add_flag("--progress", progress, "progress bar on stderr even when it is not a terminal");
   app.add_flag("--no-progress", no_progress, "no progress bar");
   app.add_option("--inject-fault", fault, "testing: corrupt one result to prove the checks fail")
-      ->check(CLI::IsMember({"pool-k", "pool-v", "k-rot", "q-rot", "stray"}))
+      ->check(CLI::IsMember({"pool-k", "pool-v", "k-rot", "q-rot", "stray", "rope-type"}))
       ->group("");
   app.add_option("--inject-at", inject_at, "testing: first call index eligible for the fault")
       ->check(CLI::NonNegativeNumber)
@@ -381,6 +381,8 @@ int main(int argc, char** argv) {
     const std::string config_path = resolve_config(config_arg);
     ModelConfig model = load_model_config(config_path);
     check_supported(model, ignore_scaling);
+    if (fault == "rope-type" && model.ropes.size() < 2)
+      throw InputError("--inject-fault rope-type needs a config with RoPE per layer type");
 
     Workload wl;
     if (!trace.empty()) {

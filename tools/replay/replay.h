@@ -36,7 +36,7 @@ struct ReplayOptions {
   int spot_checks = 4;      ///< (layer, token, head) samples of q_rot and of k_rot per step
   bool check_all = false;   ///< check every q_rot/k_rot element of every call
   bool progress = false;    ///< progress bar on stderr
-  std::string inject_fault;  ///< hidden: "", pool-k, pool-v, k-rot, q-rot, stray
+  std::string inject_fault;  ///< hidden: "", pool-k, pool-v, k-rot, q-rot, stray, rope-type
   int64_t inject_at = 100;   ///< hidden: first call index eligible for the fault
 };
 
