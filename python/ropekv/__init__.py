@@ -22,6 +22,7 @@ from __future__ import annotations
 import numbers
 import operator
 import os
+import re as _re
 import sys as _sys
 from typing import Any, Optional, Tuple
 
@@ -44,6 +45,11 @@ __version__: str = _ext.__version__
 
 _NAMES = ("q", "k", "v", "positions", "slots", "k_pool", "v_pool", "q_rot", "k_rot")
 _ALL_NAMES = _NAMES + ("cos_sin_cache", "q_norm_weight", "k_norm_weight")
+# The core names the outputs as its C++ struct does (q_rot, k_rot; the in-place
+# call is q_rot = q there); _in_callers_names puts the caller's names in.
+_CORE_IN_PLACE = "the in-place call, q_rot = q and k_rot = k exactly"
+_PY_IN_PLACE = "the in-place call: inplace=True, or q_out=q and k_out=k exactly"
+_OUTPUT_NAME = _re.compile(r"\b([qk])_rot\b")
 
 
 def _checked_from_env(value: str) -> bool:
@@ -290,6 +296,18 @@ def _torch_fast() -> Optional[Tuple[Any, ...]]:
         _register_fast_torch(torch)
         _FAST_TENSOR = torch.Tensor
     return _TORCH_FAST
+
+
+def _in_callers_names(error: ValueError, q_name: str, k_name: str) -> ValueError:
+    """The core's message of `error` in the Python call's terms: its q_rot and
+    k_rot are named as the caller passed them (q_name, k_name: "q_out" or "q"
+    with inplace=True; "q_rot" for an output ropekv made), and its in-place
+    exception as the Python call spells it."""
+    message = str(error).replace(_CORE_IN_PLACE, _PY_IN_PLACE)
+    if q_name != "q_rot" or k_name != "k_rot":
+        names = {"q": q_name, "k": k_name}
+        message = _OUTPUT_NAME.sub(lambda m: names[m.group(1)], message)
+    return ValueError(message)
 
 
 def _torch_written(tf: Tuple[Any, ...], k_pool: Any, v_pool: Any, q_out: Any, k_out: Any,
@@ -855,7 +873,9 @@ def rope_pool_fused(
             rule) or that cannot be imported, for a PyTorch tensor the call
             writes that requires grad while grad mode is on (autograd could
             not record the write), and for a negative num_threads (the last
-            check). Everything
+            check). A message names an output as it was passed: q_out /
+            k_out, or q / k with inplace=True (q_rot / k_rot for one ropekv
+            makes). Everything
             is checked before the first write: a call that raises leaves
             every array as it was. On a GPU, an out-of-range slot (or a
             position outside cos_sin_cache) is skipped and raised only in
@@ -869,6 +889,8 @@ def rope_pool_fused(
                or not _is_number(v_scale, 1.0) or cos_sin_cache is not None
                or q_norm_weight is not None or k_norm_weight is not None or is_neox is not True
                or rope_scaling is not None or not _is_number(norm_eps, 1e-6))
+    # The caller's names of the outputs, for the messages.
+    q_name, k_name = ("q_rot" if q_out is None else "q_out"), ("k_rot" if k_out is None else "k_out")
     if inplace is not False:
         if inplace is not True and not isinstance(inplace, _np.bool_):
             raise ValueError(f"inplace must be a bool, got {inplace!r}")
@@ -876,6 +898,7 @@ def rope_pool_fused(
             if q_out is not None or k_out is not None:
                 raise ValueError("inplace=True writes q and k themselves: pass no q_out/k_out")
             q_out, k_out = q, k
+            q_name, k_name = "q", "k"
     # The PyTorch tensors the call writes (none where all are numpy: no cost there).
     written: Tuple[Any, ...] = ()
     if not (type(k_pool) is _np.ndarray and type(v_pool) is _np.ndarray
@@ -903,11 +926,14 @@ def rope_pool_fused(
             except Exception:  # noqa: BLE001 - the general path reports it
                 scaling = _DECLINE
         if scaling is not _DECLINE:
-            done = _ext.run_fast(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out,
-                                 head_dim, num_qo_heads, num_kv_heads, rope_base, fast_rotary_dim,
-                                 is_neox, scaling, num_threads, _checked, cos_sin_cache,
-                                 q_norm_weight, k_norm_weight, norm_eps, kv_code, k_scale,
-                                 v_scale)
+            try:
+                done = _ext.run_fast(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out,
+                                     head_dim, num_qo_heads, num_kv_heads, rope_base,
+                                     fast_rotary_dim, is_neox, scaling, num_threads, _checked,
+                                     cos_sin_cache, q_norm_weight, k_norm_weight, norm_eps,
+                                     kv_code, k_scale, v_scale)
+            except ValueError as e:
+                raise _in_callers_names(e, q_name, k_name) from None
             if done is not None:
                 if written:
                     _bump_versions(written)
@@ -916,7 +942,8 @@ def rope_pool_fused(
     if tf is not None:
         # Sparse (or MKL-DNN) tensors have no strided memory to read in place.
         for x, name in zip((q, k, v, positions, slots, k_pool, v_pool, q_out, k_out,
-                            cos_sin_cache, q_norm_weight, k_norm_weight), _ALL_NAMES):
+                            cos_sin_cache, q_norm_weight, k_norm_weight),
+                           _NAMES[:7] + (q_name, k_name) + _ALL_NAMES[9:]):
             if isinstance(x, tf[0]) and x.layout is not tf[4]:
                 raise ValueError(f"{name} is a PyTorch tensor of layout {x.layout}: ropekv reads "
                                  f"strided (dense) memory; pass {name}.to_dense()")
@@ -969,7 +996,7 @@ def rope_pool_fused(
             else:  # an output of a q or k that is not 3-D
                 converted.append(None)
             continue
-        name = _NAMES[i]
+        name = _NAMES[i] if i < 7 else (q_name, k_name)[i - 7]
         a, view, read_only = _as_array(x, name, written=i >= 5)
         if read_only and i in (5, 6) and _framework(x) in ("jax", "jaxlib"):
             raise ValueError(f"{name} is a JAX array, which is immutable, but ropekv writes the "
@@ -1031,8 +1058,9 @@ def rope_pool_fused(
             f"protocol (a read-only array behind a pre-1.0 __dlpack__ cannot be exported): "
             f"pass numpy arrays or a DLPack 1.0 producer; {str(e).splitlines()[0]}") from e
     except ValueError as e:
+        e = _in_callers_names(e, q_name, k_name)
         if not missing:
-            raise
+            raise e from None
         raise ValueError(f"{e} ({' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
                          f"None: pass an array)") from None
     if _framework(q) in ("jax", "jaxlib"):

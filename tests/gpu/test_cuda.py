@@ -523,10 +523,10 @@ def test_arrays_sharing_memory_raise_on_the_gpu():
     k0, v0 = kp.clone(), vp.clone()
     with pytest.raises(ValueError, match=r"^k_pool overlaps v_pool in memory"):
         call(q, k, v, pos, slots, kp, kp[:], 1e4)
-    with pytest.raises(ValueError, match=r"^k_rot overlaps v in memory"):
+    with pytest.raises(ValueError, match=r"^k_out overlaps v in memory"):
         call(q, k, v, pos, slots, kp, vp, 1e4, k_out=v)
     buf = torch.randn(T * Hq * D + 1, device=DEV).to(torch.bfloat16)
-    with pytest.raises(ValueError, match=r"^q_rot overlaps q in memory"):
+    with pytest.raises(ValueError, match=r"^q_out overlaps q in memory"):
         call(buf[:-1].view(T, Hq, D), k, v, pos, slots, kp, vp, 1e4,
              q_out=buf[1:].view(T, Hq, D))
     assert same_bits(kp, k0) and same_bits(vp, v0)

@@ -380,15 +380,15 @@ def test_pools_sharing_memory(rng):
 
 def test_output_over_an_input(rng):
     arrays, kw = make_call(rng)
-    kw["k_out"] = arrays["v"]  # k_rot would overwrite v before the pool gets it
-    expect_error(arrays, kw, "k_rot overlaps v in memory")
+    kw["k_out"] = arrays["v"]  # k_out would overwrite v before the pool gets it
+    expect_error(arrays, kw, "k_out overlaps v in memory")
 
 
 def test_output_inside_a_pool(rng):
     arrays, kw = make_call(rng)
     flat = arrays["k_pool"].reshape(-1)
     kw["q_out"] = flat[:T * HQ * D].reshape(T, HQ, D)
-    expect_error(arrays, kw, "k_pool overlaps q_rot in memory")
+    expect_error(arrays, kw, "k_pool overlaps q_out in memory")
 
 
 def test_shifted_alias_is_not_in_place(rng):
@@ -398,7 +398,7 @@ def test_shifted_alias_is_not_in_place(rng):
     buf = rng.standard_normal(T * HQ * D + 1).astype(np.float32)
     arrays["q"] = buf[:-1].reshape(T, HQ, D)
     kw["q_out"] = buf[1:].reshape(T, HQ, D)
-    expect_error(arrays, kw, "q_rot overlaps q in memory")
+    expect_error(arrays, kw, "q_out overlaps q in memory")
 
 
 def test_views_of_one_buffer_that_do_not_overlap(rng):

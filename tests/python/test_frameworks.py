@@ -91,8 +91,7 @@ def test_torch_tensor_without_memory_is_an_error_not_a_lost_write(which, offset,
     arrays[which].untyped_storage().resize_(0)
     assert arrays[which].data_ptr() == offset * H * D * 4
     before = {n: a.clone() for n, a in arrays.items() if n != which}
-    with pytest.raises(ValueError, match=rf"^{which if which != 'q_out' else 'q_rot'} has no data "
-                                         r"pointer"):
+    with pytest.raises(ValueError, match=rf"^{which} has no data pointer"):
         ropekv.rope_pool_fused(q, q, q, torch.arange(T), torch.arange(T), arrays["k_pool"],
                                arrays["v_pool"], head_dim=D, num_qo_heads=H, num_kv_heads=H,
                                rope_base=1e4, q_out=arrays["q_out"], stream=stream)
@@ -101,7 +100,7 @@ def test_torch_tensor_without_memory_is_an_error_not_a_lost_write(which, offset,
 
 
 @pytest.mark.parametrize("stream", [None, 0])  # the binding's fast path, and the general path
-@pytest.mark.parametrize("which", ["q", "positions", "k_pool", "k_rot", "cos_sin_cache"])
+@pytest.mark.parametrize("which", ["q", "positions", "k_pool", "k_out", "cos_sin_cache"])
 def test_torch_sparse_tensor_is_a_value_error(which, stream):
     """A sparse tensor has no strided memory: a ValueError naming it (not
     PyTorch's TypeError or RuntimeError), nothing written."""
@@ -109,16 +108,16 @@ def test_torch_sparse_tensor_is_a_value_error(which, stream):
     g = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 62)))
     a = {"q": torch.randn(T, H, D, generator=g), "positions": torch.arange(T),
          "k_pool": torch.randn(4, H, D, generator=g), "v_pool": torch.randn(4, H, D, generator=g),
-         "k_rot": torch.full((T, H, D), float("nan")),
+         "k_out": torch.full((T, H, D), float("nan")),
          "cos_sin_cache": torch.randn(8, D, generator=g)}
     a[which] = a[which].to_sparse()
-    before = {n: a[n].clone() for n in ("k_pool", "v_pool", "k_rot") if n != which}
+    before = {n: a[n].clone() for n in ("k_pool", "v_pool", "k_out") if n != which}
     with pytest.raises(ValueError, match=rf"^{which} is a PyTorch tensor of layout torch.sparse_coo"
                                          rf": ropekv reads strided \(dense\) memory; pass "
                                          rf"{which}.to_dense\(\)$"):
         ropekv.rope_pool_fused(a["q"], a["q"], a["q"], a["positions"], torch.arange(T),
                                a["k_pool"], a["v_pool"], head_dim=D, num_qo_heads=H,
-                               num_kv_heads=H, rope_base=1e4, k_out=a["k_rot"],
+                               num_kv_heads=H, rope_base=1e4, k_out=a["k_out"],
                                cos_sin_cache=a["cos_sin_cache"], stream=stream)
     for n, x in before.items():
         assert bits(a[n].numpy()) == bits(x.numpy()), n

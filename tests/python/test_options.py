@@ -424,6 +424,56 @@ def test_inplace_conflicts_with_outputs():
                                inplace=True, q_out=q.copy())
 
 
+def _read_only(shape):
+    x = randn(shape, np.float32)
+    x.flags.writeable = False
+    return x
+
+
+@pytest.mark.parametrize("arrays, options, want", [
+    # outputs the caller passed: named q_out / k_out
+    ({}, dict(q_out=[0.0]), "q_out must be an array"),
+    ({}, dict(k_out=np.empty((3, 1, 18), np.float32)), "k_out shape must match k shape"),
+    ({}, dict(q_out=_read_only((3, 2, 16))), "q_out is read-only, but ropekv writes into it"),
+    ({}, dict(k_out=_read_only((3, 1, 16)), is_neox=False), "k_out is read-only"),
+    ({}, dict(q_out=np.empty((3, 2, 16), np.float16), k_out=np.empty((3, 1, 16), np.float32)),
+     "q_out/k_out dtype must match q/k/v dtype, got q_out float16, k_out float32 for float32"),
+    ({}, dict(q_out=np.empty((3, 2, 16), np.float16)),
+     "q_out/k_rot dtype must match q/k/v dtype, got q_out float16, k_rot float32"),
+    # in place: q and k themselves
+    (dict(q=_read_only((3, 2, 16))), dict(inplace=True), "q is read-only, but ropekv writes"),
+    (dict(k=_read_only((3, 1, 16))),
+     dict(inplace=True, rope_scaling={"rope_type": "linear", "factor": 2.0}), "k is read-only"),
+])
+def test_errors_name_the_outputs_as_the_caller_passed_them(arrays, options, want):
+    """A message about an output names what the caller passed (q_out, k_out,
+    or q and k with inplace=True), not the returned values' names, on the
+    fast path and (with an option) the general one; nothing is written."""
+    T, D = 3, 16
+    a = dict(q=randn((T, 2, D), np.float32), k=randn((T, 1, D), np.float32),
+             v=randn((T, 1, D), np.float32), positions=np.arange(T), slots=np.arange(T),
+             k_pool=randn((8, 1, D), np.float32), v_pool=randn((8, 1, D), np.float32))
+    a.update(arrays)
+    before = [bits(x) for x in a.values()]
+    with pytest.raises(ValueError) as info:
+        ropekv.rope_pool_fused(*a.values(), head_dim=D, num_qo_heads=2, num_kv_heads=1,
+                               rope_base=1e4, **options)
+    assert str(info.value).startswith(want), str(info.value)
+    assert [bits(x) for x in a.values()] == before
+
+
+def test_overlap_error_spells_the_in_place_call_as_python_does():
+    q = randn((3, 2, 16), np.float32)
+    with pytest.raises(ValueError, match=re.escape(
+            "q_out overlaps q in memory: an array the call writes may not share memory with "
+            "another of its arrays (the one exception is the in-place call: inplace=True, or "
+            "q_out=q and k_out=k exactly); pass separate arrays")):
+        ropekv.rope_pool_fused(q, randn((3, 1, 16), np.float32), randn((3, 1, 16), np.float32),
+                               np.arange(3), np.arange(3), randn((8, 1, 16), np.float32),
+                               randn((8, 1, 16), np.float32), head_dim=16, num_qo_heads=2,
+                               num_kv_heads=1, rope_base=1e4, q_out=q[::-1])
+
+
 # --- pools in other formats ---------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DT)
@@ -517,7 +567,7 @@ def test_fp8_typed_inputs_are_named_in_dtype_errors(kv_cache_dtype):
     kp32, vp32 = randn((4, 2, D), np.float32), randn((4, 2, D), np.float32)
     before = [bits(a) for a in (q_out, kp32, vp32)]
     with pytest.raises(ValueError, match="^" + re.escape(
-            "q_rot/k_rot dtype must match q/k/v dtype, got q_rot float8_e4m3fn, k_rot float32 "
+            "q_out/k_out dtype must match q/k/v dtype, got q_out float8_e4m3fn, k_out float32 "
             "for float32") + "$"):
         ropekv.rope_pool_fused(q32, q32, q32, np.arange(T), np.arange(T), kp32, vp32, head_dim=D,
                                num_qo_heads=2, num_kv_heads=2, rope_base=1e4, q_out=q_out,
