@@ -351,6 +351,23 @@ static ModelConfig load_model_config_json(const std::string& path) {
     if (!v->is_boolean()) fail(c, "\"rope_interleave\" must be true or false, got " + v->dump());
     c.is_neox = !v->get<bool>();
   }
+  // NoPE layers (Llama-4, SmolLM3: no_rope_layers[i] == 0; Cohere2: its
+  // full-attention layers) rotate nothing: an engine writes their pool rows
+  // without a rotation, a call ropekv does not have (rotary_dim >= 2). Say so.
+  const std::string nope_tail = " use no RoPE (NoPE); replayed with RoPE (ropekv has no call without a rotation)";
+  if (auto it = j.find("no_rope_layers"); it != j.end() && it->is_array()) {
+    std::string layers;
+    int64_t n = 0;
+    for (size_t i = 0; i < it->size(); ++i)
+      if ((*it)[i].is_number() && (*it)[i].get<double>() == 0.0) {
+        if (n++ < 8) layers += (layers.empty() ? "" : ", ") + std::to_string(i);
+        else if (n == 9) layers += ", ...";
+      }
+    if (n > 0)
+      c.notes.push_back("no_rope_layers: " + std::to_string(n) + " layer" + (n == 1 ? "" : "s") +
+                        " (" + layers + ")" + nope_tail);
+  }
+  if (c.model_type == "cohere2") c.notes.push_back("cohere2: the full-attention layers" + nope_tail);
   if (field(j, {"kv_lora_rank"}, &which))
     c.notes.push_back("multi-head latent attention (kv_lora_rank): replayed as " +
                       std::to_string(c.num_kv_heads) + " key heads of head_dim " +
