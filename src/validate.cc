@@ -442,8 +442,9 @@ void check_rope_scaling(const RopeScaling& s) {
       check_positive(s.high_freq_factor, "rope_scaling high_freq_factor", " (llama3)");
       check_positive(s.original_max_position_embeddings,
                      "rope_scaling original_max_position_embeddings", " (llama3)");
-      if (!(s.high_freq_factor > s.low_freq_factor))
-        fail("rope_scaling high_freq_factor must be > low_freq_factor (llama3), got " +
+      // (Equal factors, as Llama-4 Scout ships, leave no band to smooth.)
+      if (!(s.high_freq_factor >= s.low_freq_factor))
+        fail("rope_scaling high_freq_factor must be >= low_freq_factor (llama3), got " +
              num_str(s.high_freq_factor) + " and " + num_str(s.low_freq_factor));
       return;
     case RopeScalingType::kYarn:

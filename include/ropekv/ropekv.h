@@ -77,7 +77,7 @@ struct RopeScaling {
   RopeScalingType type = RopeScalingType::kNone;
   double factor = 1.0;           ///< linear, llama3, yarn: finite, > 0
   double low_freq_factor = 0.0;  ///< llama3: finite, > 0
-  double high_freq_factor = 0.0; ///< llama3: finite, > low_freq_factor
+  double high_freq_factor = 0.0; ///< llama3: finite, >= low_freq_factor
   /// llama3, yarn: the pre-training context length, > 0.
   double original_max_position_embeddings = 0.0;
   double beta_fast = 32.0;  ///< yarn: rotations of the fast band, > 0

@@ -85,8 +85,11 @@ inline void fill_inv_freq(const FreqSpec& spec, float* out) {
         if (wavelen > omax / s.low_freq_factor) {
           f = base_freq / s.factor;
         } else if (wavelen >= omax / s.high_freq_factor) {
-          const double smooth =
-              (omax / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+          // Equal factors (Llama-4 Scout): the band is the one wavelength
+          // omax / low_freq_factor, where transformers' 0/0 gives NaN; it
+          // takes the scaled frequency there, as vLLM does (smooth 0).
+          const double span = s.high_freq_factor - s.low_freq_factor;
+          const double smooth = span > 0.0 ? (omax / wavelen - s.low_freq_factor) / span : 0.0;
           f = (1.0 - smooth) * base_freq / s.factor + smooth * base_freq;
         }
         break;

@@ -870,6 +870,7 @@ def test_partial_rotary(shape, dtype):
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
+LLAMA4_SCOUT = dict(LLAMA3, factor=16.0, high_freq_factor=1.0)  # equal factors
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
 YARN_MSCALE = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}
@@ -1081,8 +1082,8 @@ def test_options_gptj_interleaved_partial(dtype):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("scaling", [LINEAR, LLAMA3, YARN, YARN_MSCALE],
-                         ids=["linear", "llama3", "yarn", "yarn-mscale"])
+@pytest.mark.parametrize("scaling", [LINEAR, LLAMA3, LLAMA4_SCOUT, YARN, YARN_MSCALE],
+                         ids=["linear", "llama3", "llama4-scout", "yarn", "yarn-mscale"])
 def test_options_rope_scaling(scaling, dtype):
     # linear and llama3 change only the frequencies, yarn also multiplies cos and
     # sin: all three in the plain kernel (yarn with other options: test_options_qwen3_like).

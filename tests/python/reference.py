@@ -63,7 +63,8 @@ def hf_inv_freq(base: float, rotary_dim: int, rope_scaling=None) -> np.ndarray:
         old = float(rope_scaling["original_max_position_embeddings"])
         wavelen = 2 * math.pi / freq
         out = np.where(wavelen > old / lo, freq / factor, freq)
-        smooth = (old / wavelen - lo) / (hi - lo)
+        # (lo == hi: the band is one wavelength, taken as scaled: smooth 0)
+        smooth = (old / wavelen - lo) / (hi - lo) if hi > lo else np.zeros_like(freq)
         mid = ~(wavelen < old / hi) & ~(wavelen > old / lo)
         return np.where(mid, (1 - smooth) * out / factor + smooth * out, out)
     if kind == "yarn":

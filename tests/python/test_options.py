@@ -6,6 +6,7 @@ names are untouched. tests/gpu/test_cuda.py runs the same options on CUDA."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
@@ -20,6 +21,8 @@ RNG = np.random.default_rng()
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
 LLAMA32 = dict(LLAMA3, factor=32.0)
+# Llama-4 Scout's block: equal low and high factors, so no band is smoothed
+LLAMA4_SCOUT = dict(LLAMA3, factor=16.0, high_freq_factor=1.0)
 YARN_QWEN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
 YARN_MSCALE = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}
@@ -153,14 +156,14 @@ def test_interleaved_matches_mlx_traditional():
 # --- rope_scaling -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("scaling", [
-    LINEAR, LLAMA3, LLAMA32, YARN_QWEN, YARN_MSCALE,
+    LINEAR, LLAMA3, LLAMA32, LLAMA4_SCOUT, YARN_QWEN, YARN_MSCALE,
     # transformers' reading of yarn's optional keys: beta 0 is the default (get(k) or 32 / 1),
     # a null truncate does not truncate (get("truncate", True) is None, falsy)
     {**YARN_QWEN, "beta_fast": 0, "beta_slow": 0.0}, {**YARN_QWEN, "truncate": None},
     {**YARN_QWEN, "truncate": False},
     # a config read by numpy has numpy's bools
     {**YARN_QWEN, "truncate": np.False_}, {**YARN_QWEN, "truncate": np.True_}],
-    ids=["linear", "llama3.1", "llama3.2", "yarn", "yarn-mscale", "yarn-beta-0",
+    ids=["linear", "llama3.1", "llama3.2", "llama4-scout", "yarn", "yarn-mscale", "yarn-beta-0",
          "yarn-truncate-null", "yarn-truncate-false", "yarn-truncate-np-false",
          "yarn-truncate-np-true"])
 def test_inv_freq_matches_reference_formulas(scaling):
@@ -171,9 +174,23 @@ def test_inv_freq_matches_reference_formulas(scaling):
         assert m == pytest.approx(hf_attention_factor(scaling), rel=1e-15)
 
 
+def test_llama3_equal_factors_at_the_band_wavelength():
+    """Equal low and high factors leave one wavelength, old_context /
+    low_freq_factor, between the scaled and the unscaled bands. Made to be
+    pair 0's (2 pi, exactly), it gets the scaled frequency (vLLM's smooth 0;
+    transformers' 0/0 gives NaN there), the other pairs their band's."""
+    lo = 8192.0 / (2 * math.pi)
+    assert 8192.0 / lo == 2 * math.pi
+    scaling = dict(LLAMA3, factor=16.0, low_freq_factor=lo, high_freq_factor=lo)
+    got, _ = ropekv.rope_inv_freq(128, 500000.0, rope_scaling=scaling)
+    assert got[0] == np.float32(1.0 / 16.0)
+    np.testing.assert_array_equal(got, hf_inv_freq(500000.0, 128, scaling).astype(np.float32))
+
+
 @pytest.mark.parametrize("name,theta,D,scaling,config", [
     ("llama-3.1-8b", 500000.0, 128, LLAMA3, "LlamaConfig"),
     ("llama-3.2-1b", 500000.0, 64, LLAMA32, "LlamaConfig"),
+    ("llama-4-scout", 500000.0, 128, LLAMA4_SCOUT, "LlamaConfig"),
     ("qwen2.5-7b-yarn", 1e6, 128, YARN_QWEN, "Qwen2Config"),
     ("linear", 10000.0, 128, LINEAR, "LlamaConfig"),
 ])
@@ -194,8 +211,8 @@ def test_inv_freq_matches_transformers(name, theta, D, scaling, config):
 
 
 @pytest.mark.parametrize("dtype", DT)
-@pytest.mark.parametrize("scaling", [LINEAR, LLAMA3, YARN_QWEN, YARN_MSCALE],
-                         ids=["linear", "llama3", "yarn", "yarn-mscale"])
+@pytest.mark.parametrize("scaling", [LINEAR, LLAMA3, LLAMA4_SCOUT, YARN_QWEN, YARN_MSCALE],
+                         ids=["linear", "llama3", "llama4-scout", "yarn", "yarn-mscale"])
 def test_scaled_rope(scaling, dtype):
     for T in (1, 40):
         call_and_check(T, 8, 2, 128, DTYPES[dtype], base=500000.0, rope_scaling=scaling)
@@ -229,7 +246,7 @@ def test_scaling_default_type_is_plain():
     ({"rope_type": "linear"}, "needs 'factor'"),
     ({"rope_type": "linear", "factor": -1.0}, "factor must be finite and > 0"),
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
-      "original_max_position_embeddings": 8192}, "high_freq_factor must be > low_freq_factor"),
+      "original_max_position_embeddings": 8192}, "high_freq_factor must be >= low_freq_factor"),
     ({"rope_type": "linear", "factor": "2"}, "must be a number"),
     # the kernels apply yarn's factor in fp32: finite as a double is not enough
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,

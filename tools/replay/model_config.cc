@@ -341,12 +341,16 @@ static ModelConfig load_model_config_json(const std::string& path) {
   }
 
   // Pair layout: GPT-J and CodeGen (which copies GPT-J's attention) rotate
-  // interleaved pairs, as do transformers' GLM-4 models (glm, glm4) and
+  // interleaved pairs, as do transformers' GLM-4 models (glm, glm4),
   // DeepSeek-V2/V3 (whose transformers 5 configs say so in rope_interleave,
-  // true by default); every other model here rotates NeoX halves.
+  // true by default), Cohere's (cohere, cohere2: their rotate_half takes
+  // x[::2] and x[1::2]) and Llama-4 (llama4_text: a complex view of
+  // consecutive pairs); every other model here rotates NeoX halves.
   c.is_neox = !(c.model_type == "gptj" || c.model_type == "codegen" || c.model_type == "glm" ||
                 c.model_type == "glm4" || c.model_type == "deepseek_v2" ||
-                c.model_type == "deepseek_v3");
+                c.model_type == "deepseek_v3" || c.model_type == "cohere" ||
+                c.model_type == "cohere2" || c.model_type == "llama4" ||
+                c.model_type == "llama4_text");
   if (const json* v = field(j, {"rope_interleave"}, &which)) {
     if (!v->is_boolean()) fail(c, "\"rope_interleave\" must be true or false, got " + v->dump());
     c.is_neox = !v->get<bool>();
