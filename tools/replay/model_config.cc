@@ -355,21 +355,33 @@ static ModelConfig load_model_config_json(const std::string& path) {
     if (!v->is_boolean()) fail(c, "\"rope_interleave\" must be true or false, got " + v->dump());
     c.is_neox = !v->get<bool>();
   }
-  // NoPE layers (Llama-4, SmolLM3: no_rope_layers[i] == 0; Cohere2: its
-  // full-attention layers) rotate nothing: an engine writes their pool rows
-  // without a rotation, a call ropekv does not have (rotary_dim >= 2). Say so.
+  // NoPE layers (Llama-4, SmolLM3: no_rope_layers[i] == 0, or where it is
+  // absent or empty every no_rope_layer_interval-th layer, 4 by default, as
+  // their config classes fill it; Cohere2: its full-attention layers) rotate
+  // nothing: an engine writes their pool rows without a rotation, a call
+  // ropekv does not have (rotary_dim >= 2). Say so.
   const std::string nope_tail = " use no RoPE (NoPE); replayed with RoPE (ropekv has no call without a rotation)";
-  if (auto it = j.find("no_rope_layers"); it != j.end() && it->is_array()) {
-    std::string layers;
-    int64_t n = 0;
-    for (size_t i = 0; i < it->size(); ++i)
-      if ((*it)[i].is_number() && (*it)[i].get<double>() == 0.0) {
-        if (n++ < 8) layers += (layers.empty() ? "" : ", ") + std::to_string(i);
-        else if (n == 9) layers += ", ...";
-      }
-    if (n > 0)
-      c.notes.push_back("no_rope_layers: " + std::to_string(n) + " layer" + (n == 1 ? "" : "s") +
+  {
+    std::vector<int64_t> nope;
+    std::string how = "no_rope_layers";
+    const auto it = j.find("no_rope_layers");
+    if (it != j.end() && it->is_array() && !it->empty()) {
+      for (size_t i = 0; i < it->size(); ++i)
+        if ((*it)[i].is_number() && (*it)[i].get<double>() == 0.0) nope.push_back(static_cast<int64_t>(i));
+    } else if (c.model_type == "llama4" || c.model_type == "llama4_text" || c.model_type == "smollm3") {
+      int64_t interval = 4;
+      if (const auto iv = j.find("no_rope_layer_interval"); iv != j.end() && iv->is_number_integer())
+        interval = iv->get<int64_t>();
+      how = "no_rope_layer_interval " + std::to_string(interval) + " (no no_rope_layers)";
+      for (int64_t i = interval - 1; interval > 0 && i < c.num_layers; i += interval) nope.push_back(i);
+    }
+    if (!nope.empty()) {
+      std::string layers;
+      for (size_t i = 0; i < nope.size() && i < 8; ++i) layers += (i ? ", " : "") + std::to_string(nope[i]);
+      if (nope.size() > 8) layers += ", ...";
+      c.notes.push_back(how + ": " + std::to_string(nope.size()) + " layer" + (nope.size() == 1 ? "" : "s") +
                         " (" + layers + ")" + nope_tail);
+    }
   }
   if (c.model_type == "cohere2") c.notes.push_back("cohere2: the full-attention layers" + nope_tail);
   if (field(j, {"kv_lora_rank"}, &which))
