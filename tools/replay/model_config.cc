@@ -155,6 +155,42 @@ void parse_rope_scaling(ModelConfig& c, const json& s, const std::string& key, L
   // check_supported refuses it or replays it as default RoPE.
 }
 
+// NoPE layers rotate nothing: an engine writes their pool rows without a
+// rotation, a call ropekv does not have (rotary_dim >= 2), so the replay
+// rotates them like the others and says so. Llama-4 and SmolLM3 mark them
+// with no_rope_layers[i] == 0 or, where that list is absent or empty, make
+// every no_rope_layer_interval-th layer one (4 by default), as their config
+// classes fill it; Cohere2's full-attention layers are NoPE. "" for none.
+std::string nope_note(const json& j, const ModelConfig& c) {
+  const std::string tail =
+      " use no RoPE (NoPE); replayed with RoPE (ropekv has no call without a rotation)";
+  if (c.model_type == "cohere2") return "cohere2: the full-attention layers" + tail;
+  std::vector<int64_t> nope;
+  std::string how = "no_rope_layers";
+  const auto it = j.find("no_rope_layers");
+  if (it != j.end() && it->is_array() && !it->empty()) {
+    for (size_t i = 0; i < it->size(); ++i)
+      if ((*it)[i].is_number() && (*it)[i].get<double>() == 0.0)
+        nope.push_back(static_cast<int64_t>(i));
+  } else if (c.model_type == "llama4" || c.model_type == "llama4_text" ||
+             c.model_type == "smollm3") {
+    int64_t interval = 4;
+    if (const auto iv = j.find("no_rope_layer_interval");
+        iv != j.end() && iv->is_number_integer())
+      interval = iv->get<int64_t>();
+    how = "no_rope_layer_interval " + std::to_string(interval) + " (no no_rope_layers)";
+    for (int64_t i = interval - 1; interval > 0 && i < c.num_layers; i += interval)
+      nope.push_back(i);
+  }
+  if (nope.empty()) return "";
+  std::string layers;
+  for (size_t i = 0; i < nope.size() && i < 8; ++i)
+    layers += (i ? ", " : "") + std::to_string(nope[i]);
+  if (nope.size() > 8) layers += ", ...";
+  return how + ": " + std::to_string(nope.size()) + " layer" + (nope.size() == 1 ? "" : "s") +
+         " (" + layers + ")" + tail;
+}
+
 }  // namespace
 
 static ModelConfig load_model_config_json(const std::string& path);
@@ -355,35 +391,7 @@ static ModelConfig load_model_config_json(const std::string& path) {
     if (!v->is_boolean()) fail(c, "\"rope_interleave\" must be true or false, got " + v->dump());
     c.is_neox = !v->get<bool>();
   }
-  // NoPE layers (Llama-4, SmolLM3: no_rope_layers[i] == 0, or where it is
-  // absent or empty every no_rope_layer_interval-th layer, 4 by default, as
-  // their config classes fill it; Cohere2: its full-attention layers) rotate
-  // nothing: an engine writes their pool rows without a rotation, a call
-  // ropekv does not have (rotary_dim >= 2). Say so.
-  const std::string nope_tail = " use no RoPE (NoPE); replayed with RoPE (ropekv has no call without a rotation)";
-  {
-    std::vector<int64_t> nope;
-    std::string how = "no_rope_layers";
-    const auto it = j.find("no_rope_layers");
-    if (it != j.end() && it->is_array() && !it->empty()) {
-      for (size_t i = 0; i < it->size(); ++i)
-        if ((*it)[i].is_number() && (*it)[i].get<double>() == 0.0) nope.push_back(static_cast<int64_t>(i));
-    } else if (c.model_type == "llama4" || c.model_type == "llama4_text" || c.model_type == "smollm3") {
-      int64_t interval = 4;
-      if (const auto iv = j.find("no_rope_layer_interval"); iv != j.end() && iv->is_number_integer())
-        interval = iv->get<int64_t>();
-      how = "no_rope_layer_interval " + std::to_string(interval) + " (no no_rope_layers)";
-      for (int64_t i = interval - 1; interval > 0 && i < c.num_layers; i += interval) nope.push_back(i);
-    }
-    if (!nope.empty()) {
-      std::string layers;
-      for (size_t i = 0; i < nope.size() && i < 8; ++i) layers += (i ? ", " : "") + std::to_string(nope[i]);
-      if (nope.size() > 8) layers += ", ...";
-      c.notes.push_back(how + ": " + std::to_string(nope.size()) + " layer" + (nope.size() == 1 ? "" : "s") +
-                        " (" + layers + ")" + nope_tail);
-    }
-  }
-  if (c.model_type == "cohere2") c.notes.push_back("cohere2: the full-attention layers" + nope_tail);
+  if (std::string note = nope_note(j, c); !note.empty()) c.notes.push_back(note);
   if (field(j, {"kv_lora_rank"}, &which))
     c.notes.push_back("multi-head latent attention (kv_lora_rank): replayed as " +
                       std::to_string(c.num_kv_heads) + " key heads of head_dim " +

@@ -695,13 +695,14 @@ void Engine::call(int64_t layer, bool timed) {
   t.q_rot = tensor(q_rot(0), 3, q_shape, nullptr, dl);
   t.k_rot = tensor(k_rot(0), 3, kv_shape, nullptr, dl);
   // The "rope-type" fault: this one call gets the next layer type's RoPE
-  // parameters (Gemma-3's full layers called as sliding ones), which the
-  // checks against the layer's own parameters must catch.
+  // parameters (a Gemma-3 sliding layer called with the full layers', or the
+  // reverse), which the checks against the layer's own parameters must catch.
   size_t rope = m_.rope_index(layer);
-  if (timed && o_.inject_fault == "rope-type" && !res_.fault_injected && res_.calls >= o_.inject_at &&
-      written_ > 0) {
+  if (timed && o_.inject_fault == "rope-type" && !res_.fault_injected &&
+      res_.calls >= o_.inject_at && written_ > 0) {
     const size_t wrong = (rope + 1) % m_.ropes.size();
-    std::fprintf(stderr, "ropekv-replay: injected fault rope-type at call %lld (layer %lld): the RoPE "
+    std::fprintf(stderr,
+                 "ropekv-replay: injected fault rope-type at call %lld (layer %lld): the RoPE "
                  "parameters of layer type %zu instead of %zu\n",
                  static_cast<long long>(res_.calls), static_cast<long long>(layer), wrong, rope);
     rope = wrong;
