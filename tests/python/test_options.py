@@ -423,6 +423,32 @@ def test_cos_sin_cache_width_that_cannot_be_rotary_dim(width, match):
     assert_rejected(match, cos_sin_cache=randn((8, width), np.float32))
 
 
+@pytest.mark.parametrize("dtype", DT)
+def test_llama4_qk_l2_norm_after_rope_as_unit_weights(dtype):
+    """Llama-4 normalises q and k after the rotation (an RMSNorm without
+    weights, its "L2 norm"). A rotation of the whole head keeps each head's
+    norm, so that is ropekv's QK-norm (before the rotation) with weights of
+    ones: checked against the float64 rotation followed by the norm, with
+    Llama-4 Scout's interleaved pairs and rope_scaling."""
+    T, Hq, Hk, D, eps, base = 9, 5, 1, 128, 1e-5, 500000.0
+    q, k, v = randn((T, Hq, D), DTYPES[dtype]), randn((T, Hk, D), DTYPES[dtype]), \
+        randn((T, Hk, D), DTYPES[dtype])
+    positions = RNG.integers(0, 1 << 20, T)
+    k_pool, v_pool = randn((T, Hk, D), DTYPES[dtype]), randn((T, Hk, D), DTYPES[dtype])
+    ones = np.ones(D, np.float32)
+    q_rot, k_rot, _, _ = ropekv.rope_pool_fused(
+        q, k, v, positions, np.arange(T), k_pool, v_pool, head_dim=D, num_qo_heads=Hq,
+        num_kv_heads=Hk, rope_base=base, is_neox=False, rope_scaling=LLAMA4_SCOUT,
+        q_norm_weight=ones, k_norm_weight=ones, norm_eps=eps,
+        q_out=poison((T, Hq, D), DTYPES[dtype]), k_out=poison((T, Hk, D), DTYPES[dtype]))
+    for got, x, name in ((q_rot, q, "q_rot"), (k_rot, k, "k_rot")):
+        out, mag = rope(x, positions, base, D, is_neox=False,
+                        inv_freq=hf_inv_freq(base, D, LLAMA4_SCOUT))
+        r = 1.0 / np.sqrt(np.mean(out * out, axis=-1, keepdims=True) + eps)
+        assert_close(got, out * r, mag * r, name, 4.0 + D / 2 + 6)
+    np.testing.assert_array_equal(bits(k_pool), bits(k_rot))
+
+
 # --- inplace and preallocated outputs ---------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DT)
