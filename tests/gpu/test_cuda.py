@@ -1093,6 +1093,31 @@ def test_options_rope_scaling(scaling, dtype):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
+def test_options_llama4_qk_l2_norm_as_unit_weights(dtype):
+    """Llama-4's unweighted norm after the rotation is the QK-norm option with
+    weights of ones (the whole-head rotation keeps each head's norm): against
+    the float64 rotation followed by the norm, Scout's interleaved pairs and
+    rope_scaling, on each kernel's sizes."""
+    D, eps, base = 128, 1e-5, 500000.0
+    inv = reference.hf_inv_freq(base, D, LLAMA4_SCOUT)
+    for T in (1, 40, 3000):
+        q, k, v, pos, slots, kp, vp = make(T, 5, 1, D, 2 * T + 5, DTYPES[dtype], seed=T)
+        k0, v0 = kp.clone(), vp.clone()
+        ones = torch.ones(D, device=DEV)
+        q_rot, k_rot, _, _ = call(q, k, v, pos, slots, kp, vp, base, is_neox=False,
+                                  rope_scaling=LLAMA4_SCOUT, q_norm_weight=ones,
+                                  k_norm_weight=ones, norm_eps=eps, q_out=poisoned(q),
+                                  k_out=poisoned(k))
+        sync()
+        for got, x, name in ((q_rot, q, "q_rot"), (k_rot, k, "k_rot")):
+            out, mag = ref_rope(as_numpy(x), as_numpy(pos), base, D, is_neox=False, inv_freq=inv)
+            r = 1.0 / np.sqrt(np.mean(out * out, axis=-1, keepdims=True) + eps)
+            reference.assert_close(as_numpy(got), out * r, mag * r, f"{name} T={T}",
+                                   4.0 + D / 2 + 6)
+        check_pools(slots, k_rot, v, kp, vp, k0, v0)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
 def test_options_rope_parameters(dtype):
     """A transformers 5 rope_parameters dict (Phi-2's: rope_theta and
     partial_rotary_factor inside): rotary_dim int(80 * 0.4) = 32 from it."""
