@@ -298,6 +298,16 @@ def _torch_fast() -> Optional[Tuple[Any, ...]]:
     return _TORCH_FAST
 
 
+def _output_names(inplace: Any, q_out: Any, k_out: Any) -> Tuple[str, str]:
+    """The names the caller gave the outputs, for messages: q / k with
+    inplace=True, q_out / k_out where given, else q_rot / k_rot (made by
+    ropekv). Called on the general path and for an error only: a fast-path
+    call that succeeds does no work for its messages."""
+    if inplace:
+        return "q", "k"
+    return ("q_rot" if q_out is None else "q_out"), ("k_rot" if k_out is None else "k_out")
+
+
 def _in_callers_names(error: ValueError, q_name: str, k_name: str) -> ValueError:
     """The core's message of `error` in the Python call's terms: its q_rot and
     k_rot are named as the caller passed them (q_name, k_name: "q_out" or "q"
@@ -889,8 +899,6 @@ def rope_pool_fused(
                or not _is_number(v_scale, 1.0) or cos_sin_cache is not None
                or q_norm_weight is not None or k_norm_weight is not None or is_neox is not True
                or rope_scaling is not None or not _is_number(norm_eps, 1e-6))
-    # The caller's names of the outputs, for the messages.
-    q_name, k_name = ("q_rot" if q_out is None else "q_out"), ("k_rot" if k_out is None else "k_out")
     if inplace is not False:
         if inplace is not True and not isinstance(inplace, _np.bool_):
             raise ValueError(f"inplace must be a bool, got {inplace!r}")
@@ -898,7 +906,6 @@ def rope_pool_fused(
             if q_out is not None or k_out is not None:
                 raise ValueError("inplace=True writes q and k themselves: pass no q_out/k_out")
             q_out, k_out = q, k
-            q_name, k_name = "q", "k"
     # The PyTorch tensors the call writes (none where all are numpy: no cost there).
     written: Tuple[Any, ...] = ()
     if not (type(k_pool) is _np.ndarray and type(v_pool) is _np.ndarray
@@ -933,11 +940,12 @@ def rope_pool_fused(
                                      cos_sin_cache, q_norm_weight, k_norm_weight, norm_eps,
                                      kv_code, k_scale, v_scale)
             except ValueError as e:
-                raise _in_callers_names(e, q_name, k_name) from None
+                raise _in_callers_names(e, *_output_names(inplace, q_out, k_out)) from None
             if done is not None:
                 if written:
                     _bump_versions(written)
                 return done
+    q_name, k_name = _output_names(inplace, q_out, k_out)
     tf = _torch_fast()
     if tf is not None:
         # Sparse (or MKL-DNN) tensors have no strided memory to read in place.

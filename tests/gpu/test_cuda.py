@@ -559,9 +559,7 @@ def fused_views(T, Hq, Hk, D, P, dtype, seed):
 FAST_OPTIONS = {
     "plain": {},
     "is_neox=False": {"is_neox": False},
-    "llama3": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0,
-                                "original_max_position_embeddings": 8192}},
+    "llama3": {"rope_scaling": reference.LLAMA3},
     "cos_sin_cache": {"cos_sin_cache": "table"},
     "qk-norm": {"q_norm_weight": "w", "k_norm_weight": "w", "norm_eps": 1e-5},
     # transformers 5's rope_parameters: rotary_dim from partial_rotary_factor
@@ -868,13 +866,8 @@ def test_partial_rotary(shape, dtype):
 # bit-identical. On CUDA these calls run the options kernel (its 16-byte or
 # strided form); the plain calls above run the original kernels.
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}
-LLAMA4_SCOUT = dict(LLAMA3, factor=16.0, high_freq_factor=1.0)  # equal factors
-YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
-YARN_MSCALE = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
-               "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}
-LINEAR = {"rope_type": "linear", "factor": 2.5}
+LLAMA3, LLAMA4_SCOUT, LINEAR = reference.LLAMA3, reference.LLAMA4_SCOUT, reference.LINEAR
+YARN, YARN_MSCALE = reference.YARN_QWEN, reference.YARN_MSCALE
 FP8_TORCH = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 TOKEN_ARRAYS = ("q", "k", "v", "positions", "slots")
 OPTIONAL = ("cos_sin_cache", "q_norm_weight", "k_norm_weight")

@@ -20,6 +20,18 @@ DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfl
 MANTISSA_BITS = {np.dtype(np.float32): 23, np.dtype(np.float16): 10, BF16: 7}
 MIN_NORMAL_EXP = {np.dtype(np.float32): -126, np.dtype(np.float16): -14, BF16: -126}
 
+# The rope_scaling blocks of the tests (Hugging Face form): Llama 3.1 and 3.2,
+# Llama-4 Scout, Qwen2.5's yarn, a DeepSeek-style yarn with mscale, linear.
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+LLAMA32 = dict(LLAMA3, factor=32.0)
+# Llama-4 Scout's block: equal low and high factors, so no band is smoothed
+LLAMA4_SCOUT = dict(LLAMA3, factor=16.0, high_freq_factor=1.0)
+YARN_QWEN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+YARN_MSCALE = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+               "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}
+LINEAR = {"rope_type": "linear", "factor": 2.5}
+
 # SPEC section 6 configs whose rotary dim equals head_dim: (name, Hq, Hk, D, base)
 MODELS = [
     ("Llama-3.1-8B", 32, 8, 128, 500000.0),

@@ -13,20 +13,12 @@ import numpy as np
 import pytest
 
 import ropekv
-from reference import (BF16, DTYPES, FP8, assert_close, bits, fp8_encode, hf_attention_factor,
+from reference import (BF16, DTYPES, FP8, LINEAR, LLAMA3, LLAMA4_SCOUT, LLAMA32, YARN_MSCALE,
+                       YARN_QWEN, assert_close, bits, fp8_encode, hf_attention_factor,
                        hf_inv_freq, poison, rope)
 
 RNG = np.random.default_rng()
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}
-LLAMA32 = dict(LLAMA3, factor=32.0)
-# Llama-4 Scout's block: equal low and high factors, so no band is smoothed
-LLAMA4_SCOUT = dict(LLAMA3, factor=16.0, high_freq_factor=1.0)
-YARN_QWEN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
-YARN_MSCALE = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
-               "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}
-LINEAR = {"rope_type": "linear", "factor": 2.5}
 
 
 def randn(shape, dtype):
