@@ -20,7 +20,6 @@ from reference import (BF16, DTYPES, FP8, LINEAR, LLAMA3, LLAMA4_SCOUT, LLAMA32,
 RNG = np.random.default_rng()
 
 
-
 def randn(shape, dtype):
     return RNG.standard_normal(shape).astype(np.float32).astype(dtype)
 
