@@ -19,6 +19,11 @@ REPLAY = pathlib.Path(os.environ.get("ROPEKV_REPLAY", ROOT / "build" / "tools" /
 
 def replay_model(config: dict, tmp_path) -> dict:
     """Replays `config` (two requests, every layer); its JSON summary's model."""
+    return replay_summary(config, tmp_path)["model"]
+
+
+def replay_summary(config: dict, tmp_path) -> dict:
+    """Replays `config` (two requests, every layer); its JSON summary."""
     if not REPLAY.exists():
         pytest.skip(f"no {REPLAY}: build the C++ tree (scripts/setup.sh) or set ROPEKV_REPLAY")
     path, out = tmp_path / "config.json", tmp_path / "summary.json"
@@ -27,7 +32,7 @@ def replay_model(config: dict, tmp_path) -> dict:
                           "--json", str(out)], capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.rstrip().endswith("verified"), run.stdout
-    return json.loads(out.read_text())["model"]
+    return json.loads(out.read_text())
 
 
 def replayed_layers(model: dict, num_layers: int) -> list:
@@ -84,3 +89,50 @@ def test_gemma3_transformers4_form(pattern, tmp_path):
     want = transformers_layers(config)
     assert sum(k == "full_attention" for k, _, _ in want) == 11 // pattern
     assert without_rope_theta(replayed_layers(model, 11)) == without_rope_theta(want)
+
+
+QK_SHAPE = dict(hidden_size=256, head_dim=64, num_attention_heads=4, num_key_value_heads=2,
+                num_hidden_layers=2, rms_norm_eps=3e-6)
+
+
+@pytest.mark.parametrize("module, config_class, attention_class, extra", [
+    ("qwen3", "Qwen3Config", "Qwen3Attention", {}),
+    ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeAttention", {}),
+    ("qwen3_next", "Qwen3NextConfig", "Qwen3NextAttention", {}),
+    ("qwen3_vl", "Qwen3VLTextConfig", "Qwen3VLTextAttention", {}),
+    ("gemma3", "Gemma3TextConfig", "Gemma3Attention", {}),
+    ("glm4_moe", "Glm4MoeConfig", "Glm4MoeAttention", {"use_qk_norm": True}),
+    ("glm4_moe", "Glm4MoeConfig", "Glm4MoeAttention", {}),
+    ("llama4", "Llama4TextConfig", "Llama4TextAttention", {}),
+    ("llama4", "Llama4TextConfig", "Llama4TextAttention", {"use_qk_norm": False}),
+    ("cohere", "CohereConfig", "CohereAttention", {"use_qk_norm": True}),
+    ("olmo2", "Olmo2Config", "Olmo2Attention", {}),
+    ("llama", "LlamaConfig", "LlamaAttention", {}),
+], ids=["qwen3", "qwen3_moe", "qwen3_next", "qwen3_vl_text", "gemma3", "glm4_moe-qk-norm", "glm4_moe", "llama4", "llama4-no-qk-norm",
+        "cohere-layernorm", "olmo2-whole-projection", "llama"])
+def test_qk_norm_as_transformers_attention_has_it(module, config_class, attention_class, extra, tmp_path):
+    """The replay's QK-norm (its JSON summary's qk_norm) is the one the
+    model's attention layer has in transformers: an RMSNorm of head_dim with
+    weights (q_norm / k_norm: "random" weights in the replay), Llama-4's
+    weightless norm ("ones"), or none, where the norm is over more than one
+    head (OLMo-2) or a LayerNorm (Cohere); with the same epsilon."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    import importlib
+    config = getattr(transformers, config_class)(**QK_SHAPE, **extra)
+    try:
+        modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    except ImportError as e:  # this transformers lacks a dependency of the model's code
+        pytest.skip(str(e))
+    attention = getattr(modeling, attention_class)(config, layer_idx=0)
+    q_norm = getattr(attention, "q_norm", None) or getattr(attention, "qk_norm", None)
+    weight = getattr(q_norm, "weight", None)
+    eps = getattr(q_norm, "variance_epsilon", getattr(q_norm, "eps", None))
+    if q_norm is None or type(q_norm).__name__.endswith("LayerNorm") or (
+            weight is not None and tuple(weight.shape) != (QK_SHAPE["head_dim"],)):
+        want = None
+    else:
+        want = {"weights": "random" if weight is not None else "ones", "norm_eps": eps}
+    summary = replay_summary(config.to_dict(), tmp_path)
+    got = summary["qk_norm"]
+    assert (None if got is None else {k: got[k] for k in ("weights", "norm_eps")}) == want

@@ -253,7 +253,8 @@ int main(int argc, char** argv) {
       "next to a memcpy of the same bytes.\nWith no arguments: configs/llama-3.1-8b.json, a seeded "
       "synthetic run, bf16.",
       "ropekv-replay"};
-  std::string config_arg, trace, json_out, dtype_s = "bf16", qkv_s = "fused", fault, kv_s = "auto";
+  std::string config_arg, trace, json_out, dtype_s = "bf16", qkv_s = "fused", fault, kv_s = "auto",
+              qk_norm_s = "auto";
   ReplayOptions opt;
   SyntheticParams syn;
   int64_t requests = 0, layers = 0, inject_at = 100;
@@ -273,6 +274,12 @@ int main(int argc, char** argv) {
                  "dtype, fp8_e4m3 / fp8_e5m2 = 8-bit pools (uint8 storage) holding encode(x / scale)")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "float32", "fp8_e4m3", "fp8_e5m2"}));
+  app.add_option("--qk-norm", qk_norm_s,
+                 "QK-norm (RMSNorm of each q and k head before RoPE, fused into the call): auto = as the "
+                 "model's attention has it (Qwen3, Gemma-3, GLM-4.5 and Llama-4 with use_qk_norm), on = "
+                 "for any model, off = never; weights random per layer, eps the config's rms_norm_eps")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "on", "off"}));
   app.add_option("--k-scale", opt.k_scale, "fp8 pools: the per-tensor key scale (k_pool = encode(k_rot / "
                  "k_scale)); finite, > 0; must stay 1 for other pools")
       ->capture_default_str();
@@ -322,7 +329,7 @@ int main(int argc, char** argv) {
   app.add_flag("--progress", progress, "progress bar on stderr even when it is not a terminal");
   app.add_flag("--no-progress", no_progress, "no progress bar");
   app.add_option("--inject-fault", fault, "testing: corrupt one result to prove the checks fail")
-      ->check(CLI::IsMember({"pool-k", "pool-v", "k-rot", "q-rot", "stray", "rope-type"}))
+      ->check(CLI::IsMember({"pool-k", "pool-v", "k-rot", "q-rot", "stray", "rope-type", "qk-norm"}))
       ->group("");
   app.add_option("--inject-at", inject_at, "testing: first call index eligible for the fault")
       ->check(CLI::NonNegativeNumber)
@@ -381,8 +388,11 @@ int main(int argc, char** argv) {
     const std::string config_path = resolve_config(config_arg);
     ModelConfig model = load_model_config(config_path);
     check_supported(model, ignore_scaling);
+    set_qk_norm(model, qk_norm_s);
     if (fault == "rope-type" && model.ropes.size() < 2)
       throw InputError("--inject-fault rope-type needs a config with RoPE per layer type");
+    if (fault == "qk-norm" && model.qk_norm != QkNorm::kWeighted)
+      throw InputError("--inject-fault qk-norm needs a QK-norm with weights (a model with one, or --qk-norm on)");
 
     Workload wl;
     if (!trace.empty()) {
@@ -429,6 +439,13 @@ int main(int argc, char** argv) {
                   is_fp8(opt.kv_dtype)
                       ? (", k_scale " + fmt_g(opt.k_scale) + ", v_scale " + fmt_g(opt.v_scale)).c_str()
                       : "");
+    if (model.qk_norm != QkNorm::kNone)
+      std::printf("qk-norm   RMSNorm of each q and k head before RoPE (%s), eps %s, %s\n",
+                  model.qk_norm_from.c_str(), fmt_g(model.norm_eps).c_str(),
+                  model.qk_norm == QkNorm::kUnit
+                      ? "weights of ones (Llama-4's weightless norm after RoPE: the same, as the rotation "
+                        "keeps a head's norm)"
+                      : "random weights in [0.5, 1.5) per layer (a config has no weights)");
     for (const std::string& n : model.notes) std::printf("note      %s\n", n.c_str());
     if (layers > model.num_layers)
       std::printf("note      --layers %lld > the model's %lld layers: using %lld\n",
@@ -567,6 +584,12 @@ int main(int argc, char** argv) {
       }
       j["dtype"] = dtype_name(opt.dtype);
       j["kv_cache_dtype"] = kv_dtype_name(opt.kv_dtype);
+      j["qk_norm"] = model.qk_norm == QkNorm::kNone
+                         ? nlohmann::ordered_json(nullptr)
+                         : nlohmann::ordered_json{
+                               {"weights", model.qk_norm == QkNorm::kUnit ? "ones" : "random"},
+                               {"norm_eps", model.norm_eps},
+                               {"from", model.qk_norm_from}};
       j["k_scale"] = opt.k_scale;
       j["v_scale"] = opt.v_scale;
       j["qkv"] = qkv_s;

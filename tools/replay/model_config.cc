@@ -191,7 +191,61 @@ std::string nope_note(const json& j, const ModelConfig& c) {
          " (" + layers + ")" + tail;
 }
 
+// Whether the model normalises each q and k head before RoPE, and how
+// (transformers' attention classes). Qwen3's and Gemma-3's attention always
+// do (an RMSNorm of head_dim with learned weights; Gemma's scales by 1 + w,
+// which ropekv takes as the weight); GLM-4.5 (glm4_moe) where use_qk_norm;
+// Llama-4 where use_qk_norm (true by default) with a weightless norm after
+// RoPE, which is the same as before it with weights of ones (a rotation of
+// the whole head keeps its norm). Cohere's use_qk_norm is a LayerNorm, and
+// another model's use_qk_norm a form the tool does not know: notes, no norm.
+void read_qk_norm(ModelConfig& c, const json& j) {
+  static const char* const kAlways[] = {"qwen3",         "qwen3_moe",         "qwen3_next",
+                                        "qwen3_vl_text", "qwen3_vl_moe_text", "gemma3",
+                                        "gemma3_text"};
+  const bool llama4 = c.model_type == "llama4" || c.model_type == "llama4_text";
+  bool use = llama4;  // Llama4TextConfig's default
+  const json* flag = field(j, {"use_qk_norm"}, nullptr);
+  if (flag) {
+    if (!flag->is_boolean()) fail(c, "\"use_qk_norm\" must be true or false, got " + flag->dump());
+    use = flag->get<bool>();
+  }
+  if (std::find(std::begin(kAlways), std::end(kAlways), c.model_type) != std::end(kAlways)) {
+    c.qk_norm = QkNorm::kWeighted;
+    c.qk_norm_from = "model_type " + c.model_type;
+  } else if (use && (llama4 || c.model_type == "glm4_moe")) {
+    c.qk_norm = llama4 ? QkNorm::kUnit : QkNorm::kWeighted;
+    c.qk_norm_from = flag ? "use_qk_norm" : "use_qk_norm, " + c.model_type + "'s default true";
+  } else if (use && c.model_type == "cohere") {
+    c.notes.push_back("use_qk_norm: cohere's QK-norm is a LayerNorm (mean subtracted), not ropekv's "
+                      "RMSNorm; replayed without it");
+  } else if (use) {
+    c.notes.push_back("use_qk_norm of model_type \"" + c.model_type +
+                      "\": its form is not known to the tool; replayed without a QK-norm (--qk-norm on "
+                      "replays ropekv's RMSNorm of each head)");
+  }
+  if (const json* v = field(j, {"rms_norm_eps"}, nullptr)) {
+    c.norm_eps = get_number(c, *v, "rms_norm_eps");
+  } else if (llama4) {
+    c.norm_eps = 1e-5;  // Llama4TextConfig's default
+  }
+}
+
 }  // namespace
+
+void set_qk_norm(ModelConfig& c, const std::string& mode) {
+  if (mode == "off") {
+    if (c.qk_norm != QkNorm::kNone)
+      c.notes.push_back("--qk-norm off: replayed without the model's QK-norm (" + c.qk_norm_from + ")");
+    c.qk_norm = QkNorm::kNone;
+  } else if (mode == "on" && c.qk_norm == QkNorm::kNone) {
+    c.qk_norm = QkNorm::kWeighted;
+    c.qk_norm_from = "--qk-norm on";
+  }
+  if (c.qk_norm != QkNorm::kNone && !(std::isfinite(c.norm_eps) && c.norm_eps >= 0 &&
+                                      std::isfinite(static_cast<float>(c.norm_eps))))
+    fail(c, "\"rms_norm_eps\" must be finite and >= 0 for the QK-norm, got " + fmt_num(c.norm_eps));
+}
 
 static ModelConfig load_model_config_json(const std::string& path);
 
@@ -392,6 +446,7 @@ static ModelConfig load_model_config_json(const std::string& path) {
     c.is_neox = !v->get<bool>();
   }
   if (std::string note = nope_note(j, c); !note.empty()) c.notes.push_back(note);
+  read_qk_norm(c, j);
   if (field(j, {"kv_lora_rank"}, &which))
     c.notes.push_back("multi-head latent attention (kv_lora_rank): replayed as " +
                       std::to_string(c.num_kv_heads) + " key heads of head_dim " +

@@ -32,6 +32,14 @@ struct LayerRope {
   std::string rope_scaling_desc;  ///< the rope_scaling object, compact JSON
 };
 
+/// The model's normalisation of each q and k head before RoPE (QK-norm), as
+/// ropekv's q_norm_weight / k_norm_weight compute it.
+enum class QkNorm {
+  kNone,
+  kWeighted,  ///< RMSNorm with learned weights (Qwen3, Gemma-3, GLM-4.5 with use_qk_norm)
+  kUnit,      ///< Llama-4's weightless norm: weights of ones
+};
+
 struct ModelConfig {
   std::string path;        ///< file it was read from
   std::string model_type;  ///< "llama", "qwen2", ... ("" when absent)
@@ -49,6 +57,9 @@ struct ModelConfig {
   /// types differ in them), and each layer's entry (empty: the first for all).
   std::vector<LayerRope> ropes = {LayerRope{}};
   std::vector<int> layer_rope;
+  QkNorm qk_norm = QkNorm::kNone;
+  double norm_eps = 1e-6;    ///< rms_norm_eps (the QK-norm's epsilon; default 1e-6)
+  std::string qk_norm_from;  ///< what set qk_norm: "model_type qwen3", "use_qk_norm", "--qk-norm on"
   std::vector<std::string> notes;  ///< defaults taken, fields ignored (printed)
 
   /// The index in `ropes` of layer `layer` (0-based), and its parameters.
@@ -70,6 +81,10 @@ struct ModelConfig {
 /// type without a field it needs included). Does not judge whether the
 /// library can run it: see check_supported.
 ModelConfig load_model_config(const std::string& path);
+
+/// Applies --qk-norm: "auto" keeps what the config says, "off" replays
+/// without a QK-norm, "on" with one (the config's kind, else weighted).
+void set_qk_norm(ModelConfig& config, const std::string& mode);
 
 /// Throws InputError (naming the config file) when the op cannot compute
 /// what the config asks for: a rope_scaling type ropekv does not have

@@ -180,12 +180,23 @@ struct UlpFn {
 /// rounding and the arithmetic overlap). As the library's own tests.
 inline double rounding_ulps(Dtype t) { return t == Dtype::kF32 ? 1.0 : 0.5; }
 
+/// fp32 units (2^-24) of |x1 c| + |x2 s| that the fp32 evaluation of a
+/// rotation may be off by: cos/sin within a few ulp, two products, one sum.
+constexpr double kRopeRel = 4.0;
+
+/// What a QK-norm adds to kRopeRel for heads of head_dim D: the fp32 sum of
+/// D squares (its error grows with D; the square root halves it), r's
+/// division and square root, and the two products fp32(fp32(x * r) * w).
+/// As the library's tests bound it.
+inline double qk_norm_rel(int64_t head_dim) { return static_cast<double>(head_dim) / 2 + 6; }
+
 /// Tolerance of one rotated element: rounding_ulps of the output dtype at
 /// |ref| (or `ulps` given) plus the fp32 evaluation error
-/// 4 * 2^-24 * (|x1 c| + |x2 s|).
-inline double rope_tolerance(Dtype t, double ref, double x1c, double x2s, double ulps = -1.0) {
+/// rel * 2^-24 * (|x1 c| + |x2 s|).
+inline double rope_tolerance(Dtype t, double ref, double x1c, double x2s, double ulps = -1.0,
+                             double rel = kRopeRel) {
   if (ulps < 0) ulps = rounding_ulps(t);
-  return ulps * ulp_of(t, ref) + 4.0 * std::ldexp(1.0, -24) * (std::fabs(x1c) + std::fabs(x2s));
+  return ulps * ulp_of(t, ref) + rel * std::ldexp(1.0, -24) * (std::fabs(x1c) + std::fabs(x2s));
 }
 
 // ---------------------------------------------------------------- pools

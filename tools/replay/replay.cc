@@ -131,7 +131,8 @@ class Engine {
   Engine(const ModelConfig& m, const Workload& w, const ReplayOptions& o)
       : m_(m), w_(w), o_(o), dt_(o.dtype), E_(elem_size(o.dtype)), kv_(o.kv_dtype),
         PE_(pool_elem_size(o.kv_dtype, o.dtype)), fp8_(is_fp8(o.kv_dtype) ? o.kv_dtype : KvDtype::kFp8E4M3),
-        kscale_(static_cast<float>(o.k_scale)), vscale_(static_cast<float>(o.v_scale)) {}
+        kscale_(static_cast<float>(o.k_scale)), vscale_(static_cast<float>(o.v_scale)),
+        rel_(kRopeRel + (m.qk_norm != QkNorm::kNone ? qk_norm_rel(m.head_dim) : 0.0)) {}
 
   ReplayResult run();
 
@@ -183,6 +184,13 @@ class Engine {
     return &tables_[m_.rope_index(layer)][static_cast<size_t>(pos) * R()];
   }
   void make_cos_sin(int64_t max_pos);
+  // QK-norm weights of each layer, [D] in q's dtype, q's then k's.
+  bool qk_norm() const { return m_.qk_norm != QkNorm::kNone; }
+  uint8_t* norm_weight(int64_t layer, bool is_q) const {
+    return norm_w_.data() + (2 * layer + (is_q ? 0 : 1)) * D() * E_;
+  }
+  void make_norm_weights();
+  void norm_ref(double* x, int64_t heads, int64_t layer, bool is_q) const;
   void rotate_ref(const double* x, int64_t layer, int64_t pos, double* out) const;
   Bad compare_rotated(const uint8_t* got, bool pool, const double* x, int64_t layer, int64_t pos,
                       int64_t heads, double ulps = -1.0) const;  // -1: rounding_ulps of q's dtype
@@ -225,9 +233,10 @@ class Engine {
   const int PE_;            // bytes of a pool element
   const Fp8Codec fp8_;      // the tool's own codec (used for fp8 pools only)
   const float kscale_, vscale_;  // fp32 scales, as the op divides by them
+  const double rel_;             // fp32 units of the magnitude in a rotated element's tolerance
   int64_t L_ = 0, P_ = 0;
 
-  Buffer pool_, in_, q_, k_, v_, qrot_, krot_;
+  Buffer pool_, in_, q_, k_, v_, qrot_, krot_, norm_w_;
   // Per layer type (ModelConfig::ropes), per position: c[0..R/2), s[0..R/2)
   // (make_cos_sin).
   std::vector<std::vector<double>> tables_;
@@ -327,6 +336,37 @@ void Engine::generate_inputs(int64_t layer) {
   }
 }
 
+void Engine::make_norm_weights() {
+  // The learned weights are not in a config: uniform in [0.5, 1.5) on a
+  // 2^-10 grid (exact in every dtype), fresh per layer and per q/k; ones for
+  // a weightless norm (Llama-4).
+  if (!qk_norm()) return;
+  norm_w_.reserve(static_cast<size_t>(buffer_size("QK-norm weights", {L_, 2, D(), E_})));
+  for (int64_t l = 0; l < L_; ++l)
+    for (int q = 0; q < 2; ++q) {
+      Rng r(mix_key(o_.seed, 0x404D, static_cast<uint64_t>(l), static_cast<uint64_t>(q), 0));
+      for (int64_t d = 0; d < D(); ++d) {
+        const float w = m_.qk_norm == QkNorm::kUnit
+                            ? 1.0f
+                            : 0.5f + static_cast<float>(r.next() & 0x3FF) * 0x1p-10f;
+        store_elem(dt_, norm_weight(l, q == 0), d, w);
+      }
+    }
+}
+
+void Engine::norm_ref(double* x, int64_t heads, int64_t layer, bool is_q) const {
+  // The QK-norm in float64: each head x * w / sqrt(mean(x^2) + eps).
+  if (!qk_norm()) return;
+  const uint8_t* w = norm_weight(layer, is_q);
+  for (int64_t hd = 0; hd < heads; ++hd) {
+    double* xh = x + hd * D();
+    double ss = 0;
+    for (int64_t d = 0; d < D(); ++d) ss += xh[d] * xh[d];
+    const double r = 1.0 / std::sqrt(ss / static_cast<double>(D()) + m_.norm_eps);
+    for (int64_t d = 0; d < D(); ++d) xh[d] *= r * load_elem(dt_, w, d);
+  }
+}
+
 void Engine::make_cos_sin(int64_t max_pos) {
   // c and s of every position in float64, from the library's public inverse
   // frequencies (ropekv::rope_inv_freq: the scaling formulas are the
@@ -389,11 +429,12 @@ void Engine::rotate_ref(const double* x, int64_t layer, int64_t pos, double* out
   for (int64_t d = R(); d < D(); ++d) out[d] = x[d];
 }
 
-/// Compares `heads` rotated heads `got` with the float64 rotation of the
-/// dtype values `x` at `pos` in `layer`: within rope_tolerance (q's dtype); for a pool
-/// row (`pool`) in an fp8 format, plus one fp8 ulp of ref / k_scale (times
-/// k_scale) with ref clamped to the saturation bound. Copied dims must be
-/// exact: the value itself, or its fp8 encoding.
+/// Compares `heads` rotated heads `got` with the float64 rotation of `x` (the
+/// dtype values, through norm_ref with a QK-norm) at `pos` in `layer`: within
+/// rope_tolerance (q's dtype); for a pool row (`pool`) in an fp8 format, plus
+/// one fp8 ulp of ref / k_scale (times k_scale) with ref clamped to the
+/// saturation bound. Copied dims must be exact without a QK-norm (the value
+/// itself, or its fp8 encoding); with one they are within the tolerance.
 Bad Engine::compare_rotated(const uint8_t* got, bool pool, const double* x, int64_t layer, int64_t pos,
                             int64_t heads, double ulps) const {
   Bad b;
@@ -401,7 +442,7 @@ Bad Engine::compare_rotated(const uint8_t* got, bool pool, const double* x, int6
   const double* cs = cos_sin(layer, pos);
   const UlpFn ulp(dt_);
   if (ulps < 0) ulps = rounding_ulps(dt_);
-  const double K = 4.0 * 0x1p-24;
+  const double K = rel_ * 0x1p-24;
   const bool fp8 = pool && is_fp8(kv_);
   const double ks = kscale_, kmax = fp8_.max_finite() * ks;
   thread_local std::vector<double> g;
@@ -434,7 +475,15 @@ Bad Engine::compare_rotated(const uint8_t* got, bool pool, const double* x, int6
       bad |= !(std::fabs(gh[ia] - r1) <= t1);
       bad |= !(std::fabs(gh[ib] - r2) <= t2);
     }
-    for (int64_t d = R2; d < Dd; ++d) bad |= !(gh[d] == copied(xh[d]));
+    for (int64_t d = R2; d < Dd; ++d) {
+      if (qk_norm()) {
+        double r = xh[d];
+        const double t = tol_of(r, K * std::fabs(xh[d]));
+        bad |= !(std::fabs(gh[d] - r) <= t);
+      } else {
+        bad |= !(gh[d] == copied(xh[d]));
+      }
+    }
     if (!bad) continue;
     // Slow path: the first bad element in dim order, with its tolerance.
     std::vector<double> ref(static_cast<size_t>(Dd));
@@ -445,6 +494,8 @@ Bad Engine::compare_rotated(const uint8_t* got, bool pool, const double* x, int6
         const int64_t i = m_.is_neox ? (d < h ? d : d - h) : d / 2;
         const int64_t partner = m_.is_neox ? (d < h ? d + h : d - h) : (d ^ 1);
         tol = tol_of(want, K * (std::fabs(xh[d] * cs[i]) + std::fabs(xh[partner] * cs[h + i])));
+      } else if (qk_norm()) {
+        tol = tol_of(want, K * std::fabs(xh[d]));
       } else {
         want = copied(xh[d]);
       }
@@ -665,7 +716,7 @@ void Engine::call(int64_t layer, bool timed) {
   const DLDataType dl = dl_dtype(dt_);
   const DLDevice cpu{kDLCPU, 0};
   int64_t q_shape[3] = {T, Hq(), D()}, kv_shape[3] = {T, Hk(), D()}, idx_shape[1] = {T};
-  int64_t pool_shape[3] = {P_, Hk(), D()};
+  int64_t pool_shape[3] = {P_, Hk(), D()}, w_shape[1] = {D()};
   const int64_t in_stride = o_.fused_qkv ? in_row() : 0;
   int64_t q_strides[3] = {o_.fused_qkv ? in_stride : qrow(), D(), 1};
   int64_t kv_strides[3] = {o_.fused_qkv ? in_stride : krow(), D(), 1};
@@ -715,6 +766,26 @@ void Engine::call(int64_t layer, bool timed) {
                                                   : ropekv::KvCacheDtype::kFp8E5M2;
   cfg.k_scale = o_.k_scale;
   cfg.v_scale = o_.v_scale;
+  if (qk_norm()) {
+    cfg.norm_eps = m_.norm_eps;
+    t.q_norm_weight = tensor(norm_weight(layer, true), 1, w_shape, nullptr, dl);
+    t.k_norm_weight = tensor(norm_weight(layer, false), 1, w_shape, nullptr, dl);
+    // The "qk-norm" fault: this one call normalises k with weights of ones
+    // (q's weights stay), which the checks against the layer's weights must
+    // catch.
+    if (timed && o_.inject_fault == "qk-norm" && !res_.fault_injected && res_.calls >= o_.inject_at &&
+        written_ > 0) {
+      std::fprintf(stderr,
+                   "ropekv-replay: injected fault qk-norm at call %lld (layer %lld): k normalised with "
+                   "weights of ones\n",
+                   static_cast<long long>(res_.calls), static_cast<long long>(layer));
+      thread_local std::vector<uint8_t> ones;
+      ones.resize(static_cast<size_t>(D()) * E_);
+      for (int64_t d = 0; d < D(); ++d) store_elem(dt_, ones.data(), d, 1.0f);
+      t.k_norm_weight.data = ones.data();
+      res_.fault_injected = true;
+    }
+  }
   ropekv::ExecOptions ex;
   ex.num_threads = o_.threads;
 
@@ -806,6 +877,7 @@ void Engine::spot_check(int64_t layer) {
     const uint8_t* in = (is_q ? q_in(t) : k_in(t)) + hd * Dd * E_;
     const uint8_t* out = (is_q ? q_rot(t) : k_rot(t)) + hd * Dd * E_;
     load_row(dt_, in, Dd, x.data());
+    norm_ref(x.data(), 1, layer, is_q);
     if (!use_reference) {
       rotate_ref(x.data(), layer, tk.pos, ref.data());
     } else if (m_.is_neox) {
@@ -820,11 +892,11 @@ void Engine::spot_check(int64_t layer) {
     const double* cs = cos_sin(layer, tk.pos);
     for (int64_t d = 0; d < Dd; ++d) {
       const double g = load_elem(dt_, out, d);
-      double tol = 0;
+      double tol = qk_norm() ? rope_tolerance(dt_, ref[d], x[d], 0.0, -1.0, rel_) : 0.0;
       if (d < R()) {
         const int64_t i = m_.is_neox ? (d < h ? d : d - h) : d / 2;
         const int64_t partner = m_.is_neox ? (d < h ? d + h : d - h) : (d ^ 1);
-        tol = rope_tolerance(dt_, ref[d], x[d] * cs[i], x[partner] * cs[h + i]);
+        tol = rope_tolerance(dt_, ref[d], x[d] * cs[i], x[partner] * cs[h + i], -1.0, rel_);
       }
       if (!(std::fabs(g - ref[d]) <= tol)) {
         Bad b{true, hd, d, elem_bits(dt_, out, d), 0, g, ref[d], tol};
@@ -850,9 +922,11 @@ void Engine::check_all(int64_t layer) {
     std::vector<double> x(static_cast<size_t>(qrow()));
     const Token& tk = toks_[t];
     load_row(dt_, q_in(t), qrow(), x.data());
+    norm_ref(x.data(), Hq(), layer, true);
     bool bad = compare_rotated(q_rot(t), false, x.data(), layer, tk.pos, Hq()).bad;
     if (!bad) {
       load_row(dt_, k_in(t), krow(), x.data());
+      norm_ref(x.data(), Hk(), layer, false);
       bad = compare_rotated(k_rot(t), false, x.data(), layer, tk.pos, Hk()).bad;
     }
     if (bad) {
@@ -865,9 +939,11 @@ void Engine::check_all(int64_t layer) {
     const Token& tk = toks_[t];
     std::vector<double> x(static_cast<size_t>(qrow()));
     for (int64_t e = 0; e < qrow(); ++e) x[e] = load_elem(dt_, q_in(t), e);
+    norm_ref(x.data(), Hq(), layer, true);
     Bad b = compare_rotated(q_rot(t), false, x.data(), layer, tk.pos, Hq());
     if (b.bad) report("q_rot vs reference (--check-all)", tk.req, tk.pos, tk.slot, layer, b, "q_rot", "reference");
     for (int64_t e = 0; e < krow(); ++e) x[e] = load_elem(dt_, k_in(t), e);
+    norm_ref(x.data(), Hk(), layer, false);
     b = compare_rotated(k_rot(t), false, x.data(), layer, tk.pos, Hk());
     report("k_rot vs reference (--check-all)", tk.req, tk.pos, tk.slot, layer, b, "k_rot", "reference");
   }
@@ -891,6 +967,7 @@ void Engine::check_cached(int64_t req, int64_t pos, int64_t layer, const char* w
            b, "v_pool", kv_ == KvDtype::kAuto ? "v" : "encode(v)");
   gen_row(key(req, pos, layer, 1), krow(), regen.data());
   load_row(dt_, regen.data(), krow(), x.data());
+  norm_ref(x.data(), Hk(), layer, false);
   b = compare_rotated(k_pool(layer, slot), true, x.data(), layer, pos, Hk());
   if (b.bad)
     report(std::string("k pool row ") + when + " vs float64 reference of k rotated at its position", req,
@@ -1097,6 +1174,7 @@ ReplayResult Engine::run() {
 
   make_table();
   make_cos_sin(max_pos);
+  make_norm_weights();
 
   // Buffers for the largest step (decodes + budget, padding to a multiple of 8).
   const int64_t Tmax = o_.max_batch_tokens + o_.max_running + 8;
