@@ -22,14 +22,15 @@ def replay_model(config: dict, tmp_path) -> dict:
     return replay_summary(config, tmp_path)["model"]
 
 
-def replay_summary(config: dict, tmp_path) -> dict:
-    """Replays `config` (two requests, every layer); its JSON summary."""
+def replay_summary(config: dict, tmp_path, *args: str) -> dict:
+    """Replays `config` (two requests, every layer unless `args` say
+    otherwise); its JSON summary."""
     if not REPLAY.exists():
         pytest.skip(f"no {REPLAY}: build the C++ tree (scripts/setup.sh) or set ROPEKV_REPLAY")
     path, out = tmp_path / "config.json", tmp_path / "summary.json"
     path.write_text(json.dumps(config))
     run = subprocess.run([str(REPLAY), "--no-progress", "--config", str(path), "--requests", "2",
-                          "--json", str(out)], capture_output=True, text=True, timeout=300, check=False)
+                          "--json", str(out), *args], capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.rstrip().endswith("verified"), run.stdout
     return json.loads(out.read_text())
@@ -98,7 +99,7 @@ QK_SHAPE = dict(hidden_size=256, head_dim=64, num_attention_heads=4, num_key_val
 @pytest.mark.parametrize("module, config_class, attention_class, extra", [
     ("qwen3", "Qwen3Config", "Qwen3Attention", {}),
     ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeAttention", {}),
-    ("qwen3_next", "Qwen3NextConfig", "Qwen3NextAttention", {}),
+    ("qwen3_next", "Qwen3NextConfig", "Qwen3NextAttention", {"num_hidden_layers": 4}),
     ("qwen3_vl", "Qwen3VLTextConfig", "Qwen3VLTextAttention", {}),
     ("gemma3", "Gemma3TextConfig", "Gemma3Attention", {}),
     ("glm4_moe", "Glm4MoeConfig", "Glm4MoeAttention", {"use_qk_norm": True}),
@@ -119,7 +120,7 @@ def test_qk_norm_as_transformers_attention_has_it(module, config_class, attentio
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("torch")
     import importlib
-    config = getattr(transformers, config_class)(**QK_SHAPE, **extra)
+    config = getattr(transformers, config_class)(**{**QK_SHAPE, **extra})
     try:
         modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
     except ImportError as e:  # this transformers lacks a dependency of the model's code
@@ -136,3 +137,27 @@ def test_qk_norm_as_transformers_attention_has_it(module, config_class, attentio
     summary = replay_summary(config.to_dict(), tmp_path)
     got = summary["qk_norm"]
     assert (None if got is None else {k: got[k] for k in ("weights", "norm_eps")}) == want
+
+
+@pytest.mark.parametrize("config_class", [
+    "Qwen3NextConfig", "Qwen3_5TextConfig", "Qwen3_5MoeTextConfig", "JambaConfig", "MiniMaxConfig",
+    "NemotronHConfig", "Gemma3TextConfig", "Qwen3Config"])
+def test_attention_layers_as_transformers_caches_them(config_class, tmp_path):
+    """A hybrid model calls the op on its attention layers only: the
+    replay's attention_layers (all layers: []) are the layers for which
+    transformers' DynamicCache holds keys and values (a CacheLayerMixin), not
+    the Gated DeltaNet, Mamba or MoE-only layers' states (or none)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    from transformers import cache_utils
+    config_type = getattr(transformers, config_class, None)
+    if config_type is None:
+        pytest.skip(f"this transformers has no {config_class}")
+    config = config_type(num_hidden_layers=12) if config_class == "Qwen3NextConfig" else config_type()
+    layers = cache_utils.DynamicCache(config=config).layers
+    with_kv = [i for i, layer in enumerate(layers) if isinstance(layer, cache_utils.CacheLayerMixin)]
+    assert 0 < len(with_kv) <= len(layers)
+    saved = json.loads(config.to_json_string(use_diff=False))  # as a config.json has it (no Infinity)
+    model = replay_summary(saved, tmp_path, "--layers", "1")["model"]
+    assert model["attention_layers"] == ([] if len(with_kv) == len(layers) else with_kv)
+    assert model["num_layers"] == len(with_kv)

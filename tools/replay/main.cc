@@ -564,6 +564,7 @@ int main(int argc, char** argv) {
                     {"rotary_dim", model.rotary_dim},
                     {"is_neox", model.is_neox},
                     {"num_layers", model.num_layers},
+                    {"attention_layers", model.attention_layers},
                     {"notes", model.notes}};
       // One type's RoPE as JSON: its rope_theta and rope_scaling (null: none).
       auto rope_json = [](const LayerRope& lr, nlohmann::ordered_json& o) {

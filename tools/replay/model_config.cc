@@ -165,6 +165,13 @@ std::string nope_note(const json& j, const ModelConfig& c) {
   const std::string tail =
       " use no RoPE (NoPE); replayed with RoPE (ropekv has no call without a rotation)";
   if (c.model_type == "cohere2") return "cohere2: the full-attention layers" + tail;
+  // Jamba's and Nemotron-H's attention has no rotary embedding (their Mamba
+  // layers carry position), nor has Granite-4.0-H's unless its
+  // position_embedding_type is "rope".
+  const auto pe = j.find("position_embedding_type");
+  if (c.model_type == "jamba" || c.model_type == "nemotron_h" ||
+      (c.model_type == "granitemoehybrid" && !(pe != j.end() && *pe == "rope")))
+    return c.model_type + ": the attention layers" + tail;
   std::vector<int64_t> nope;
   std::string how = "no_rope_layers";
   const auto it = j.find("no_rope_layers");
@@ -229,6 +236,84 @@ void read_qk_norm(ModelConfig& c, const json& j) {
   } else if (llama4) {
     c.norm_eps = 1e-5;  // Llama4TextConfig's default
   }
+}
+
+// A hybrid model's layers without attention (Qwen3-Next and Qwen3.5's Gated
+// DeltaNet, Mamba, MoE-only and MLP-only layers) have no KV cache and no
+// RoPE: an engine calls the op for the other layers only. Their kinds as the
+// config gives them: transformers' layer_types (with its older names),
+// Nemotron-H's layers_block_type or hybrid_override_pattern (M Mamba, * attention,
+// E MoE, - MLP; these also give the number of layers), Jamba's
+// attn_layer_period and attn_layer_offset, or Qwen3-Next's and Qwen3.5's
+// full_attention_interval (default 4), as their config classes read them.
+// Keeps the attention layers' entries in j["layer_types"], counts only them
+// in num_layers, and names them in attention_layers.
+void drop_layers_without_attention(ModelConfig& c, json& j) {
+  static const char* const kNoAttention[] = {"linear_attention", "mamba", "mamba2", "conv",
+                                             "moe",              "mlp",   "recurrent"};
+  std::string source;
+  json kinds;
+  if (const json* v = field(j, {"layer_types", "layers_block_type"}, &source)) {
+    kinds = *v;
+  } else if (const json* p = field(j, {"hybrid_override_pattern"}, &source)) {
+    if (!p->is_string()) fail(c, "\"hybrid_override_pattern\" must be a string, got " + p->dump());
+    for (char ch : p->get<std::string>()) {
+      const char* kind = ch == 'M' ? "linear_attention" : ch == '*' ? "full_attention"
+                         : ch == 'E' ? "moe" : ch == '-' ? "mlp" : nullptr;
+      if (!kind)
+        fail(c, "\"hybrid_override_pattern\" has '" + std::string(1, ch) + "': M, *, E and - are its layer kinds");
+      kinds.push_back(kind);
+    }
+  } else if (c.model_type == "jamba") {
+    const json* per = field(j, {"attn_layer_period"}, nullptr);
+    const json* off = field(j, {"attn_layer_offset"}, nullptr);
+    const int64_t period = per ? get_positive_int(c, *per, "attn_layer_period") : 8;
+    const int64_t offset = off ? static_cast<int64_t>(get_number(c, *off, "attn_layer_offset")) : 4;
+    source = "attn_layer_period " + std::to_string(period) + ", attn_layer_offset " + std::to_string(offset);
+    for (int64_t i = 0; i < c.num_layers; ++i)
+      kinds.push_back(i % period == offset ? "full_attention" : "linear_attention");
+  } else if (c.model_type == "qwen3_next" || c.model_type == "qwen3_5_text" ||
+             c.model_type == "qwen3_5_moe_text") {
+    const json* v = field(j, {"full_attention_interval"}, nullptr);
+    const int64_t interval = v ? get_positive_int(c, *v, "full_attention_interval") : 4;
+    source = "full_attention_interval " + std::to_string(interval);
+    for (int64_t i = 0; i < c.num_layers; ++i)
+      kinds.push_back((i + 1) % interval ? "linear_attention" : "full_attention");
+  }
+  if (!kinds.is_array() || kinds.empty()) return;
+  if (c.num_layers == 0) c.num_layers = static_cast<int64_t>(kinds.size());
+  if (static_cast<int64_t>(kinds.size()) != c.num_layers) return;  // (layer_types' own check follows)
+  json kept = json::array();
+  std::string dropped_types;
+  for (size_t i = 0; i < kinds.size(); ++i) {
+    const json& t = kinds[i];
+    const bool none = t.is_string() && std::find(std::begin(kNoAttention), std::end(kNoAttention),
+                                                 t.get<std::string>()) != std::end(kNoAttention);
+    if (!none) {
+      kept.push_back(t);
+      c.attention_layers.push_back(static_cast<int64_t>(i));
+    } else if (dropped_types.find("\"" + t.get<std::string>() + "\"") == std::string::npos) {
+      dropped_types += (dropped_types.empty() ? "\"" : ", \"") + t.get<std::string>() + "\"";
+    }
+  }
+  if (c.attention_layers.size() == kinds.size()) {
+    c.attention_layers.clear();
+    return;
+  }
+  if (c.attention_layers.empty())
+    fail(c, source + " gives no attention layer (" + dropped_types +
+                " only): no layer has a KV cache for the op to fill");
+  std::string which;
+  for (size_t i = 0; i < c.attention_layers.size() && i < 8; ++i)
+    which += (i ? ", " : "") + std::to_string(c.attention_layers[i]);
+  if (c.attention_layers.size() > 8) which += ", ...";
+  const int64_t all = c.num_layers, n = static_cast<int64_t>(c.attention_layers.size());
+  c.notes.push_back(source + ": " + std::to_string(all - n) + " of " + std::to_string(all) + " layers (" +
+                    dropped_types + ") have no attention, no KV cache and no RoPE: only the " +
+                    std::to_string(n) + " attention layers (" + which +
+                    ") call the op, and the replay's layer i is the i-th of them");
+  c.num_layers = n;
+  j["layer_types"] = kept;
 }
 
 }  // namespace
@@ -314,7 +399,11 @@ static ModelConfig load_model_config_json(const std::string& path) {
                   " is not a multiple of num_attention_heads " + std::to_string(c.num_qo_heads));
     c.head_dim = hidden / c.num_qo_heads;
   }
-  c.num_layers = required_int(c, j, {"num_hidden_layers", "n_layer", "num_layers"});
+  // (Nemotron-H's configs may give the layers by their kinds alone.)
+  if (field(j, {"num_hidden_layers", "n_layer", "num_layers"}, nullptr) ||
+      !field(j, {"layers_block_type", "hybrid_override_pattern"}, nullptr))
+    c.num_layers = required_int(c, j, {"num_hidden_layers", "n_layer", "num_layers"});
+  drop_layers_without_attention(c, j);
 
   if (const json* v = field(j, {"max_position_embeddings", "n_positions", "max_sequence_length"}, &which))
     c.max_position_embeddings = get_positive_int(c, *v, which);

@@ -46,7 +46,13 @@ struct ModelConfig {
   int64_t num_qo_heads = 0;   ///< num_attention_heads | n_head
   int64_t num_kv_heads = 0;   ///< num_key_value_heads (default: num_qo_heads)
   int64_t head_dim = 0;       ///< head_dim, else hidden_size / num_attention_heads
-  int64_t num_layers = 0;     ///< num_hidden_layers | n_layer
+  /// The layers that call the op: num_hidden_layers | n_layer, less a hybrid
+  /// model's layers without attention (attention_layers).
+  int64_t num_layers = 0;
+  /// A hybrid model's attention layers (Qwen3-Next: every 4th), as indices
+  /// of all its layers; empty when every layer has attention. The replay's
+  /// layer i is the model's layer attention_layers[i].
+  std::vector<int64_t> attention_layers;
   double partial_rotary_factor = 1.0;  ///< partial_rotary_factor | rotary_pct
   int64_t rotary_dim = 0;     ///< rotated dims per head (rotary_dim, else int(D * factor))
   /// false: GPT-J / CodeGen / GLM interleaved pairs (2i, 2i+1); true: NeoX
