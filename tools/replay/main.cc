@@ -289,7 +289,8 @@ int main(int argc, char** argv) {
   app.add_option("--threads", opt.threads, "CPU threads of the op (ExecOptions::num_threads), also used "
                  "for data generation, checks and the memcpy baseline; 0 = OpenMP default")
       ->check(CLI::Range(0, 1024));
-  app.add_option("--layers", layers, "replay at most N layers (default: all of the config's)")
+  app.add_option("--layers", layers, "replay at most N layers, the first N of the model's attention "
+                 "layers (default: all of them)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   app.add_option("--seed", opt.seed, "seed of the synthetic workload and of all q/k/v data")
       ->capture_default_str()
