@@ -161,3 +161,20 @@ def test_attention_layers_as_transformers_caches_them(config_class, tmp_path):
     model = replay_summary(saved, tmp_path, "--layers", "1")["model"]
     assert model["attention_layers"] == ([] if len(with_kv) == len(layers) else with_kv)
     assert model["num_layers"] == len(with_kv)
+
+
+def test_cohere2_nope_layers_as_transformers_attention_has_them(tmp_path):
+    """Cohere2's attention rotates only in its sliding-window layers; the
+    replay's note names the others (layer_types' full-attention layers)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    from transformers.models.cohere2 import modeling_cohere2
+    config = transformers.Cohere2Config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                        num_hidden_layers=10, sliding_window_pattern=3)
+    nope = [i for i in range(10)
+            if modeling_cohere2.Cohere2Attention(config, layer_idx=i).sliding_window is None]
+    assert nope == [2, 5, 8]
+    notes = replay_summary(config.to_dict(), tmp_path, "--layers", "1")["model"]["notes"]
+    want = (f"cohere2: the full-attention layers of layer_types: {len(nope)} layers "
+            f"({', '.join(map(str, nope))}) use no RoPE (NoPE)")
+    assert any(n.startswith(want) for n in notes), notes

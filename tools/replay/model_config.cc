@@ -163,19 +163,34 @@ void parse_rope_scaling(ModelConfig& c, const json& s, const std::string& key, L
 // classes fill it; Cohere2's full-attention layers are NoPE. "" for none.
 std::string nope_note(const json& j, const ModelConfig& c) {
   const std::string tail =
-      " use no RoPE (NoPE); replayed with RoPE (ropekv has no call without a rotation)";
-  if (c.model_type == "cohere2") return "cohere2: the full-attention layers" + tail;
+      " no RoPE (NoPE); replayed with RoPE (ropekv has no call without a rotation)";
   // Jamba's and Nemotron-H's attention has no rotary embedding (their Mamba
   // layers carry position), nor has Granite-4.0-H's unless its
   // position_embedding_type is "rope".
   const auto pe = j.find("position_embedding_type");
   if (c.model_type == "jamba" || c.model_type == "nemotron_h" ||
       (c.model_type == "granitemoehybrid" && !(pe != j.end() && *pe == "rope")))
-    return c.model_type + ": the attention layers" + tail;
+    return c.model_type + ": the attention layers use" + tail;
   std::vector<int64_t> nope;
   std::string how = "no_rope_layers";
   const auto it = j.find("no_rope_layers");
-  if (it != j.end() && it->is_array() && !it->empty()) {
+  const auto types = j.find("layer_types");
+  if (c.model_type == "cohere2") {
+    // Its full-attention layers: by layer_types, else every
+    // sliding_window_pattern-th layer (default 4), as Cohere2Config fills them.
+    if (types != j.end() && types->is_array()) {
+      how = "cohere2: the full-attention layers of layer_types";
+      for (size_t i = 0; i < types->size(); ++i)
+        if ((*types)[i] == "full_attention") nope.push_back(static_cast<int64_t>(i));
+    } else {
+      int64_t pattern = 4;
+      if (const auto p = j.find("sliding_window_pattern"); p != j.end() && p->is_number_integer())
+        pattern = p->get<int64_t>();
+      how = "cohere2: the full-attention layers, every " + std::to_string(pattern) +
+            "th (sliding_window_pattern)";
+      for (int64_t i = pattern - 1; pattern > 0 && i < c.num_layers; i += pattern) nope.push_back(i);
+    }
+  } else if (it != j.end() && it->is_array() && !it->empty()) {
     for (size_t i = 0; i < it->size(); ++i)
       if ((*it)[i].is_number() && (*it)[i].get<double>() == 0.0)
         nope.push_back(static_cast<int64_t>(i));
@@ -195,7 +210,7 @@ std::string nope_note(const json& j, const ModelConfig& c) {
     layers += (i ? ", " : "") + std::to_string(nope[i]);
   if (nope.size() > 8) layers += ", ...";
   return how + ": " + std::to_string(nope.size()) + " layer" + (nope.size() == 1 ? "" : "s") +
-         " (" + layers + ")" + tail;
+         " (" + layers + ")" + (nope.size() == 1 ? " uses" : " use") + tail;
 }
 
 // Whether the model normalises each q and k head before RoPE, and how
