@@ -101,7 +101,12 @@ QK_SHAPE = dict(hidden_size=256, head_dim=64, num_attention_heads=4, num_key_val
     ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeAttention", {}),
     ("qwen3_next", "Qwen3NextConfig", "Qwen3NextAttention", {"num_hidden_layers": 4}),
     ("qwen3_vl", "Qwen3VLTextConfig", "Qwen3VLTextAttention", {}),
+    ("qwen3_5", "Qwen3_5TextConfig", "Qwen3_5Attention", {"num_hidden_layers": 4}),
     ("gemma3", "Gemma3TextConfig", "Gemma3Attention", {}),
+    ("dots1", "Dots1Config", "Dots1Attention", {}),
+    ("exaone4", "Exaone4Config", "Exaone4Attention", {}),
+    ("apertus", "ApertusConfig", "ApertusAttention", {}),
+    ("lfm2", "Lfm2Config", "Lfm2Attention", {"norm_eps": 3e-6}),
     ("glm4_moe", "Glm4MoeConfig", "Glm4MoeAttention", {"use_qk_norm": True}),
     ("glm4_moe", "Glm4MoeConfig", "Glm4MoeAttention", {}),
     ("llama4", "Llama4TextConfig", "Llama4TextAttention", {}),
@@ -109,7 +114,8 @@ QK_SHAPE = dict(hidden_size=256, head_dim=64, num_attention_heads=4, num_key_val
     ("cohere", "CohereConfig", "CohereAttention", {"use_qk_norm": True}),
     ("olmo2", "Olmo2Config", "Olmo2Attention", {}),
     ("llama", "LlamaConfig", "LlamaAttention", {}),
-], ids=["qwen3", "qwen3_moe", "qwen3_next", "qwen3_vl_text", "gemma3", "glm4_moe-qk-norm", "glm4_moe", "llama4", "llama4-no-qk-norm",
+], ids=["qwen3", "qwen3_moe", "qwen3_next", "qwen3_vl_text", "qwen3_5_text", "gemma3", "dots1",
+        "exaone4", "apertus", "lfm2", "glm4_moe-qk-norm", "glm4_moe", "llama4", "llama4-no-qk-norm",
         "cohere-layernorm", "olmo2-whole-projection", "llama"])
 def test_qk_norm_as_transformers_attention_has_it(module, config_class, attention_class, extra, tmp_path):
     """The replay's QK-norm (its JSON summary's qk_norm) is the one the
@@ -126,7 +132,8 @@ def test_qk_norm_as_transformers_attention_has_it(module, config_class, attentio
     except ImportError as e:  # this transformers lacks a dependency of the model's code
         pytest.skip(str(e))
     attention = getattr(modeling, attention_class)(config, layer_idx=0)
-    q_norm = getattr(attention, "q_norm", None) or getattr(attention, "qk_norm", None)
+    q_norm = next((getattr(attention, name) for name in ("q_norm", "qk_norm", "q_layernorm")
+                   if getattr(attention, name, None) is not None), None)
     weight = getattr(q_norm, "weight", None)
     eps = getattr(q_norm, "variance_epsilon", getattr(q_norm, "eps", None))
     if q_norm is None or type(q_norm).__name__.endswith("LayerNorm") or (
@@ -178,3 +185,85 @@ def test_cohere2_nope_layers_as_transformers_attention_has_them(tmp_path):
     want = (f"cohere2: the full-attention layers of layer_types: {len(nope)} layers "
             f"({', '.join(map(str, nope))}) use no RoPE (NoPE)")
     assert any(n.startswith(want) for n in notes), notes
+
+
+# Hybrid configs as a model's config.json gives them (the fields the config
+# classes derive layer_types from, without layer_types): each made by
+# transformers from the same fields, whose DynamicCache is the oracle.
+HYBRID_BASE = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                   intermediate_size=512, vocab_size=1000)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(model_type="qwen3_next", num_hidden_layers=8, full_attention_interval=2),
+    dict(model_type="qwen3_5_text", num_hidden_layers=8),
+    dict(model_type="nemotron_h", hybrid_override_pattern="M-M*-E"),
+    dict(model_type="nemotron_h", hybrid_override_pattern="M*M*", num_hidden_layers=6),
+    dict(model_type="jamba", num_hidden_layers=16),
+    dict(model_type="jamba", num_hidden_layers=8, attn_layer_period=4, attn_layer_offset=1),
+    dict(model_type="bamba", num_hidden_layers=8, attn_layer_indices=[2, 5]),
+    dict(model_type="lfm2", num_hidden_layers=6, full_attn_idxs=[2, 5]),
+    dict(model_type="recurrent_gemma", num_hidden_layers=6, block_types=["recurrent", "recurrent", "attention"]),
+    dict(model_type="zamba", num_hidden_layers=8, attn_layer_period=2, attn_layer_offset=1),
+    dict(model_type="olmo_hybrid", num_hidden_layers=8),
+], ids=lambda f: "-".join(str(v) for k, v in f.items() if k in ("model_type", "hybrid_override_pattern")))
+def test_attention_layers_from_a_config_json_as_transformers_reads_it(fields, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    from transformers import cache_utils
+    config = dict(HYBRID_BASE, **fields)
+    kwargs = {k: v for k, v in config.items() if k != "model_type"}
+    try:
+        made = transformers.AutoConfig.for_model(config["model_type"], **kwargs)
+    except ValueError as e:  # this transformers lacks the model
+        pytest.skip(str(e))
+    layers = cache_utils.DynamicCache(config=made).layers
+    with_kv = [i for i, layer in enumerate(layers) if isinstance(layer, cache_utils.CacheLayerMixin)]
+    assert 0 < len(with_kv) < len(layers)
+    model = replay_summary(config, tmp_path, "--layers", "1")["model"]
+    assert (model["attention_layers"], model["num_layers"]) == (with_kv, len(with_kv))
+
+
+def replay_error(config: dict, tmp_path) -> str:
+    """Runs the replay on `config`, which must be refused (exit 2); its message."""
+    if not REPLAY.exists():
+        pytest.skip(f"no {REPLAY}: build the C++ tree (scripts/setup.sh) or set ROPEKV_REPLAY")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    run = subprocess.run([str(REPLAY), "--no-progress", "--config", str(path), "--requests", "2"],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 2, run.stdout + run.stderr
+    return run.stderr
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(model_type="qwen3_next", num_hidden_layers=8, layer_types=["linear_attention", "full_attention"] * 3),
+     '"layer_types" has 6 entries, but num_hidden_layers is 8'),
+    (dict(model_type="nemotron_h", hybrid_override_pattern=""), '"hybrid_override_pattern" gives no layers'),
+    (dict(model_type="nemotron_h", layers_block_type="M*M*"), '"layers_block_type" must be a list of layer type names'),
+    (dict(model_type="nemotron_h", hybrid_override_pattern="M-M-"), "gives no attention layer"),
+    (dict(model_type="jamba", num_hidden_layers=8, attn_layer_period=4, attn_layer_offset=1.5),
+     '"attn_layer_offset" must be an integer in [0, attn_layer_period 4), got 1.5'),
+    (dict(model_type="qwen3", num_hidden_layers=2, rms_norm_eps=1e39),
+     '"rms_norm_eps" must be a number, finite and >= 0 as a float32 for the QK-norm, got 1e+39'),
+])
+def test_hybrid_and_qk_norm_config_errors(fields, message, tmp_path):
+    assert message in replay_error(dict(HYBRID_BASE, **fields), tmp_path)
+
+
+def test_rms_norm_eps_is_read_only_for_a_qk_norm(tmp_path):
+    """A model without a QK-norm does not judge rms_norm_eps or use_qk_norm
+    (LlamaConfig keeps what it does not read)."""
+    config = dict(HYBRID_BASE, model_type="llama", num_hidden_layers=2, rms_norm_eps="small", use_qk_norm=1)
+    assert replay_summary(config, tmp_path)["qk_norm"] is None
+
+
+def test_llama4_yarn_attention_factor_note(tmp_path):
+    """Llama-4's norm after RoPE divides out yarn's attention factor; ropekv's
+    before it does not: the replay says so."""
+    config = dict(HYBRID_BASE, model_type="llama4_text", num_hidden_layers=2, max_position_embeddings=65536,
+                  rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192})
+    summary = replay_summary(config, tmp_path)
+    assert summary["qk_norm"]["weights"] == "ones"
+    assert any(n.startswith("Llama-4's weightless norm after RoPE divides out the attention factor 1.13")
+               for n in summary["model"]["notes"]), summary["model"]["notes"]

@@ -393,7 +393,9 @@ int main(int argc, char** argv) {
     if (fault == "rope-type" && model.ropes.size() < 2)
       throw InputError("--inject-fault rope-type needs a config with RoPE per layer type");
     if (fault == "qk-norm" && model.qk_norm != QkNorm::kWeighted)
-      throw InputError("--inject-fault qk-norm needs a QK-norm with weights (a model with one, or --qk-norm on)");
+      throw InputError(model.qk_norm == QkNorm::kUnit
+                           ? "--inject-fault qk-norm needs a QK-norm with weights: this model's (Llama-4's) has none"
+                           : "--inject-fault qk-norm needs a QK-norm with weights (a model with one, or --qk-norm on)");
 
     Workload wl;
     if (!trace.empty()) {
@@ -445,7 +447,7 @@ int main(int argc, char** argv) {
                   model.qk_norm_from.c_str(), fmt_g(model.norm_eps).c_str(),
                   model.qk_norm == QkNorm::kUnit
                       ? "weights of ones (Llama-4's weightless norm after RoPE: the same, as the rotation "
-                        "keeps a head's norm)"
+                        "keeps a head's norm; on its NoPE layers too, which are replayed like the others)"
                       : "random weights in [0.5, 1.5) per layer (a config has no weights)");
     for (const std::string& n : model.notes) std::printf("note      %s\n", n.c_str());
     if (layers > model.num_layers)

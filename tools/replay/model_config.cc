@@ -164,29 +164,39 @@ void parse_rope_scaling(ModelConfig& c, const json& s, const std::string& key, L
 std::string nope_note(const json& j, const ModelConfig& c) {
   const std::string tail =
       " no RoPE (NoPE); replayed with RoPE (ropekv has no call without a rotation)";
-  // Jamba's and Nemotron-H's attention has no rotary embedding (their Mamba
+  // Jamba's, Zamba's and Nemotron-H's attention has no rotary embedding (their Mamba
   // layers carry position), nor has Granite-4.0-H's unless its
-  // position_embedding_type is "rope".
+  // position_embedding_type is "rope", nor Zamba2's unless use_mem_rope.
   const auto pe = j.find("position_embedding_type");
-  if (c.model_type == "jamba" || c.model_type == "nemotron_h" ||
-      (c.model_type == "granitemoehybrid" && !(pe != j.end() && *pe == "rope")))
+  if (c.model_type == "jamba" || c.model_type == "nemotron_h" || c.model_type == "zamba" ||
+      (c.model_type == "granitemoehybrid" && !(pe != j.end() && *pe == "rope")) ||
+      (c.model_type == "zamba2" && !(j.contains("use_mem_rope") && j["use_mem_rope"] == true)))
     return c.model_type + ": the attention layers use" + tail;
   std::vector<int64_t> nope;
   std::string how = "no_rope_layers";
   const auto it = j.find("no_rope_layers");
   const auto types = j.find("layer_types");
-  if (c.model_type == "cohere2") {
-    // Its full-attention layers: by layer_types, else every
-    // sliding_window_pattern-th layer (default 4), as Cohere2Config fills them.
+  const auto window = j.find("sliding_window");
+  if (c.model_type == "cohere2" ||
+      (c.model_type == "exaone4" && window != j.end() && !window->is_null())) {
+    // Cohere2's full-attention layers, and EXAONE-4's where it has sliding
+    // layers: by layer_types, else every sliding_window_pattern-th layer
+    // (default 4; EXAONE-4 also takes a string such as "LLLG", G global), as
+    // their config classes fill them.
+    const auto p = j.find("sliding_window_pattern");
     if (types != j.end() && types->is_array()) {
-      how = "cohere2: the full-attention layers of layer_types";
+      how = c.model_type + ": the full-attention layers of layer_types";
       for (size_t i = 0; i < types->size(); ++i)
         if ((*types)[i] == "full_attention") nope.push_back(static_cast<int64_t>(i));
+    } else if (p != j.end() && p->is_string() && !p->get<std::string>().empty()) {
+      const std::string pat = p->get<std::string>();
+      how = c.model_type + ": the full-attention layers, the G of sliding_window_pattern \"" + pat + "\"";
+      for (int64_t i = 0; i < c.num_layers; ++i)
+        if (pat[static_cast<size_t>(i) % pat.size()] == 'G') nope.push_back(i);
     } else {
       int64_t pattern = 4;
-      if (const auto p = j.find("sliding_window_pattern"); p != j.end() && p->is_number_integer())
-        pattern = p->get<int64_t>();
-      how = "cohere2: the full-attention layers, every " + std::to_string(pattern) +
+      if (p != j.end() && p->is_number_integer()) pattern = p->get<int64_t>();
+      how = c.model_type + ": the full-attention layers, every " + std::to_string(pattern) +
             "th (sliding_window_pattern)";
       for (int64_t i = pattern - 1; pattern > 0 && i < c.num_layers; i += pattern) nope.push_back(i);
     }
@@ -214,21 +224,26 @@ std::string nope_note(const json& j, const ModelConfig& c) {
 }
 
 // Whether the model normalises each q and k head before RoPE, and how
-// (transformers' attention classes). Qwen3's and Gemma-3's attention always
-// do (an RMSNorm of head_dim with learned weights; Gemma's scales by 1 + w,
-// which ropekv takes as the weight); GLM-4.5 (glm4_moe) where use_qk_norm;
-// Llama-4 where use_qk_norm (true by default) with a weightless norm after
-// RoPE, which is the same as before it with weights of ones (a rotation of
-// the whole head keeps its norm). Cohere's use_qk_norm is a LayerNorm, and
-// another model's use_qk_norm a form the tool does not know: notes, no norm.
+// (transformers' attention classes). Qwen3's (Qwen3-Next, Qwen3.5, Qwen3-VL),
+// Gemma-3's, dots.llm1's, EXAONE-4's, Apertus' and LFM2's attention always
+// do (an RMSNorm of head_dim with learned weights; Gemma's and Qwen3-Next's
+// scale by 1 + w, which ropekv takes as the weight); GLM-4.5 (glm4_moe)
+// where use_qk_norm; Llama-4 where use_qk_norm (true by default) with a
+// weightless norm after RoPE, which is the same as before it with weights of
+// ones (a rotation of the whole head keeps its norm). Cohere's use_qk_norm is
+// a LayerNorm, and another model's use_qk_norm a form the tool does not know:
+// notes, no norm. (A multimodal config's text_config may lack its own
+// model_type: the outer one, e.g. qwen3_vl, then stands for it.)
 void read_qk_norm(ModelConfig& c, const json& j) {
-  static const char* const kAlways[] = {"qwen3",         "qwen3_moe",         "qwen3_next",
-                                        "qwen3_vl_text", "qwen3_vl_moe_text", "gemma3",
-                                        "gemma3_text"};
+  static const char* const kAlways[] = {
+      "qwen3",        "qwen3_moe",        "qwen3_next",  "qwen3_vl",    "qwen3_vl_text", "qwen3_vl_moe",
+      "qwen3_vl_moe_text", "qwen3_5",     "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "gemma3",
+      "gemma3_text",  "dots1",            "exaone4",     "apertus",     "lfm2",          "lfm2_moe"};
   const bool llama4 = c.model_type == "llama4" || c.model_type == "llama4_text";
+  const bool reads_flag = llama4 || c.model_type == "glm4_moe" || c.model_type == "cohere";
   bool use = llama4;  // Llama4TextConfig's default
   const json* flag = field(j, {"use_qk_norm"}, nullptr);
-  if (flag) {
+  if (flag && reads_flag) {
     if (!flag->is_boolean()) fail(c, "\"use_qk_norm\" must be true or false, got " + flag->dump());
     use = flag->get<bool>();
   }
@@ -241,37 +256,59 @@ void read_qk_norm(ModelConfig& c, const json& j) {
   } else if (use && c.model_type == "cohere") {
     c.notes.push_back("use_qk_norm: cohere's QK-norm is a LayerNorm (mean subtracted), not ropekv's "
                       "RMSNorm; replayed without it");
-  } else if (use) {
+  } else if (!reads_flag && flag && *flag == true) {
     c.notes.push_back("use_qk_norm of model_type \"" + c.model_type +
                       "\": its form is not known to the tool; replayed without a QK-norm (--qk-norm on "
                       "replays ropekv's RMSNorm of each head)");
   }
-  if (const json* v = field(j, {"rms_norm_eps"}, nullptr)) {
-    c.norm_eps = get_number(c, *v, "rms_norm_eps");
-  } else if (llama4) {
-    c.norm_eps = 1e-5;  // Llama4TextConfig's default
+  const bool lfm2 = c.model_type == "lfm2" || c.model_type == "lfm2_moe";
+  const char* key = lfm2 ? "norm_eps" : "rms_norm_eps";
+  if (llama4 || lfm2 || c.model_type == "glm4_moe" || c.model_type == "exaone4" || c.model_type == "apertus")
+    c.norm_eps = 1e-5;  // their config classes' defaults
+  if (const json* v = field(j, {key}, nullptr)) {
+    if (v->is_number()) c.norm_eps = v->get<double>();
+    if (!v->is_number() || !(std::isfinite(c.norm_eps) && c.norm_eps >= 0 &&
+                             std::isfinite(static_cast<float>(c.norm_eps))))
+      c.norm_eps_error = "\"" + std::string(key) + "\" must be a number, finite and >= 0 as a float32 for the "
+                         "QK-norm, got " + v->dump();
   }
 }
 
 // A hybrid model's layers without attention (Qwen3-Next and Qwen3.5's Gated
-// DeltaNet, Mamba, MoE-only and MLP-only layers) have no KV cache and no
-// RoPE: an engine calls the op for the other layers only. Their kinds as the
-// config gives them: transformers' layer_types (with its older names),
-// Nemotron-H's layers_block_type or hybrid_override_pattern (M Mamba, * attention,
-// E MoE, - MLP; these also give the number of layers), Jamba's
-// attn_layer_period and attn_layer_offset, or Qwen3-Next's and Qwen3.5's
-// full_attention_interval (default 4), as their config classes read them.
-// Keeps the attention layers' entries in j["layer_types"], counts only them
-// in num_layers, and names them in attention_layers.
-void drop_layers_without_attention(ModelConfig& c, json& j) {
+// DeltaNet, Mamba, short-convolution, recurrent, MoE-only and MLP-only
+// layers) have no KV cache and no RoPE: an engine calls the op for the other
+// layers only. Their kinds as the config gives them, read as the config
+// classes read them: transformers' layer_types (with its older names);
+// Nemotron-H's layers_block_type or hybrid_override_pattern (M Mamba, *
+// attention, E MoE, - MLP), whose length is the number of layers; Bamba's
+// attn_layer_indices; LFM2's full_attn_idxs; RecurrentGemma's block_types
+// (cycled); Jamba's attn_layer_period and attn_layer_offset (default 8, 4)
+// and Zamba's (default 6, 4, after two Mamba layers and a hybrid one);
+// Qwen3-Next's and Qwen3.5's full_attention_interval (default 4); OLMo-hybrid's
+// default (every 4th layer). Keeps the attention layers' entries in
+// j["layer_types"], counts only them in num_layers, and names them in
+// attention_layers. `given` is whether the config gave num_hidden_layers.
+void drop_layers_without_attention(ModelConfig& c, json& j, bool given) {
   static const char* const kNoAttention[] = {"linear_attention", "mamba", "mamba2", "conv",
                                              "moe",              "mlp",   "recurrent"};
   std::string source;
   json kinds;
-  if (const json* v = field(j, {"layer_types", "layers_block_type"}, &source)) {
+  bool sets_count = false;  // the kinds give the number of layers (Nemotron-H)
+  // Layer i is full attention where it is in the list `key` (a list of indices).
+  auto from_indices = [&](const char* key, const char* other) {
+    const json* v = field(j, {key}, &source);
+    if (!v->is_array()) fail(c, "\"" + std::string(key) + "\" must be a list of layer indices, got " + v->dump());
+    for (int64_t i = 0; i < c.num_layers; ++i)
+      kinds.push_back(std::find(v->begin(), v->end(), json(i)) != v->end() ? "full_attention" : other);
+  };
+  if (const json* v = field(j, {"layer_types"}, &source)) {
     kinds = *v;
+  } else if (const json* b = field(j, {"layers_block_type"}, &source)) {
+    kinds = *b;
+    sets_count = true;
   } else if (const json* p = field(j, {"hybrid_override_pattern"}, &source)) {
     if (!p->is_string()) fail(c, "\"hybrid_override_pattern\" must be a string, got " + p->dump());
+    kinds = json::array();
     for (char ch : p->get<std::string>()) {
       const char* kind = ch == 'M' ? "linear_attention" : ch == '*' ? "full_attention"
                          : ch == 'E' ? "moe" : ch == '-' ? "mlp" : nullptr;
@@ -279,36 +316,73 @@ void drop_layers_without_attention(ModelConfig& c, json& j) {
         fail(c, "\"hybrid_override_pattern\" has '" + std::string(1, ch) + "': M, *, E and - are its layer kinds");
       kinds.push_back(kind);
     }
+    sets_count = true;
+  } else if (field(j, {"attn_layer_indices"}, nullptr)) {
+    from_indices("attn_layer_indices", "linear_attention");
+  } else if (field(j, {"full_attn_idxs"}, nullptr)) {
+    from_indices("full_attn_idxs", "conv");
+  } else if (const json* bt = field(j, {"block_types"}, &source)) {
+    if (!bt->is_array() || bt->empty()) fail(c, "\"block_types\" must be a list of block types, got " + bt->dump());
+    for (int64_t i = 0; i < c.num_layers; ++i) {
+      const json& t = (*bt)[static_cast<size_t>(i) % bt->size()];
+      kinds.push_back(t == "recurrent" ? "recurrent" : "sliding_attention");
+    }
   } else if (c.model_type == "jamba") {
     const json* per = field(j, {"attn_layer_period"}, nullptr);
     const json* off = field(j, {"attn_layer_offset"}, nullptr);
     const int64_t period = per ? get_positive_int(c, *per, "attn_layer_period") : 8;
-    const int64_t offset = off ? static_cast<int64_t>(get_number(c, *off, "attn_layer_offset")) : 4;
-    source = "attn_layer_period " + std::to_string(period) + ", attn_layer_offset " + std::to_string(offset);
+    const double offset = off ? get_number(c, *off, "attn_layer_offset") : 4;
+    if (!(offset >= 0 && offset < static_cast<double>(period) && offset == std::floor(offset)))
+      fail(c, "\"attn_layer_offset\" must be an integer in [0, attn_layer_period " + std::to_string(period) +
+                  "), got " + fmt_num(offset));
+    source = "attn_layer_period " + std::to_string(period) + ", attn_layer_offset " + fmt_num(offset);
     for (int64_t i = 0; i < c.num_layers; ++i)
-      kinds.push_back(i % period == offset ? "full_attention" : "linear_attention");
-  } else if (c.model_type == "qwen3_next" || c.model_type == "qwen3_5_text" ||
-             c.model_type == "qwen3_5_moe_text") {
+      kinds.push_back(i % period == static_cast<int64_t>(offset) ? "full_attention" : "linear_attention");
+  } else if (c.model_type == "qwen3_next" || c.model_type == "qwen3_5" || c.model_type == "qwen3_5_text" ||
+             c.model_type == "qwen3_5_moe" || c.model_type == "qwen3_5_moe_text") {
     const json* v = field(j, {"full_attention_interval"}, nullptr);
     const int64_t interval = v ? get_positive_int(c, *v, "full_attention_interval") : 4;
     source = "full_attention_interval " + std::to_string(interval);
     for (int64_t i = 0; i < c.num_layers; ++i)
       kinds.push_back((i + 1) % interval ? "linear_attention" : "full_attention");
+  } else if (c.model_type == "zamba") {
+    const json* per = field(j, {"attn_layer_period"}, nullptr);
+    const json* off = field(j, {"attn_layer_offset"}, nullptr);
+    const int64_t period = per ? get_positive_int(c, *per, "attn_layer_period") : 6;
+    const int64_t offset = off ? static_cast<int64_t>(get_number(c, *off, "attn_layer_offset")) : 4;
+    source = "attn_layer_period " + std::to_string(period) + ", attn_layer_offset " + std::to_string(offset);
+    for (int64_t i = 0; i < c.num_layers; ++i)  // two Mamba layers, a hybrid one, then the period
+      kinds.push_back(i < 3 ? (i == 2 ? "hybrid" : "linear_attention")
+                            : (i - 3) % period == offset ? "hybrid" : "linear_attention");
+  } else if (c.model_type == "olmo_hybrid") {
+    source = "olmo_hybrid's default layers";
+    for (int64_t i = 0; i < c.num_layers; ++i)
+      kinds.push_back(i % 4 == 3 || (c.num_layers < 4 && i == c.num_layers - 1) ? "full_attention"
+                                                                                 : "linear_attention");
   }
-  if (!kinds.is_array() || kinds.empty()) return;
-  if (c.num_layers == 0) c.num_layers = static_cast<int64_t>(kinds.size());
-  if (static_cast<int64_t>(kinds.size()) != c.num_layers) return;  // (layer_types' own check follows)
+  if (kinds.is_null()) return;
+  if (!kinds.is_array() || !std::all_of(kinds.begin(), kinds.end(), [](const json& t) { return t.is_string(); }))
+    fail(c, "\"" + source + "\" must be a list of layer type names, got " + kinds.dump());
+  const int64_t n_kinds = static_cast<int64_t>(kinds.size());
+  if (sets_count) {
+    if (given && c.num_layers != n_kinds)
+      c.notes.push_back("num_hidden_layers " + std::to_string(c.num_layers) + " ignored: " + source + " gives " +
+                        std::to_string(n_kinds) + " layers (as transformers reads it)");
+    c.num_layers = n_kinds;
+  } else if (n_kinds != c.num_layers) {
+    fail(c, "\"" + source + "\" has " + std::to_string(n_kinds) + " entries, but num_hidden_layers is " +
+                std::to_string(c.num_layers));
+  }
+  if (c.num_layers == 0) fail(c, "\"" + source + "\" gives no layers");
   json kept = json::array();
   std::string dropped_types;
   for (size_t i = 0; i < kinds.size(); ++i) {
-    const json& t = kinds[i];
-    const bool none = t.is_string() && std::find(std::begin(kNoAttention), std::end(kNoAttention),
-                                                 t.get<std::string>()) != std::end(kNoAttention);
-    if (!none) {
+    const std::string t = kinds[i].get<std::string>();
+    if (std::find(std::begin(kNoAttention), std::end(kNoAttention), t) == std::end(kNoAttention)) {
       kept.push_back(t);
       c.attention_layers.push_back(static_cast<int64_t>(i));
-    } else if (dropped_types.find("\"" + t.get<std::string>() + "\"") == std::string::npos) {
-      dropped_types += (dropped_types.empty() ? "\"" : ", \"") + t.get<std::string>() + "\"";
+    } else if (dropped_types.find("\"" + t + "\"") == std::string::npos) {
+      dropped_types += (dropped_types.empty() ? "\"" : ", \"") + t + "\"";
     }
   }
   if (c.attention_layers.size() == kinds.size()) {
@@ -324,9 +398,10 @@ void drop_layers_without_attention(ModelConfig& c, json& j) {
   if (c.attention_layers.size() > 8) which += ", ...";
   const int64_t all = c.num_layers, n = static_cast<int64_t>(c.attention_layers.size());
   c.notes.push_back(source + ": " + std::to_string(all - n) + " of " + std::to_string(all) + " layers (" +
-                    dropped_types + ") have no attention, no KV cache and no RoPE: only the " +
-                    std::to_string(n) + " attention layers (" + which +
-                    ") call the op, and the replay's layer i is the i-th of them");
+                    dropped_types + ") have no attention, no KV cache and no RoPE: only " +
+                    (n == 1 ? "the attention layer (" + which + ") calls"
+                            : "the " + std::to_string(n) + " attention layers (" + which + ") call") +
+                    " the op, and the replay's layer i is the i-th of them");
   c.num_layers = n;
   j["layer_types"] = kept;
 }
@@ -342,9 +417,17 @@ void set_qk_norm(ModelConfig& c, const std::string& mode) {
     c.qk_norm = QkNorm::kWeighted;
     c.qk_norm_from = "--qk-norm on";
   }
-  if (c.qk_norm != QkNorm::kNone && !(std::isfinite(c.norm_eps) && c.norm_eps >= 0 &&
-                                      std::isfinite(static_cast<float>(c.norm_eps))))
-    fail(c, "\"rms_norm_eps\" must be finite and >= 0 for the QK-norm, got " + fmt_num(c.norm_eps));
+  if (c.qk_norm != QkNorm::kNone && !c.norm_eps_error.empty()) fail(c, c.norm_eps_error);
+  // Llama-4's norm after RoPE divides out yarn's attention factor m; ropekv's
+  // before it keeps m (its results m times Llama-4's).
+  if (c.qk_norm == QkNorm::kUnit)
+    for (const LayerRope& lr : c.ropes)
+      if (lr.rope_scaling.type != ropekv::RopeScalingType::kNone &&
+          ropekv::rope_attention_factor(lr.rope_scaling) != 1.0)
+        c.notes.push_back("Llama-4's weightless norm after RoPE divides out the attention factor " +
+                          fmt_num(ropekv::rope_attention_factor(lr.rope_scaling)) +
+                          " of its rope_scaling; ropekv's QK-norm before RoPE keeps it (results that "
+                          "many times the model's): replayed as ropekv computes it");
 }
 
 static ModelConfig load_model_config_json(const std::string& path);
@@ -415,10 +498,10 @@ static ModelConfig load_model_config_json(const std::string& path) {
     c.head_dim = hidden / c.num_qo_heads;
   }
   // (Nemotron-H's configs may give the layers by their kinds alone.)
-  if (field(j, {"num_hidden_layers", "n_layer", "num_layers"}, nullptr) ||
-      !field(j, {"layers_block_type", "hybrid_override_pattern"}, nullptr))
+  const bool layers_given = field(j, {"num_hidden_layers", "n_layer", "num_layers"}, nullptr) != nullptr;
+  if (layers_given || !field(j, {"layers_block_type", "hybrid_override_pattern"}, nullptr))
     c.num_layers = required_int(c, j, {"num_hidden_layers", "n_layer", "num_layers"});
-  drop_layers_without_attention(c, j);
+  drop_layers_without_attention(c, j, layers_given);
 
   if (const json* v = field(j, {"max_position_embeddings", "n_positions", "max_sequence_length"}, &which))
     c.max_position_embeddings = get_positive_int(c, *v, which);

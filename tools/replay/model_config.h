@@ -64,7 +64,10 @@ struct ModelConfig {
   std::vector<LayerRope> ropes = {LayerRope{}};
   std::vector<int> layer_rope;
   QkNorm qk_norm = QkNorm::kNone;
-  double norm_eps = 1e-6;    ///< rms_norm_eps (the QK-norm's epsilon; default 1e-6)
+  /// The QK-norm's epsilon: rms_norm_eps (LFM2: norm_eps), else the model's
+  /// default (1e-6, or 1e-5 for Llama-4, GLM-4.5, EXAONE-4, Apertus, LFM2).
+  double norm_eps = 1e-6;
+  std::string norm_eps_error;  ///< why the config's epsilon is unusable ("" when it is)
   std::string qk_norm_from;  ///< what set qk_norm: "model_type qwen3", "use_qk_norm", "--qk-norm on"
   std::vector<std::string> notes;  ///< defaults taken, fields ignored (printed)
 

@@ -71,7 +71,7 @@ class Buffer {
   size_t size_ = 0;
 };
 
-uint64_t hash_bytes(const void* p, size_t n) {  // n is a multiple of 4
+uint64_t hash_bytes(const void* p, size_t n) {
   // Four independent multiply-xor lanes over 8-byte words, then the tail.
   const uint8_t* b = static_cast<const uint8_t*>(p);
   uint64_t h[4] = {0x243F6A8885A308D3ull, 0x13198A2E03707344ull, 0xA4093822299F31D0ull,
@@ -86,9 +86,9 @@ uint64_t hash_bytes(const void* p, size_t n) {  // n is a multiple of 4
     }
   }
   uint64_t r = h[0] ^ (h[1] * 3) ^ (h[2] * 5) ^ (h[3] * 7) ^ n;
-  for (; i < n; i += 4) {
-    uint32_t w;
-    std::memcpy(&w, b + i, 4);
+  for (; i < n; i += 4) {  // (an fp8 head of D = 4k + 2 ends in 2 bytes: no read past them)
+    uint32_t w = 0;
+    std::memcpy(&w, b + i, std::min<size_t>(4, n - i));
     r = (r ^ w) * 0x100000001B3ull;
     r ^= r >> 29;
   }
