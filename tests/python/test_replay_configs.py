@@ -170,19 +170,29 @@ def test_attention_layers_as_transformers_caches_them(config_class, tmp_path):
     assert model["num_layers"] == len(with_kv)
 
 
-def test_cohere2_nope_layers_as_transformers_attention_has_them(tmp_path):
-    """Cohere2's attention rotates only in its sliding-window layers; the
-    replay's note names the others (layer_types' full-attention layers)."""
+@pytest.mark.parametrize("module, config_class, attention_class", [
+    ("cohere2", "Cohere2Config", "Cohere2Attention"),
+    ("exaone4", "Exaone4Config", "Exaone4Attention"),
+])
+def test_sliding_models_nope_layers_as_transformers_attention_has_them(module, config_class, attention_class,
+                                                                       tmp_path):
+    """Cohere2's and EXAONE-4's attention rotates only in its sliding-window
+    layers; the replay's note names the others (layer_types' full-attention
+    layers)."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("torch")
-    from transformers.models.cohere2 import modeling_cohere2
-    config = transformers.Cohere2Config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                                        num_hidden_layers=10, sliding_window_pattern=3)
-    nope = [i for i in range(10)
-            if modeling_cohere2.Cohere2Attention(config, layer_idx=i).sliding_window is None]
+    import importlib
+    modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    config = getattr(transformers, config_class)(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                                 num_hidden_layers=10, sliding_window_pattern=3)
+    attention = [getattr(modeling, attention_class)(config, layer_idx=i) for i in range(10)]
+    if module == "cohere2":
+        nope = [i for i, a in enumerate(attention) if a.sliding_window is None]
+    else:  # rotates where `self.sliding_window is None or self.is_sliding`
+        nope = [i for i, a in enumerate(attention) if a.sliding_window is not None and not a.is_sliding]
     assert nope == [2, 5, 8]
     notes = replay_summary(config.to_dict(), tmp_path, "--layers", "1")["model"]["notes"]
-    want = (f"cohere2: the full-attention layers of layer_types: {len(nope)} layers "
+    want = (f"{module}: the full-attention layers of layer_types: {len(nope)} layers "
             f"({', '.join(map(str, nope))}) use no RoPE (NoPE)")
     assert any(n.startswith(want) for n in notes), notes
 
