@@ -236,9 +236,10 @@ std::string nope_note(const json& j, const ModelConfig& c) {
 // model_type: the outer one, e.g. qwen3_vl, then stands for it.)
 void read_qk_norm(ModelConfig& c, const json& j) {
   static const char* const kAlways[] = {
-      "qwen3",        "qwen3_moe",        "qwen3_next",  "qwen3_vl",    "qwen3_vl_text", "qwen3_vl_moe",
-      "qwen3_vl_moe_text", "qwen3_5",     "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "gemma3",
-      "gemma3_text",  "dots1",            "exaone4",     "apertus",     "lfm2",          "lfm2_moe"};
+      "qwen3",   "qwen3_moe",    "qwen3_next",  "qwen3_vl",         "qwen3_vl_text", "qwen3_vl_moe",
+      "qwen3_vl_moe_text",       "qwen3_5",     "qwen3_5_text",     "qwen3_5_moe",   "qwen3_5_moe_text",
+      "gemma3",  "gemma3_text",  "dots1",       "exaone4",          "apertus",       "lfm2",
+      "lfm2_moe"};
   const bool llama4 = c.model_type == "llama4" || c.model_type == "llama4_text";
   const bool reads_flag = llama4 || c.model_type == "glm4_moe" || c.model_type == "cohere";
   bool use = llama4;  // Llama4TextConfig's default
