@@ -252,6 +252,8 @@ def replay_error(config: dict, tmp_path) -> str:
     (dict(model_type="nemotron_h", hybrid_override_pattern=""), '"hybrid_override_pattern" gives no layers'),
     (dict(model_type="nemotron_h", layers_block_type="M*M*"), '"layers_block_type" must be a list of layer type names'),
     (dict(model_type="nemotron_h", hybrid_override_pattern="M-M-"), "gives no attention layer"),
+    (dict(model_type="qwen3_next", num_hidden_layers=2, layer_types=["linear_atention", "full_attention"]),
+     '"layer_types" names the layer type "linear_atention", which the tool does not know'),
     (dict(model_type="jamba", num_hidden_layers=8, attn_layer_period=4, attn_layer_offset=1.5),
      '"attn_layer_offset" must be an integer in [0, attn_layer_period 4), got 1.5'),
     (dict(model_type="qwen3", num_hidden_layers=2, rms_norm_eps=1e39),

@@ -292,6 +292,14 @@ void read_qk_norm(ModelConfig& c, const json& j) {
 void drop_layers_without_attention(ModelConfig& c, json& j, bool given) {
   static const char* const kNoAttention[] = {"linear_attention", "mamba", "mamba2", "conv",
                                              "moe",              "mlp",   "recurrent"};
+  // The kinds with attention that transformers knows (its allowed layer
+  // types and their older names); another name is refused, as transformers
+  // refuses it, rather than guessed.
+  static const char* const kAttention[] = {
+      "full_attention",    "sliding_attention", "chunked_attention",           "window_attention",
+      "indexed_attention", "hybrid",            "hybrid_sliding",              "attention",
+      "minimax_m3_sparse", "deepseek_sparse_attention", "qwen_sparse_attention", "compressed_sparse_attention",
+      "heavily_compressed_attention", "reference_sliding_attention"};
   std::string source;
   json kinds;
   bool sets_count = false;  // the kinds give the number of layers (Nemotron-H)
@@ -379,6 +387,14 @@ void drop_layers_without_attention(ModelConfig& c, json& j, bool given) {
   std::string dropped_types;
   for (size_t i = 0; i < kinds.size(); ++i) {
     const std::string t = kinds[i].get<std::string>();
+    if (std::find(std::begin(kAttention), std::end(kAttention), t) == std::end(kAttention) &&
+        std::find(std::begin(kNoAttention), std::end(kNoAttention), t) == std::end(kNoAttention)) {
+      std::string known;
+      for (const char* k : kAttention) known += std::string(known.empty() ? "" : ", ") + k;
+      for (const char* k : kNoAttention) known += std::string(", ") + k;
+      fail(c, "\"" + source + "\" names the layer type \"" + t + "\", which the tool does not know (" + known +
+                  "): it cannot tell whether the layer has attention");
+    }
     if (std::find(std::begin(kNoAttention), std::end(kNoAttention), t) == std::end(kNoAttention)) {
       kept.push_back(t);
       c.attention_layers.push_back(static_cast<int64_t>(i));
