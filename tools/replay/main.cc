@@ -276,7 +276,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "float32", "fp8_e4m3", "fp8_e5m2"}));
   app.add_option("--qk-norm", qk_norm_s,
                  "QK-norm (RMSNorm of each q and k head before RoPE, fused into the call): auto = as the "
-                 "model's attention has it (Qwen3, Gemma-3, GLM-4.5 and Llama-4 with use_qk_norm), on = "
+                 "model's attention has it (Qwen3 and Qwen3.5 families, Gemma-3, LFM2, EXAONE-4 and more; "
+                 "GLM-4.5 and Llama-4 with use_qk_norm: README), on = "
                  "for any model, off = never; weights random per layer, eps the config's rms_norm_eps")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "on", "off"}));
@@ -393,9 +394,9 @@ int main(int argc, char** argv) {
     if (fault == "rope-type" && model.ropes.size() < 2)
       throw InputError("--inject-fault rope-type needs a config with RoPE per layer type");
     if (fault == "qk-norm" && model.qk_norm != QkNorm::kWeighted)
-      throw InputError(model.qk_norm == QkNorm::kUnit
-                           ? "--inject-fault qk-norm needs a QK-norm with weights: this model's (Llama-4's) has none"
-                           : "--inject-fault qk-norm needs a QK-norm with weights (a model with one, or --qk-norm on)");
+      throw InputError(std::string("--inject-fault qk-norm needs a QK-norm with weights") +
+                       (model.qk_norm == QkNorm::kUnit ? ": this model's (Llama-4's) has none"
+                                                       : " (a model with one, or --qk-norm on)"));
 
     Workload wl;
     if (!trace.empty()) {
