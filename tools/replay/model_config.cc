@@ -336,17 +336,24 @@ void drop_layers_without_attention(ModelConfig& c, json& j, bool given) {
       const json& t = (*bt)[static_cast<size_t>(i) % bt->size()];
       kinds.push_back(t == "recurrent" ? "recurrent" : "sliding_attention");
     }
-  } else if (c.model_type == "jamba") {
+  } else if (c.model_type == "jamba" || c.model_type == "zamba") {
+    // Jamba: layer i has attention where i % period == offset (default 8,
+    // 4); Zamba: two Mamba layers, a hybrid one, then the same rule over the
+    // rest (default 6, 4).
+    const bool jamba = c.model_type == "jamba";
     const json* per = field(j, {"attn_layer_period"}, nullptr);
     const json* off = field(j, {"attn_layer_offset"}, nullptr);
-    const int64_t period = per ? get_positive_int(c, *per, "attn_layer_period") : 8;
+    const int64_t period = per ? get_positive_int(c, *per, "attn_layer_period") : jamba ? 8 : 6;
     const double offset = off ? get_number(c, *off, "attn_layer_offset") : 4;
     if (!(offset >= 0 && offset < static_cast<double>(period) && offset == std::floor(offset)))
       fail(c, "\"attn_layer_offset\" must be an integer in [0, attn_layer_period " + std::to_string(period) +
                   "), got " + fmt_num(offset));
     source = "attn_layer_period " + std::to_string(period) + ", attn_layer_offset " + fmt_num(offset);
+    const int64_t first = jamba ? 0 : 3, o = static_cast<int64_t>(offset);
+    const char* attention = jamba ? "full_attention" : "hybrid";
     for (int64_t i = 0; i < c.num_layers; ++i)
-      kinds.push_back(i % period == static_cast<int64_t>(offset) ? "full_attention" : "linear_attention");
+      kinds.push_back(i < first ? (i == 2 ? "hybrid" : "linear_attention")
+                                : (i - first) % period == o ? attention : "linear_attention");
   } else if (c.model_type == "qwen3_next" || c.model_type == "qwen3_5" || c.model_type == "qwen3_5_text" ||
              c.model_type == "qwen3_5_moe" || c.model_type == "qwen3_5_moe_text") {
     const json* v = field(j, {"full_attention_interval"}, nullptr);
@@ -354,15 +361,6 @@ void drop_layers_without_attention(ModelConfig& c, json& j, bool given) {
     source = "full_attention_interval " + std::to_string(interval);
     for (int64_t i = 0; i < c.num_layers; ++i)
       kinds.push_back((i + 1) % interval ? "linear_attention" : "full_attention");
-  } else if (c.model_type == "zamba") {
-    const json* per = field(j, {"attn_layer_period"}, nullptr);
-    const json* off = field(j, {"attn_layer_offset"}, nullptr);
-    const int64_t period = per ? get_positive_int(c, *per, "attn_layer_period") : 6;
-    const int64_t offset = off ? static_cast<int64_t>(get_number(c, *off, "attn_layer_offset")) : 4;
-    source = "attn_layer_period " + std::to_string(period) + ", attn_layer_offset " + std::to_string(offset);
-    for (int64_t i = 0; i < c.num_layers; ++i)  // two Mamba layers, a hybrid one, then the period
-      kinds.push_back(i < 3 ? (i == 2 ? "hybrid" : "linear_attention")
-                            : (i - 3) % period == offset ? "hybrid" : "linear_attention");
   } else if (c.model_type == "olmo_hybrid") {
     source = "olmo_hybrid's default layers";
     for (int64_t i = 0; i < c.num_layers; ++i)
