@@ -57,6 +57,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <random>
 #include <string>
@@ -117,10 +118,11 @@ enum Cache { kCold, kWarm, kHot };
 // fp8_pools_0.37 a scale whose reciprocal is not exact, as calibrated scales
 // are.
 enum Option { kPlain, kInterleaved, kLlama3, kYarn, kCosSinCache, kQkNorm, kF32Pools, kFp8Pools,
-              kQwen3Like, kFp8AnyScale };
+              kQwen3Like, kFp8AnyScale, kProportional, kNumOptions };
 constexpr const char* kOptionNames[] = {"plain",  "interleaved", "llama3",      "yarn",
                                         "cos_sin_cache", "qk_norm", "f32_pools", "fp8_pools",
-                                        "qknorm+fp8+yarn", "fp8_pools_0.37"};
+                                        "qknorm+fp8+yarn", "fp8_pools_0.37", "proportional"};
+static_assert(std::size(kOptionNames) == kNumOptions);
 constexpr int64_t kCacheRows = 131072;  // positions are below 128k
 
 // The access pattern of a plain call without its arithmetic: each token's q
@@ -312,6 +314,10 @@ const Fixture& fixture(const Model& m, Dtype dtype, int64_t T, Cache cache, Opti
       cfg.rope_scaling.original_max_position_embeddings = 8192;
       break;
     case kYarn: cfg.rope_scaling = yarn; break;
+    case kProportional:  // (Gemma-4's full-attention layers: a quarter of the pairs rotate)
+      cfg.rope_scaling.type = ropekv::RopeScalingType::kProportional;
+      cfg.rope_scaling.partial_rotary_factor = 0.25;
+      break;
     case kCosSinCache: {
       f->table = Buffer(kCacheRows * m.d * 4);
       float* tab = reinterpret_cast<float*>(f->table.get());
@@ -483,7 +489,7 @@ void register_all() {
   }
   // Each option next to the plain call: Llama-3.1-8B, bf16, cold caches.
   for (int threads : thread_counts) {
-    for (int o = kPlain; o <= kFp8AnyScale; ++o) {
+    for (int o = kPlain; o < kNumOptions; ++o) {
       const std::string name = std::string("options/") + kOptionNames[o] + "/threads:" +
                                std::to_string(threads);
       auto* b = benchmark::RegisterBenchmark(name.c_str(), BM_RopePool, kModels[0], kBF16,
@@ -496,7 +502,7 @@ void register_all() {
   // ("options-hot-f16": its own conversions, and fp8 codes from f16 bits), one
   // thread, every array in cache (the "hot" family), T = 16 (426 KB a call).
   for (Dtype dtype : {kBF16, kF16}) {
-    for (int o = kPlain; o <= kFp8AnyScale; ++o) {
+    for (int o = kPlain; o < kNumOptions; ++o) {
       const std::string name = std::string(dtype == kBF16 ? "options-hot/" : "options-hot-f16/") +
                                kOptionNames[o] + "/threads:1";
       auto* b = benchmark::RegisterBenchmark(name.c_str(), BM_RopePool, kModels[0], dtype, 1,
@@ -506,7 +512,7 @@ void register_all() {
   }
   // The decode case of each option (T = 1, one thread, warm as the "warm"
   // family).
-  for (int o = kPlain; o <= kFp8AnyScale; ++o) {
+  for (int o = kPlain; o < kNumOptions; ++o) {
     const std::string name = std::string("options-warm/") + kOptionNames[o] + "/threads:1";
     auto* b = benchmark::RegisterBenchmark(name.c_str(), BM_RopePool, kModels[0], kBF16, 1, kWarm,
                                            static_cast<Option>(o));

@@ -316,6 +316,9 @@ def option_cases(D, dt):
         "is_neox=False": ({"is_neox": False}, 0, None),
         "llama3 scaling": ({"rope_scaling": llama3}, 0, None),
         "yarn scaling": ({"rope_scaling": yarn}, 0, None),
+        # (Gemma-4's full-attention layers: a quarter of the pairs rotate)
+        "proportional scaling": ({"rope_scaling": {"rope_type": "proportional",
+                                                   "partial_rotary_factor": 0.25}}, 0, None),
         "cos_sin_cache f32": ({"cos_sin_cache": cache}, 4 * D, None),
         "cos_sin_cache bf16": ({"cos_sin_cache": cache.to(dt)}, 2 * D, None),
         "QK-norm": ({"q_norm_weight": w, "k_norm_weight": w}, 0, None),

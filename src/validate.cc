@@ -463,6 +463,12 @@ void check_rope_scaling(const RopeScaling& s) {
         fail("rope_scaling attention_factor must be finite and > 0 as a float32 (the factor of "
              "cos and sin, given or from mscale and mscale_all_dim), got " + num_str(m));
       return;
+    case RopeScalingType::kProportional:
+      check_positive(s.factor, "rope_scaling factor", " (proportional)");
+      if (!(s.partial_rotary_factor > 0.0 && s.partial_rotary_factor <= 1.0))
+        fail("rope_scaling partial_rotary_factor must be in (0, 1] (proportional: the fraction "
+             "of the rotary pairs that rotate), got " + num_str(s.partial_rotary_factor));
+      return;
   }
   fail("rope_scaling type is unknown");
 }

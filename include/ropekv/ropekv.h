@@ -30,9 +30,9 @@
 //
 // Options, all off by default (RopeConfig and the optional tensors):
 //   is_neox = false     pairs (2i, 2i+1) instead of (i, i+half)
-//   rope_scaling        inv_freq of Hugging Face's linear / llama3 / yarn
-//                       scaling; yarn multiplies c and s by its attention
-//                       factor m: c = fp32(c * m), s = fp32(s * m)
+//   rope_scaling        inv_freq of Hugging Face's linear / llama3 / yarn /
+//                       proportional scaling; yarn multiplies c and s by its
+//                       attention factor m: c = fp32(c * m), s = fp32(s * m)
 //   cos_sin_cache       c, s read from a [max_position, R] table at row pos
 //   q/k_norm_weight     x -> fp32(fp32(x * r) * w), r = 1/sqrt(mean(x^2) + eps)
 //                       over the whole head, in fp32, before the rotation
@@ -68,14 +68,17 @@ enum class RopeScalingType {
   kLinear,  ///< position interpolation: inv_freq / factor
   kLlama3,  ///< Llama 3.1's wavelength-banded interpolation
   kYarn,    ///< YaRN (Peng et al. 2023), with its attention factor on cos and sin
+  /// Gemma-4's full-attention layers: the first pairs rotate at the plain
+  /// frequencies (divided by factor), the rest at angle 0 (copied).
+  kProportional,
 };
 
 /// A `rope_scaling` entry of a Hugging Face config. The inverse frequencies
-/// are those of transformers' `_compute_{linear,llama3,yarn}_parameters`,
+/// are those of transformers' `_compute_{linear,llama3,yarn,proportional}_parameters`,
 /// evaluated in double and rounded once to fp32.
 struct RopeScaling {
   RopeScalingType type = RopeScalingType::kNone;
-  double factor = 1.0;           ///< linear, llama3, yarn: finite, > 0
+  double factor = 1.0;           ///< linear, llama3, yarn, proportional: finite, > 0
   double low_freq_factor = 0.0;  ///< llama3: finite, > 0
   double high_freq_factor = 0.0; ///< llama3: finite, >= low_freq_factor
   /// llama3, yarn: the pre-training context length, > 0.
@@ -92,6 +95,12 @@ struct RopeScaling {
   double mscale = 0.0;          ///< yarn (DeepSeek form), 0 = absent
   double mscale_all_dim = 0.0;  ///< yarn (DeepSeek form), 0 = absent
   bool truncate = true;         ///< yarn: floor/ceil the correction range
+  /// proportional: the fraction p of the pairs that rotate, in (0, 1]. The
+  /// first floor(p R / 2) of the R/2 pairs get rope_base ** (-2i / R) /
+  /// factor, the rest inv_freq 0, so they are copied; R (rotary_dim) is not
+  /// changed by it (transformers' proportional RoPE rotates over the whole
+  /// head_dim, as ropekv's default rotary_dim does).
+  double partial_rotary_factor = 1.0;
 };
 
 /// Format of k_pool and v_pool.

@@ -514,7 +514,7 @@ def _threads_arg(value: Any) -> int:
 
 
 _KV_CACHE_DTYPES = {"auto": 0, "float32": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}
-_SCALING_TYPES = {"linear": 1, "llama3": 2, "yarn": 3}
+_SCALING_TYPES = {"linear": 1, "llama3": 2, "yarn": 3, "proportional": 4}
 # Required keys per rope_scaling type, then optional keys with their defaults
 # (transformers' defaults).
 _SCALING_KEYS = {
@@ -524,6 +524,9 @@ _SCALING_KEYS = {
     "yarn": (("factor", "original_max_position_embeddings"),
              {"beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 0.0,  # (0: not given)
               "mscale": 0.0, "mscale_all_dim": 0.0, "truncate": True}),
+    # (its partial_rotary_factor, a _BASE_KEYS entry, is the fraction of
+    # pairs that rotate, not rotary_dim)
+    "proportional": ((), {"factor": 1.0}),
 }
 
 
@@ -536,11 +539,13 @@ _RopeParameters = Tuple[Optional[Tuple[float, ...]], Optional[float], Optional[f
 
 def _rope_parameters(rope_scaling: Any) -> _RopeParameters:
     """A Hugging Face rope_scaling dict (or its JSON text) as (the binding's
-    12 numbers: (type, factor, low_freq_factor, high_freq_factor,
+    13 numbers: (type, factor, low_freq_factor, high_freq_factor,
     original_max_position_embeddings, beta_fast, beta_slow, attention_factor,
     mscale, mscale_all_dim, truncate, 1 where attention_factor is given, else
-    0: the library's default from mscale), or None for no scaling; the dict's
-    rope_theta, or None; its partial_rotary_factor, or None)."""
+    0: the library's default from mscale, proportional's partial_rotary_factor
+    or 1), or None for no scaling; the dict's rope_theta, or None; its
+    partial_rotary_factor where it sets rotary_dim (every type but
+    proportional), or None)."""
     if rope_scaling is None:
         return None, None, None
     if isinstance(rope_scaling, str):
@@ -574,7 +579,7 @@ def _rope_parameters(rope_scaling: Any) -> _RopeParameters:
         # angle, so it is an error here, as in the replay tool's reader)
         raise ValueError(f"rope_scaling has no 'rope_type' (or 'type'), so its fields "
                          f"{', '.join(map(repr, rope_scaling))} would mean nothing: give the "
-                         f"type (linear, llama3, yarn), or pass None for no scaling")
+                         f"type (linear, llama3, yarn, proportional), or pass None for no scaling")
     if "mrope_section" in rope_scaling:
         raise ValueError("rope_scaling has mrope_section (multimodal RoPE, as Qwen2-VL's): "
                          "ropekv rotates each token by one position; for text tokens, whose "
@@ -585,7 +590,8 @@ def _rope_parameters(rope_scaling: Any) -> _RopeParameters:
         return None, theta, factor
     if not isinstance(kind, str) or kind not in _SCALING_TYPES:
         raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: linear, "
-                         f"llama3, yarn (any other scheme: pass its table as cos_sin_cache)")
+                         f"llama3, yarn, proportional (any other scheme: pass its table as "
+                         f"cos_sin_cache)")
     required, optional = _SCALING_KEYS[kind]
     _warn_unread(rope_scaling, kind, (*_BASE_KEYS, *required, *optional))
     values = {}
@@ -620,8 +626,9 @@ def _rope_parameters(rope_scaling: Any) -> _RopeParameters:
              float(g("beta_slow", 1.0)), float(g("attention_factor", 0.0)),
              float(g("mscale", 0.0)), float(g("mscale_all_dim", 0.0)),
              float(bool(g("truncate", True))),
-             float(kind == "yarn" and rope_scaling.get("attention_factor") is not None)),
-            theta, factor)
+             float(kind == "yarn" and rope_scaling.get("attention_factor") is not None),
+             float(factor if kind == "proportional" and factor is not None else 1.0)),
+            theta, None if kind == "proportional" else factor)
 
 
 def _warn_unread(rope_scaling: dict, kind: str, read: Tuple[str, ...]) -> None:
@@ -804,18 +811,22 @@ def rope_pool_fused(
         rope_scaling: a Hugging Face config's ``rope_scaling`` dict (or its
             JSON text): ``{"rope_type": "linear", "factor": f}``,
             ``"llama3"`` (factor, low_freq_factor, high_freq_factor,
-            original_max_position_embeddings) or ``"yarn"`` (factor,
+            original_max_position_embeddings), ``"yarn"`` (factor,
             original_max_position_embeddings; optional beta_fast=32,
-            beta_slow=1, attention_factor, mscale, mscale_all_dim, truncate);
-            the rope_type ``"default"`` (or that bare string), JSON ``null``
+            beta_slow=1, attention_factor, mscale, mscale_all_dim, truncate)
+            or ``"proportional"`` (Gemma-4's full-attention layers: optional
+            factor=1 and partial_rotary_factor=1 in (0, 1], the fraction of
+            the R/2 pairs, floor(p * R / 2), that rotate with
+            ``base ** (-2i/R) / factor``; the other pairs are copied; here
+            partial_rotary_factor does not set rotary_dim); the rope_type ``"default"`` (or that bare string), JSON ``null``
             or None is plain RoPE. Frequencies are transformers'
             rope initialisation formulas in double, rounded once to fp32;
             yarn also multiplies cos and sin by its attention factor. A
             transformers 5 ``rope_parameters`` dict (a config's rope_scaling
             there) may also hold ``rope_theta``, which must equal rope_base,
-            and ``partial_rotary_factor``, which sets rotary_dim to
-            ``int(head_dim * factor)`` where rotary_dim is not given and must
-            agree with it where it is. Unknown types, missing fields, a dict
+            and ``partial_rotary_factor``, which (but for proportional) sets
+            rotary_dim to ``int(head_dim * factor)`` where rotary_dim is not
+            given and must agree with it where it is. Unknown types, missing fields, a dict
             of fields without a type, text that is not JSON, a rope_theta
             or partial_rotary_factor that disagrees, per-layer-type dicts and
             mrope_section (multimodal RoPE) raise ValueError; a key ropekv
@@ -1094,7 +1105,8 @@ def rope_inv_freq(head_dim: int, rope_base: float, rotary_dim: Optional[int] = N
     Returns:
         ``(inv_freq, attention_factor)``: a float32 numpy array of R/2
         values, ``rope_base ** (-2i/R)`` scaled by transformers' formulas for
-        the scaling type (computed in double, rounded once), and the factor
+        the scaling type (computed in double, rounded once; 0 for the pairs
+        proportional leaves unrotated), and the factor
         cos and sin are multiplied by (yarn's attention factor, else 1.0).
 
     Raises:

@@ -61,12 +61,13 @@ DLTensor to_dl(const Array& a, uint32_t view) {
   return t;
 }
 
-using Scaling = std::array<double, 12>;
+using Scaling = std::array<double, 13>;
 
 // The binding's rope_scaling: (type, factor, low_freq_factor,
 // high_freq_factor, original_max_position_embeddings, beta_fast, beta_slow,
 // attention_factor, mscale, mscale_all_dim, truncate, whether attention_factor
-// was given), parsed from the dict by the Python layer.
+// was given, partial_rotary_factor of proportional), parsed from the dict by
+// the Python layer.
 ropekv::RopeScaling to_scaling(const std::optional<Scaling>& v) {
   ropekv::RopeScaling s;
   if (!v) return s;
@@ -82,6 +83,7 @@ ropekv::RopeScaling to_scaling(const std::optional<Scaling>& v) {
   s.mscale = a[8];
   s.mscale_all_dim = a[9];
   s.truncate = a[10] != 0.0;
+  s.partial_rotary_factor = a[12];
   return s;
 }
 

@@ -26,7 +26,8 @@ struct FreqSpec {
            a.original_max_position_embeddings == b.original_max_position_embeddings &&
            a.beta_fast == b.beta_fast && a.beta_slow == b.beta_slow &&
            a.attention_factor == b.attention_factor && a.mscale == b.mscale &&
-           a.mscale_all_dim == b.mscale_all_dim && a.truncate == b.truncate;
+           a.mscale_all_dim == b.mscale_all_dim && a.truncate == b.truncate &&
+           a.partial_rotary_factor == b.partial_rotary_factor;
   }
   bool operator!=(const FreqSpec& o) const { return !(*this == o); }
 };
@@ -73,6 +74,8 @@ inline void fill_inv_freq(const FreqSpec& spec, float* out) {
     high = std::min(high, R - 1.0);
     if (low == high) high += 0.001;  // transformers' guard against 0/0
   }
+  // proportional: the pairs that rotate (transformers' int(p * D // 2)).
+  const double rotating = std::floor(s.partial_rotary_factor * R * 0.5);
   for (int64_t i = 0; i < half; ++i) {
     const double base_freq = std::pow(spec.rope_base, -2.0 * static_cast<double>(i) / R);
     double f = base_freq;
@@ -101,6 +104,10 @@ inline void fill_inv_freq(const FreqSpec& spec, float* out) {
         f = base_freq / s.factor * (1.0 - extrapolation) + base_freq * extrapolation;
         break;
       }
+      case RopeScalingType::kProportional:
+        // (angle 0: cos 1 and sin 0 exactly, so the pair is copied)
+        f = static_cast<double>(i) < rotating ? base_freq / s.factor : 0.0;
+        break;
     }
     out[i] = static_cast<float>(f);
   }

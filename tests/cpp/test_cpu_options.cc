@@ -226,6 +226,9 @@ std::string describe(const OptSpec& s) {
     << dtype_name(s.dtype) << (s.is_neox ? " neox" : " interleaved");
   if (s.scaling.type == ropekv::RopeScalingType::kYarn)
     o << " yarn(factor " << s.scaling.factor << ")";
+  if (s.scaling.type == ropekv::RopeScalingType::kProportional)
+    o << " proportional(" << s.scaling.partial_rotary_factor << ", factor " << s.scaling.factor
+      << ")";
   if (s.cache != CacheKind::kNone)
     o << " cache(" << (s.cache == CacheKind::kF32 ? "f32" : "q dtype") << ", rows " << s.cache_rows
       << ", col stride " << s.cache_col_stride << ")";
@@ -587,6 +590,15 @@ ropekv::RopeScaling yarn(double factor, double original, double mscale = 0.0,
   return y;
 }
 
+// Gemma-4's full layers: a fraction of the pairs rotate, the rest at angle 0.
+ropekv::RopeScaling proportional(double fraction, double factor = 1.0) {
+  ropekv::RopeScaling p;
+  p.type = ropekv::RopeScalingType::kProportional;
+  p.partial_rotary_factor = fraction;
+  p.factor = factor;
+  return p;
+}
+
 // One option on top of a plain spec.
 struct Option {
   const char* name;
@@ -596,6 +608,7 @@ struct Option {
 const Option kOptions[] = {
     {"interleaved", [](OptSpec* s) { s->is_neox = false; }},
     {"yarn", [](OptSpec* s) { s->scaling = yarn(4.0, 8192.0); }},
+    {"proportional", [](OptSpec* s) { s->scaling = proportional(0.3, 2.0); }},
     {"cache_f32", [](OptSpec* s) { s->cache = CacheKind::kF32; }},
     {"cache_q_dtype", [](OptSpec* s) { s->cache = CacheKind::kQ; }},
     {"q_norm", [](OptSpec* s) { s->q_norm = true; }},
@@ -686,6 +699,44 @@ TEST(CpuOptions, PartialRotaryWithEachOption) {
     }
 }
 
+// Proportional RoPE's pairs past its fraction turn by angle 0: every target
+// must give back their input bits (cos 1 and sin 0 exactly), in both pair
+// layouts, where the reference's tolerance alone would allow a rounding.
+TEST(CpuOptions, ProportionalPairsAtAngleZeroAreExactCopiesOnEveryTarget) {
+  std::mt19937_64 rng(test_seed());
+  for (DType dt : kFloatTypes)
+    for (bool neox : {true, false}) {
+      OptSpec s;
+      s.T = 37;
+      s.Hq = 4;
+      s.Hk = 2;
+      s.D = 128;
+      s.P = 40;
+      s.dtype = dt;
+      s.is_neox = neox;
+      s.scaling = proportional(0.25);  // pairs 0..15 of 64 rotate
+      OptCase c = make_opt_case(s, rng);
+      const OptExpected e = expect_opt(c);
+      SCOPED_TRACE(describe(s));
+      for_each_target([&](int64_t) {
+        run_and_check_opt(c, e);
+        int64_t rotated = 0;
+        for (const auto& [x, out] : {std::pair{&c.q, &c.q_rot}, std::pair{&c.k, &c.k_rot}})
+          for (int64_t t = 0; t < s.T; ++t)
+            for (int64_t h = 0; h < x->shape()[1]; ++h)
+              for (int64_t d = 0; d < s.D; ++d) {
+                const int64_t pair = neox ? d % 64 : d / 2;
+                const double in = x->value(x->off(t, h, d)), got = out->value(out->off(t, h, d));
+                if (pair >= 16)
+                  ASSERT_EQ(std::memcmp(&in, &got, sizeof in), 0) << t << " " << h << " " << d;
+                else
+                  rotated += got != in;
+              }
+        EXPECT_GT(rotated, 0);
+      });
+    }
+}
+
 // Model-like combinations.
 struct Combo {
   const char* name;
@@ -722,6 +773,14 @@ const Combo kCombos[] = {
        s->pool = PoolKind::kE5M2;
        s->k_scale = 2.0;
        s->v_scale = 0.125;
+     }},
+    // Gemma-4's full layers: heads of 512, a quarter of the pairs rotating,
+    // QK-norm.
+    {"Gemma4_full_proportional_qk_norm", 16, 4, 512, 0, 1000000.0,
+     [](OptSpec* s) {
+       s->scaling = proportional(0.25);
+       s->q_norm = s->k_norm = true;
+       s->norm_f32 = false;
      }},
     // vLLM's cos_sin_cache in float32 with QK-norm.
     {"cache_f32_qk_norm", 8, 2, 64, 0, 10000.0,

@@ -404,6 +404,28 @@ TEST(Validate, RopeBase) {
   EXPECT_PREFIX(error_of(s), "rope_base 500000 with its rope_scaling gives inv_freq[0] = inf");
 }
 
+// Proportional RoPE's fields: a factor as every type's, a fraction of the
+// pairs in (0, 1]; the count of rotating pairs may be 0 (p R / 2 < 1).
+TEST(Validate, ProportionalScaling) {
+  std::mt19937_64 rng(test_seed());
+  VSpec s = valid_spec();
+  s.cfg.rope_scaling.type = ropekv::RopeScalingType::kProportional;
+  for (double p : {0.25, 1.0, 1e-3}) {
+    s.cfg.rope_scaling.partial_rotary_factor = p;
+    EXPECT_NO_THROW(ropekv::validate(build(s, rng).tensors(), s.cfg)) << p;
+  }
+  for (double p : {0.0, -0.5, 1.0000001, std::nan("")}) {
+    s.cfg.rope_scaling.partial_rotary_factor = p;
+    EXPECT_PREFIX(error_of(s), "rope_scaling partial_rotary_factor must be in (0, 1] "
+                               "(proportional: the fraction of the rotary pairs that rotate), got ");
+  }
+  s.cfg.rope_scaling.partial_rotary_factor = 0.5;
+  for (double f : {0.0, -2.0, HUGE_VAL}) {
+    s.cfg.rope_scaling.factor = f;
+    EXPECT_PREFIX(error_of(s), "rope_scaling factor must be finite and > 0 (proportional), got ");
+  }
+}
+
 // Factors the kernels apply in fp32 must be finite there, not only as doubles
 // (else Inf and NaN reach the outputs and the pools).
 TEST(Validate, FactorsFiniteInFloat32) {

@@ -116,7 +116,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const int64_t R = cfg.rotary_dim == 0 ? D : cfg.rotary_dim;
   if (in.ConsumeIntegralInRange<int>(0, 4) == 0) {
     auto& sc = cfg.rope_scaling;
-    sc.type = static_cast<ropekv::RopeScalingType>(in.ConsumeIntegralInRange<int>(0, 3));
+    sc.type = static_cast<ropekv::RopeScalingType>(in.ConsumeIntegralInRange<int>(0, 4));
     auto num = [&](double good) {
       switch (in.ConsumeIntegralInRange<int>(0, 7)) {
         case 0: return std::numeric_limits<double>::quiet_NaN();
@@ -134,6 +134,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     sc.beta_slow = num(1.0);
     sc.attention_factor = in.ConsumeBool() ? 0.0 : num(1.2);
     sc.truncate = in.ConsumeBool();
+    sc.partial_rotary_factor = num(0.25);
   }
   DLDataType pool_t{};  // set below: q's dtype unless kv_cache_dtype says otherwise
   switch (in.ConsumeIntegralInRange<int>(0, 7)) {

@@ -868,6 +868,7 @@ def test_partial_rotary(shape, dtype):
 
 LLAMA3, LLAMA4_SCOUT, LINEAR = reference.LLAMA3, reference.LLAMA4_SCOUT, reference.LINEAR
 YARN, YARN_MSCALE = reference.YARN_QWEN, reference.YARN_MSCALE
+PROPORTIONAL = reference.PROPORTIONAL
 FP8_TORCH = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 TOKEN_ARRAYS = ("q", "k", "v", "positions", "slots")
 OPTIONAL = ("cos_sin_cache", "q_norm_weight", "k_norm_weight")
@@ -979,9 +980,7 @@ def options_call(t, kw, *, inplace=False, q_out=None, k_out=None):
 def options_reference(t, kw, snap):
     """{"q_rot"/"k_rot": (reference, magnitude, rel)} for the inputs in snap."""
     D = snap["q"].shape[-1]
-    R = kw["rotary_dim"] or D
-    if not kw["rotary_dim"] and isinstance(kw["rope_scaling"], dict):
-        R = int(D * kw["rope_scaling"].get("partial_rotary_factor", 1.0))  # (transformers' rule)
+    R = reference.rotary_dim_of(D, kw["rotary_dim"], kw["rope_scaling"])
     cache = t.get("cos_sin_cache")
     args = dict(is_neox=kw["is_neox"], norm_eps=kw["norm_eps"],
                 cos_sin_cache=None if cache is None else f64(cache),
@@ -1075,11 +1074,14 @@ def test_options_gptj_interleaved_partial(dtype):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("scaling", [LINEAR, LLAMA3, LLAMA4_SCOUT, YARN, YARN_MSCALE],
-                         ids=["linear", "llama3", "llama4-scout", "yarn", "yarn-mscale"])
+@pytest.mark.parametrize("scaling", [LINEAR, LLAMA3, LLAMA4_SCOUT, YARN, YARN_MSCALE,
+                                     PROPORTIONAL],
+                         ids=["linear", "llama3", "llama4-scout", "yarn", "yarn-mscale",
+                              "proportional"])
 def test_options_rope_scaling(scaling, dtype):
-    # linear and llama3 change only the frequencies, yarn also multiplies cos and
-    # sin: all three in the plain kernel (yarn with other options: test_options_qwen3_like).
+    # linear, llama3 and proportional change only the frequencies, yarn also
+    # multiplies cos and sin: all in the plain kernel (yarn with other options:
+    # test_options_qwen3_like, proportional: test_options_gemma4_like).
     for T in (1, 40, 3000):
         run_options(T, 8, 2, 128, DTYPES[dtype], seed=T, base=500000.0, rope_scaling=scaling,
                     what=f"scaling T={T}")
@@ -1702,6 +1704,25 @@ def test_options_qwen3_like(T):
     run_options(T, 32, 8, 128, torch.bfloat16, seed=T, base=1e6, rope_scaling=YARN,
                 q_norm=torch.bfloat16, k_norm=torch.bfloat16, kv_cache_dtype="fp8_e4m3",
                 k_scale=0.25, v_scale=0.5, what=f"Qwen3 T={T}")
+
+
+@pytest.mark.parametrize("T", [1, 64, 3000])
+def test_options_gemma4_like(T):
+    """Gemma-4's full-attention layers: heads of 512, proportional RoPE (a
+    quarter of the pairs rotate), QK-norm with bf16 weights; then, in a
+    float32 call without the norm, the pairs at angle 0 bit-identical to the
+    input."""
+    run_options(T, 16, 4, 512, torch.bfloat16, seed=T, base=1e6, rope_scaling=PROPORTIONAL,
+                q_norm=torch.bfloat16, k_norm=torch.bfloat16, what=f"Gemma-4 T={T}")
+    t, kw = options_case(T, 16, 4, 512, torch.float32, seed=T + 1, base=1e6,
+                         rope_scaling=PROPORTIONAL)
+    res = options_call(t, kw)
+    sync()
+    rest = torch.cat([torch.arange(64, 256), torch.arange(320, 512)])
+    moving = t["positions"] != 0  # (options_case gives the first token position 0)
+    for got, x in ((res[0], t["q"]), (res[1], t["k"])):
+        assert torch.equal(bits(got[..., rest]), bits(x[..., rest])), "pairs at angle 0 changed"
+        assert not torch.equal(got[moving][..., :64], x[moving][..., :64]) or not moving.any()
 
 
 def test_options_combined_layouts():

@@ -21,7 +21,8 @@ MANTISSA_BITS = {np.dtype(np.float32): 23, np.dtype(np.float16): 10, BF16: 7}
 MIN_NORMAL_EXP = {np.dtype(np.float32): -126, np.dtype(np.float16): -14, BF16: -126}
 
 # The rope_scaling blocks of the tests (Hugging Face form): Llama 3.1 and 3.2,
-# Llama-4 Scout, Qwen2.5's yarn, a DeepSeek-style yarn with mscale, linear.
+# Llama-4 Scout, Qwen2.5's yarn, a DeepSeek-style yarn with mscale, linear,
+# Gemma-4's proportional.
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
 LLAMA32 = dict(LLAMA3, factor=32.0)
@@ -31,6 +32,8 @@ YARN_QWEN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 YARN_MSCALE = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}
 LINEAR = {"rope_type": "linear", "factor": 2.5}
+# Gemma-4's full-attention layers: a quarter of the pairs rotate, the rest stay
+PROPORTIONAL = {"rope_type": "proportional", "partial_rotary_factor": 0.25}
 
 # SPEC section 6 configs whose rotary dim equals head_dim: (name, Hq, Hk, D, base)
 MODELS = [
@@ -56,17 +59,37 @@ def angles(positions: np.ndarray, rotary_dim: int, base: float, inv_freq=None) -
     return (pos[:, None] * inv_freq[None, :]).astype(np.float32).astype(np.float64)
 
 
+def scaling_type(rope_scaling) -> str | None:
+    return None if rope_scaling is None else rope_scaling.get("rope_type", rope_scaling.get("type"))
+
+
+def rotary_dim_of(head_dim: int, rotary_dim: int | None, rope_scaling=None) -> int:
+    """R of a call: rotary_dim, else int(head_dim * partial_rotary_factor) of a
+    rope_parameters dict (transformers' rule; proportional's factor is the
+    fraction of pairs that rotate instead), else head_dim."""
+    if rotary_dim is not None:
+        return rotary_dim
+    if (isinstance(rope_scaling, dict) and "partial_rotary_factor" in rope_scaling
+            and scaling_type(rope_scaling) != "proportional"):
+        return int(head_dim * rope_scaling["partial_rotary_factor"])
+    return head_dim
+
+
 def hf_inv_freq(base: float, rotary_dim: int, rope_scaling=None) -> np.ndarray:
     """Inverse frequencies of transformers' rope initialisation functions
-    (modeling_rope_utils: default, linear, llama3, yarn), in float64, written
-    from the formulas (Peng et al. 2023 for yarn; Meta's Llama 3.1 release for
-    llama3)."""
+    (modeling_rope_utils: default, linear, llama3, yarn, proportional), in
+    float64, written from the formulas (Peng et al. 2023 for yarn; Meta's
+    Llama 3.1 release for llama3; Gemma-4's for proportional)."""
     R = rotary_dim
     i = np.arange(0, R, 2, dtype=np.float64)
     freq = 1.0 / np.power(float(base), i / R)
-    kind = None if rope_scaling is None else rope_scaling.get("rope_type", rope_scaling.get("type"))
+    kind = scaling_type(rope_scaling)
     if kind in (None, "default"):
         return freq
+    if kind == "proportional":  # the first int(p * R // 2) pairs rotate, the rest do not
+        rotating = int(float(rope_scaling.get("partial_rotary_factor", 1.0)) * R // 2)
+        return np.where(np.arange(R // 2) < rotating, freq / float(rope_scaling.get("factor", 1.0)),
+                        0.0)
     factor = float(rope_scaling["factor"])
     if kind == "linear":
         return freq / factor

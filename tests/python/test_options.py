@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import ropekv
-from reference import (BF16, DTYPES, FP8, LINEAR, LLAMA3, LLAMA4_SCOUT, LLAMA32, YARN_MSCALE,
-                       YARN_QWEN, assert_close, bits, fp8_encode, hf_attention_factor,
-                       hf_inv_freq, poison, rope)
+from reference import (BF16, DTYPES, FP8, LINEAR, LLAMA3, LLAMA4_SCOUT, LLAMA32, PROPORTIONAL,
+                       YARN_MSCALE, YARN_QWEN, assert_close, bits, fp8_encode,
+                       hf_attention_factor, hf_inv_freq, poison, rope, rotary_dim_of)
 
 RNG = np.random.default_rng()
 
@@ -31,9 +31,7 @@ def call_and_check(T, Hq, Hk, D, dtype, *, base=10000.0, rotary_dim=None, is_neo
     """One call with every named option, poisoned outputs, then every output
     checked: q_rot/k_rot against the float64 reference, pool rows exactly
     encode(k_rot) / encode(v), other pool rows bit-identical."""
-    R = D if rotary_dim is None else rotary_dim
-    if rotary_dim is None and isinstance(rope_scaling, dict) and "partial_rotary_factor" in rope_scaling:
-        R = int(D * rope_scaling["partial_rotary_factor"])  # (transformers' rule)
+    R = rotary_dim_of(D, rotary_dim, rope_scaling)
     if strided:  # q, k, v as views of one fused projection, last dim strided by 2
         qkv = randn((T, Hq + 2 * Hk, 2 * D), dtype)
         q, k, v = qkv[:, :Hq, ::2], qkv[:, Hq:Hq + Hk, ::2], qkv[:, Hq + Hk:, ::2]
@@ -153,10 +151,15 @@ def test_interleaved_matches_mlx_traditional():
     {**YARN_QWEN, "beta_fast": 0, "beta_slow": 0.0}, {**YARN_QWEN, "truncate": None},
     {**YARN_QWEN, "truncate": False},
     # a config read by numpy has numpy's bools
-    {**YARN_QWEN, "truncate": np.False_}, {**YARN_QWEN, "truncate": np.True_}],
+    {**YARN_QWEN, "truncate": np.False_}, {**YARN_QWEN, "truncate": np.True_},
+    # proportional: the count of rotating pairs floored (0.3: 19 of 64, 9 of 32, 14 of 48),
+    # with and without a factor, and every pair
+    PROPORTIONAL, {"rope_type": "proportional", "partial_rotary_factor": 0.3, "factor": 4.0},
+    {"rope_type": "proportional"}],
     ids=["linear", "llama3.1", "llama3.2", "llama4-scout", "yarn", "yarn-mscale", "yarn-beta-0",
          "yarn-truncate-null", "yarn-truncate-false", "yarn-truncate-np-false",
-         "yarn-truncate-np-true"])
+         "yarn-truncate-np-true", "proportional", "proportional-0.3-factor",
+         "proportional-whole"])
 def test_inv_freq_matches_reference_formulas(scaling):
     for base, D in ((500000.0, 128), (1e6, 128), (10000.0, 64), (10000.0, 96)):
         got, m = ropekv.rope_inv_freq(D, base, rope_scaling=scaling)
@@ -202,11 +205,62 @@ def test_inv_freq_matches_transformers(name, theta, D, scaling, config):
 
 
 @pytest.mark.parametrize("dtype", DT)
-@pytest.mark.parametrize("scaling", [LINEAR, LLAMA3, LLAMA4_SCOUT, YARN_QWEN, YARN_MSCALE],
-                         ids=["linear", "llama3", "llama4-scout", "yarn", "yarn-mscale"])
+@pytest.mark.parametrize("scaling", [LINEAR, LLAMA3, LLAMA4_SCOUT, YARN_QWEN, YARN_MSCALE,
+                                     PROPORTIONAL],
+                         ids=["linear", "llama3", "llama4-scout", "yarn", "yarn-mscale",
+                              "proportional"])
 def test_scaled_rope(scaling, dtype):
     for T in (1, 40):
         call_and_check(T, 8, 2, 128, DTYPES[dtype], base=500000.0, rope_scaling=scaling)
+
+
+def test_proportional_inv_freq_matches_gemma4():
+    """Against transformers' Gemma-4 rotary embedding, each layer type's
+    inverse frequencies as the model's module holds them (full layers:
+    proportional over 512 dims, sliding: default over 256), from the config's
+    own rope_parameters entry (fp32 in transformers: a few fp32 ulp; the
+    pairs that do not rotate exactly 0)."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Gemma4TextConfig"):
+        pytest.skip("transformers without Gemma-4")
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
+    cfg = transformers.Gemma4TextConfig()
+    module = Gemma4TextRotaryEmbedding(cfg)
+    kinds = set()
+    for layer_type, params in cfg.rope_parameters.items():
+        D = cfg.per_layer_config[layer_type].head_dim
+        want = getattr(module, f"{layer_type}_inv_freq").numpy()
+        got, m = ropekv.rope_inv_freq(D, params["rope_theta"], rope_scaling=params)
+        assert got.shape == want.shape == (D // 2,)
+        np.testing.assert_allclose(got, want, rtol=4 * 2.0**-23, atol=0)
+        assert m == getattr(module, f"{layer_type}_attention_scaling") == 1.0
+        kinds.add(params["rope_type"])
+    assert "proportional" in kinds
+
+
+def test_proportional_pairs_past_the_fraction_are_copied():
+    """The pairs proportional leaves at angle 0 come out bit-identical (cos 1,
+    sin 0 exactly), the others rotate; its partial_rotary_factor does not set
+    rotary_dim, so a rotary_dim given with it is the R the fraction is of."""
+    D, T = 64, 9
+    got, _ = ropekv.rope_inv_freq(D, 1e4, rope_scaling=PROPORTIONAL)
+    assert got.shape == (32,) and np.count_nonzero(got) == 8
+    got, _ = ropekv.rope_inv_freq(D, 1e4, 32, rope_scaling=PROPORTIONAL)
+    assert got.shape == (16,) and np.count_nonzero(got) == 4
+    for is_neox in (True, False):
+        q = randn((T, 4, D), np.float32)
+        k = randn((T, 2, D), np.float32)
+        v = randn((T, 2, D), np.float32)
+        pos = RNG.integers(1, 1 << 20, T).astype(np.int64)
+        pools = [np.zeros((T, 2, D), np.float32) for _ in range(2)]
+        q_rot, k_rot = ropekv.rope_pool_fused(q, k, v, pos, np.arange(T), *pools, head_dim=D,
+                                              num_qo_heads=4, num_kv_heads=2, rope_base=1e4,
+                                              is_neox=is_neox, rope_scaling=PROPORTIONAL)[:2]
+        for x, out in ((q, q_rot), (k, k_rot)):
+            first = np.r_[0:8, 32:40] if is_neox else np.arange(16)
+            rest = np.setdiff1d(np.arange(D), first)
+            assert bits(out[..., rest]) == bits(x[..., rest])
+            assert np.all(out[..., first] != x[..., first])
 
 
 def test_scaling_numpy_scalars():
@@ -253,6 +307,12 @@ def test_scaling_default_type_is_plain():
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
       "attention_factor": -1.5}, "attention_factor must be finite and > 0 as a float32"),
     ([("rope_type", "linear")], "must be a dict"),
+    ({"rope_type": "proportional", "factor": 0.0}, "factor must be finite and > 0 "
+     r"\(proportional\)"),
+    ({"rope_type": "proportional", "partial_rotary_factor": 0.0},
+     r"'partial_rotary_factor' must be in \(0, 1\], got 0.0"),
+    ({"rope_type": "proportional", "partial_rotary_factor": 1.25},
+     r"'partial_rotary_factor' must be in \(0, 1\], got 1.25"),
 ])
 def test_scaling_errors(scaling, match):
     assert_rejected(match, rope_scaling=scaling)
@@ -279,19 +339,26 @@ def test_rope_parameters(scaling, base, D, R, dtype):
 
 
 @pytest.mark.parametrize("config", ["PhiConfig", "Qwen3Config", "GPTNeoXConfig",
-                                    "Gemma3TextConfig"])
+                                    "Gemma3TextConfig", "Gemma4TextConfig"])
 def test_rope_parameters_of_a_transformers_config(config):
     """A transformers 5 config's own rope_scaling, with its rope_theta as
-    rope_base (Gemma-3: those of each layer type; the whole dict is an error)."""
+    rope_base (Gemma-3 and -4: those of each layer type, with that type's
+    head_dim; the whole dict is an error)."""
     transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, config):
+        pytest.skip(f"transformers without {config}")
     cfg = getattr(transformers, config)()
     params = getattr(cfg, "rope_parameters", None)
-    if not isinstance(params, dict) or ("rope_theta" not in params and config != "Gemma3TextConfig"):
+    if not isinstance(params, dict) or ("rope_theta" not in params
+                                        and config not in ("Gemma3TextConfig", "Gemma4TextConfig")):
         pytest.skip("transformers < 5 keeps rope_theta out of rope_scaling")
-    D = cfg.hidden_size // cfg.num_attention_heads
-    D = getattr(cfg, "head_dim", None) or D
     per_layer_type = "rope_type" not in cfg.rope_scaling
-    for scaling in cfg.rope_scaling.values() if per_layer_type else [cfg.rope_scaling]:
+    for layer_type, scaling in (cfg.rope_scaling.items() if per_layer_type
+                                else [(None, cfg.rope_scaling)]):
+        # (each layer type's own config: Gemma-4's full layers have heads of 512)
+        layers = getattr(cfg, "per_layer_config", None)
+        c = layers[layer_type] if layer_type and layers else cfg
+        D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         call_and_check(5, 4, 2, D, np.dtype(np.float32), base=scaling["rope_theta"],
                        rope_scaling=scaling)
     if per_layer_type:

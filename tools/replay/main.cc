@@ -322,7 +322,7 @@ int main(int argc, char** argv) {
   app.add_flag("--check-all", opt.check_all, "check every element of q_rot and k_rot of every call");
   app.add_flag("--ignore-rope-scaling", ignore_scaling,
                "replay a rope_scaling type ropekv does not have (dynamic, longrope, ...) as default RoPE "
-               "instead of refusing the config (linear, llama3 and yarn are computed)");
+               "instead of refusing the config (linear, llama3, yarn and proportional are computed)");
   app.add_option("--json", json_out, "write the summary as JSON to FILE");
   double max_rss_growth_mb = -1;
   app.add_option("--max-rss-growth-mb", max_rss_growth_mb,

@@ -73,6 +73,14 @@ double scaling_number(const ModelConfig& c, const json& s, const std::string& ke
   return v;
 }
 
+/// The rope_type (or type) of a rope_scaling object, "" where neither is a
+/// string (parse_rope_scaling reports that).
+std::string rope_type_of(const json& s) {
+  for (const char* k : {"rope_type", "type"})
+    if (auto it = s.find(k); it != s.end() && it->is_string()) return *it;
+  return "";
+}
+
 void parse_rope_scaling(ModelConfig& c, const json& s, const std::string& key, LayerRope& lr) {
   std::string type;
   for (const char* k : {"rope_type", "type"}) {
@@ -93,10 +101,12 @@ void parse_rope_scaling(ModelConfig& c, const json& s, const std::string& key, L
   if (type == "yarn")
     read.insert(read.end(), {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
                              "attention_factor", "mscale", "mscale_all_dim", "truncate"});
+  if (type == "proportional") read.insert(read.end(), {"factor"});
   // (A type the replay does not compute is refused or replayed as default
   // RoPE by check_supported: its keys are not listed.)
   std::string unread;
-  if (type == "default" || type == "linear" || type == "llama3" || type == "yarn")
+  if (type == "default" || type == "linear" || type == "llama3" || type == "yarn" ||
+      type == "proportional")
     for (const auto& item : s.items())
       if (std::find(read.begin(), read.end(), item.key()) == read.end())
         unread += (unread.empty() ? "\"" : ", \"") + item.key() + "\"";
@@ -150,6 +160,12 @@ void parse_rope_scaling(ModelConfig& c, const json& s, const std::string& key, L
         fail(c, "\"" + key + ".truncate\" must be true, false or null, got " + it->dump());
       r.truncate = !it->is_null() && it->get<bool>();
     }
+  } else if (type == "proportional") {
+    // Gemma-4's full-attention layers: partial_rotary_factor here is the
+    // fraction of the pairs that rotate (the rest are copied), not rotary_dim.
+    r.type = T::kProportional;
+    r.factor = scaling_number(c, s, key, type, "factor", false, 1.0);
+    r.partial_rotary_factor = scaling_number(c, s, key, type, "partial_rotary_factor", false, 1.0);
   }
   // Any other type (dynamic, longrope, ...) stays kNone with its name kept:
   // check_supported refuses it or replays it as default RoPE.
@@ -499,6 +515,15 @@ static ModelConfig load_model_config_json(const std::string& path) {
     c.notes.push_back("no num_key_value_heads: multi-head attention, " +
                       std::to_string(c.num_kv_heads) + " kv heads");
   }
+  // Gemma-4 gives its full-attention layers a head and kv heads of their own
+  // (global_head_dim, num_global_key_value_heads): one shape per replay here.
+  for (auto [global, local] : {std::pair{"global_head_dim", "head_dim"},
+                               std::pair{"num_global_key_value_heads", "num_key_value_heads"}})
+    if (auto g = j.find(global), l = j.find(local);
+        g != j.end() && !g->is_null() && l != j.end() && *g != *l)
+      fail(c, std::string("\"") + global + "\" " + g->dump() + " differs from \"" + local + "\" " +
+                  l->dump() + " (the full-attention layers' own shape, as Gemma-4's): the replay "
+                  "takes one shape for every layer");
   if (c.num_qo_heads % c.num_kv_heads != 0)
     fail(c, "num_attention_heads " + std::to_string(c.num_qo_heads) +
                 " is not a multiple of num_key_value_heads " + std::to_string(c.num_kv_heads));
@@ -574,7 +599,11 @@ static ModelConfig load_model_config_json(const std::string& path) {
   auto rope_field = [&](const TypeRope& t, const char* inside, std::initializer_list<const char*> top,
                         std::string* key) -> const json* {
     std::string name;
-    if (const json* v = t.params ? field(*t.params, {inside}, &name) : nullptr) {
+    // (proportional's own partial_rotary_factor is no rotary dimension:
+    // parse_rope_scaling reads it as the fraction of the pairs that rotate)
+    const bool own = t.params && !(std::string(inside) == "partial_rotary_factor" &&
+                                   rope_type_of(*t.params) == "proportional");
+    if (const json* v = own ? field(*t.params, {inside}, &name) : nullptr) {
       *key = t.key + "." + name;
       return v;
     }
@@ -708,7 +737,8 @@ void check_supported(ModelConfig& c, bool ignore_rope_scaling) {
     if (!lr.rope_scaling_type.empty() && lr.rope_scaling.type == ropekv::RopeScalingType::kNone) {
       if (!ignore_rope_scaling)
         fail(c, "rope_scaling type \"" + lr.rope_scaling_type + "\"" + of +
-                    " is not supported: ropekv computes default, linear, llama3 and yarn frequencies; "
+                    " is not supported: ropekv computes default, linear, llama3, yarn and proportional "
+                    "frequencies; "
                     "pass --ignore-rope-scaling to replay it as default RoPE (same cost per call, other "
                     "angles)");
       c.notes.push_back("rope_scaling " + lr.rope_scaling_desc + of + " ignored (--ignore-rope-scaling): " +
