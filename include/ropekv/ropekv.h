@@ -69,7 +69,7 @@ enum class RopeScalingType {
   kLlama3,  ///< Llama 3.1's wavelength-banded interpolation
   kYarn,    ///< YaRN (Peng et al. 2023), with its attention factor on cos and sin
   /// Gemma-4's full-attention layers: the first pairs rotate at the plain
-  /// frequencies (divided by factor), the rest at angle 0 (copied).
+  /// frequencies (divided by factor), the rest at angle 0 (cos 1, sin 0).
   kProportional,
 };
 
@@ -97,9 +97,10 @@ struct RopeScaling {
   bool truncate = true;         ///< yarn: floor/ceil the correction range
   /// proportional: the fraction p of the pairs that rotate, in (0, 1]. The
   /// first floor(p R / 2) of the R/2 pairs get rope_base ** (-2i / R) /
-  /// factor, the rest inv_freq 0, so they are copied; R (rotary_dim) is not
-  /// changed by it (transformers' proportional RoPE rotates over the whole
-  /// head_dim, as ropekv's default rotary_dim does).
+  /// factor, the rest inv_freq 0, so finite nonzero values come back
+  /// unchanged (x * 1 - y * 0, as transformers computes it). R (rotary_dim)
+  /// is not changed by it (transformers' proportional RoPE rotates over the
+  /// whole head_dim, as ropekv's default rotary_dim does).
   double partial_rotary_factor = 1.0;
 };
 

@@ -817,9 +817,11 @@ def rope_pool_fused(
             or ``"proportional"`` (Gemma-4's full-attention layers: optional
             factor=1 and partial_rotary_factor=1 in (0, 1], the fraction of
             the R/2 pairs, floor(p * R / 2), that rotate with
-            ``base ** (-2i/R) / factor``; the other pairs are copied; here
-            partial_rotary_factor does not set rotary_dim); the rope_type ``"default"`` (or that bare string), JSON ``null``
-            or None is plain RoPE. Frequencies are transformers'
+            ``base ** (-2i/R) / factor``; the other pairs at angle 0, which
+            gives finite nonzero values back unchanged; here
+            partial_rotary_factor does not set rotary_dim); the rope_type
+            ``"default"`` (or that bare string), JSON ``null`` or None is
+            plain RoPE. Frequencies are transformers'
             rope initialisation formulas in double, rounded once to fp32;
             yarn also multiplies cos and sin by its attention factor. A
             transformers 5 ``rope_parameters`` dict (a config's rope_scaling

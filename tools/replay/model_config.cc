@@ -73,6 +73,30 @@ double scaling_number(const ModelConfig& c, const json& s, const std::string& ke
   return v;
 }
 
+/// Gemma-4 gives its full-attention layers a head of their own
+/// (global_head_dim, 512 where absent in transformers' Gemma4TextConfig) and,
+/// where attention_k_eq_v, kv heads of their own (num_global_key_value_heads):
+/// a replay has one shape for every layer, so such a config is refused.
+void check_one_shape(const ModelConfig& c, const json& j) {
+  const bool gemma4 = c.model_type == "gemma4" || c.model_type == "gemma4_text";
+  int64_t global = gemma4 ? 512 : c.head_dim;
+  if (auto it = j.find("global_head_dim"); it != j.end() && !it->is_null())
+    global = get_positive_int(c, *it, "global_head_dim");
+  if (global != c.head_dim)
+    fail(c, "the full-attention layers' head_dim " + std::to_string(global) +
+                (j.contains("global_head_dim") ? " (\"global_head_dim\")" : " (Gemma-4's default global_head_dim)") +
+                " differs from \"head_dim\" " + std::to_string(c.head_dim) +
+                ": the replay takes one shape for every layer");
+  auto k_eq_v = j.find("attention_k_eq_v");
+  auto kv = j.find("num_global_key_value_heads");
+  if (k_eq_v != j.end() && k_eq_v->is_boolean() && k_eq_v->get<bool>() && kv != j.end() &&
+      !kv->is_null() && get_positive_int(c, *kv, "num_global_key_value_heads") != c.num_kv_heads)
+    fail(c, "the full-attention layers' kv heads " + kv->dump() +
+                " (\"num_global_key_value_heads\", with \"attention_k_eq_v\") differ from "
+                "\"num_key_value_heads\" " + std::to_string(c.num_kv_heads) +
+                ": the replay takes one shape for every layer");
+}
+
 /// The rope_type (or type) of a rope_scaling object, "" where neither is a
 /// string (parse_rope_scaling reports that).
 std::string rope_type_of(const json& s) {
@@ -81,7 +105,8 @@ std::string rope_type_of(const json& s) {
   return "";
 }
 
-void parse_rope_scaling(ModelConfig& c, const json& s, const std::string& key, LayerRope& lr) {
+void parse_rope_scaling(ModelConfig& c, const json& s, const std::string& key, LayerRope& lr,
+                        const json* partial, const std::string& partial_key) {
   std::string type;
   for (const char* k : {"rope_type", "type"}) {
     auto it = s.find(k);
@@ -165,7 +190,7 @@ void parse_rope_scaling(ModelConfig& c, const json& s, const std::string& key, L
     // fraction of the pairs that rotate (the rest are copied), not rotary_dim.
     r.type = T::kProportional;
     r.factor = scaling_number(c, s, key, type, "factor", false, 1.0);
-    r.partial_rotary_factor = scaling_number(c, s, key, type, "partial_rotary_factor", false, 1.0);
+    if (partial && !partial->is_null()) r.partial_rotary_factor = get_number(c, *partial, partial_key);
   }
   // Any other type (dynamic, longrope, ...) stays kNone with its name kept:
   // check_supported refuses it or replays it as default RoPE.
@@ -515,15 +540,6 @@ static ModelConfig load_model_config_json(const std::string& path) {
     c.notes.push_back("no num_key_value_heads: multi-head attention, " +
                       std::to_string(c.num_kv_heads) + " kv heads");
   }
-  // Gemma-4 gives its full-attention layers a head and kv heads of their own
-  // (global_head_dim, num_global_key_value_heads): one shape per replay here.
-  for (auto [global, local] : {std::pair{"global_head_dim", "head_dim"},
-                               std::pair{"num_global_key_value_heads", "num_key_value_heads"}})
-    if (auto g = j.find(global), l = j.find(local);
-        g != j.end() && !g->is_null() && l != j.end() && *g != *l)
-      fail(c, std::string("\"") + global + "\" " + g->dump() + " differs from \"" + local + "\" " +
-                  l->dump() + " (the full-attention layers' own shape, as Gemma-4's): the replay "
-                  "takes one shape for every layer");
   if (c.num_qo_heads % c.num_kv_heads != 0)
     fail(c, "num_attention_heads " + std::to_string(c.num_qo_heads) +
                 " is not a multiple of num_key_value_heads " + std::to_string(c.num_kv_heads));
@@ -537,6 +553,7 @@ static ModelConfig load_model_config_json(const std::string& path) {
                   " is not a multiple of num_attention_heads " + std::to_string(c.num_qo_heads));
     c.head_dim = hidden / c.num_qo_heads;
   }
+  check_one_shape(c, j);
   // (Nemotron-H's configs may give the layers by their kinds alone.)
   const bool layers_given = field(j, {"num_hidden_layers", "n_layer", "num_layers"}, nullptr) != nullptr;
   if (layers_given || !field(j, {"layers_block_type", "hybrid_override_pattern"}, nullptr))
@@ -599,11 +616,7 @@ static ModelConfig load_model_config_json(const std::string& path) {
   auto rope_field = [&](const TypeRope& t, const char* inside, std::initializer_list<const char*> top,
                         std::string* key) -> const json* {
     std::string name;
-    // (proportional's own partial_rotary_factor is no rotary dimension:
-    // parse_rope_scaling reads it as the fraction of the pairs that rotate)
-    const bool own = t.params && !(std::string(inside) == "partial_rotary_factor" &&
-                                   rope_type_of(*t.params) == "proportional");
-    if (const json* v = own ? field(*t.params, {inside}, &name) : nullptr) {
+    if (const json* v = t.params ? field(*t.params, {inside}, &name) : nullptr) {
       *key = t.key + "." + name;
       return v;
     }
@@ -688,18 +701,32 @@ static ModelConfig load_model_config_json(const std::string& path) {
   // of the head (partial_rotary_factor in Phi/Phi-3/StableLM/GLM, rotary_pct
   // in GPT-NeoX). Hugging Face: int(head_dim * factor). Absent, the config
   // classes' defaults apply (GPT-J 64 dims; GPT-NeoX 0.25; Phi, GLM 0.5).
+  // Each type's factor is its block's, else the top level's (transformers 5's
+  // standardize_rope_params). A proportional type's is the fraction of the
+  // pairs that rotate, read by parse_rope_scaling; its rotary dimension is
+  // the head's.
   c.rotary_dim = c.head_dim;
+  std::vector<const json*> factors(types.size());
+  std::vector<std::string> factor_keys(types.size());
+  const json* factor_v = nullptr;
   std::string factor_key;
-  const json* factor_v = rope_field(types[0], "partial_rotary_factor",
-                                    {"partial_rotary_factor", "rotary_pct"}, &factor_key);
-  for (size_t i = 1; i < types.size(); ++i) {
-    std::string other_key;
-    const json* other = rope_field(types[i], "partial_rotary_factor",
-                                   {"partial_rotary_factor", "rotary_pct"}, &other_key);
-    if ((other == nullptr) != (factor_v == nullptr) || (other && *other != *factor_v))
-      fail(c, "the layer types rotate different dimensions (\"" + factor_key + "\" " +
-                  (factor_v ? factor_v->dump() : "absent") + ", \"" + other_key + "\" " +
-                  (other ? other->dump() : "absent") + "): the replay takes one rotary_dim");
+  int first = -1;  // the first type whose factor is a rotary dimension
+  auto factor_of = [&](size_t i) {
+    const std::string name = types[i].name.empty() ? "the model" : types[i].name;
+    return name + ": " + (factors[i] ? "\"" + factor_keys[i] + "\" " + factors[i]->dump() : "none");
+  };
+  for (size_t i = 0; i < types.size(); ++i) {
+    factors[i] = rope_field(types[i], "partial_rotary_factor", {"partial_rotary_factor", "rotary_pct"},
+                            &factor_keys[i]);
+    if (types[i].params && rope_type_of(*types[i].params) == "proportional") continue;
+    if (first < 0) {
+      first = static_cast<int>(i);
+      factor_v = factors[i];
+      factor_key = factor_keys[i];
+    } else if ((factors[i] == nullptr) != (factor_v == nullptr) || (factor_v && *factors[i] != *factor_v)) {
+      fail(c, "the layer types rotate different dimensions (" + factor_of(first) + ", " + factor_of(i) +
+                  "): the replay takes one rotary_dim");
+    }
   }
   if (const json* v = field(j, {"rotary_dim"}, &which)) {
     c.rotary_dim = get_positive_int(c, *v, which);
@@ -726,8 +753,20 @@ static ModelConfig load_model_config_json(const std::string& path) {
     fail(c, "rotary dimension " + std::to_string(c.rotary_dim) + " must be even, >= 2 and <= head_dim " +
                 std::to_string(c.head_dim));
 
+  // (transformers' proportional RoPE spans the whole head, whatever the
+  // other layer types or a rotary_dim field say)
   for (size_t i = 0; i < types.size(); ++i)
-    if (types[i].params) parse_rope_scaling(c, *types[i].params, types[i].key, c.ropes[i]);
+    if (types[i].params && rope_type_of(*types[i].params) == "proportional" && c.rotary_dim != c.head_dim)
+      fail(c, "the " + (types[i].name.empty() ? std::string("model's") : types[i].name + " layers'") +
+                  " proportional RoPE spans the whole head_dim " + std::to_string(c.head_dim) +
+                  ", but the rotary dimension is " + std::to_string(c.rotary_dim) + " (" +
+                  (j.contains("rotary_dim") ? std::string("\"rotary_dim\"")
+                   : factor_v              ? "\"" + factor_key + "\" " + factor_v->dump()
+                                           : "the " + c.model_type + " default") +
+                  "): the replay takes one rotary_dim");
+  for (size_t i = 0; i < types.size(); ++i)
+    if (types[i].params)
+      parse_rope_scaling(c, *types[i].params, types[i].key, c.ropes[i], factors[i], factor_keys[i]);
   return c;
 }
 
@@ -747,16 +786,23 @@ void check_supported(ModelConfig& c, bool ignore_rope_scaling) {
     }
     // The values ropekv would reject (e.g. high_freq_factor <= low_freq_factor),
     // as a config error rather than a failed call.
+    std::vector<float> inv_freq;
     try {
-      (void)ropekv::rope_inv_freq(rope_config(c, lr));
+      inv_freq = ropekv::rope_inv_freq(rope_config(c, lr));
     } catch (const ropekv::Error& e) {
       fail(c, std::string("ropekv rejects this model's RoPE parameters") + of + ": " + e.what());
     }
     if (lr.rope_scaling.type != ropekv::RopeScalingType::kNone) {
       const double m = ropekv::rope_attention_factor(lr.rope_scaling);
+      const auto rotating = std::count_if(inv_freq.begin(), inv_freq.end(), [](float f) { return f != 0.0f; });
       c.notes.push_back("rope_scaling " + lr.rope_scaling_type + " " + lr.rope_scaling_desc + of +
                         ": scaled frequencies (ropekv::rope_inv_freq)" +
-                        (m != 1.0 ? ", cos and sin times the attention factor " + fmt_num(m) : std::string()));
+                        (m != 1.0 ? ", cos and sin times the attention factor " + fmt_num(m) : std::string()) +
+                        (lr.rope_scaling.type == ropekv::RopeScalingType::kProportional
+                             ? ", " + std::to_string(rotating) + " of " + std::to_string(inv_freq.size()) +
+                                   " pairs rotating (partial_rotary_factor " +
+                                   fmt_num(lr.rope_scaling.partial_rotary_factor) + ")"
+                             : std::string()));
     }
   }
 }
