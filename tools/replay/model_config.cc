@@ -84,7 +84,8 @@ void check_one_shape(const ModelConfig& c, const json& j) {
     global = get_positive_int(c, *it, "global_head_dim");
   if (global != c.head_dim)
     fail(c, "the full-attention layers' head_dim " + std::to_string(global) +
-                (j.contains("global_head_dim") ? " (\"global_head_dim\")" : " (Gemma-4's default global_head_dim)") +
+                (j.contains("global_head_dim") ? " (\"global_head_dim\")"
+                                               : " (Gemma-4's default global_head_dim)") +
                 " differs from \"head_dim\" " + std::to_string(c.head_dim) +
                 ": the replay takes one shape for every layer");
   auto k_eq_v = j.find("attention_k_eq_v");
@@ -794,7 +795,8 @@ void check_supported(ModelConfig& c, bool ignore_rope_scaling) {
     }
     if (lr.rope_scaling.type != ropekv::RopeScalingType::kNone) {
       const double m = ropekv::rope_attention_factor(lr.rope_scaling);
-      const auto rotating = std::count_if(inv_freq.begin(), inv_freq.end(), [](float f) { return f != 0.0f; });
+      const auto rotating =
+          std::count_if(inv_freq.begin(), inv_freq.end(), [](float f) { return f != 0.0f; });
       c.notes.push_back("rope_scaling " + lr.rope_scaling_type + " " + lr.rope_scaling_desc + of +
                         ": scaled frequencies (ropekv::rope_inv_freq)" +
                         (m != 1.0 ? ", cos and sin times the attention factor " + fmt_num(m) : std::string()) +
