@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 
-from reference import assert_close, bits, check_pool_rows, rope
+from reference import assert_close, bits, check_pool_rows, hf_inv_freq, rope
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
@@ -37,3 +37,25 @@ def test_readme_python_example_runs_and_does_what_it_says():
     check_pool_rows(k_pool, v_pool, zeros, zeros, slots, k_rot, v, "README")
     # The comment's own example rows.
     assert bits(k_pool[17]) == bits(k_rot[0]) and bits(v_pool[400]) == bits(v[3])
+
+
+def test_readme_per_layer_type_example():
+    """The second example (Gemma-4's full-attention layers: proportional RoPE
+    with QK-norm), run after the first as a reader would: q_rot / k_rot
+    against the float64 reference, the pool rows, and its comment's count of
+    the pairs that rotate."""
+    blocks = python_blocks()
+    assert len(blocks) >= 2, "README.md lost its per-layer-type example"
+    ns: dict = {}
+    exec(compile(blocks[0], "README.md (python example)", "exec"), ns)  # noqa: S102
+    exec(compile(blocks[1], "README.md (per-layer-type example)", "exec"), ns)  # noqa: S102
+    full, D = ns["full"], ns["D"]
+    inv = hf_inv_freq(full["rope_theta"], D, full)
+    assert np.count_nonzero(inv) == 64 and inv.shape == (256,)
+    for x, w, got in ((ns["q"], ns["q_norm_weight"], ns["q_rot"]),
+                      (ns["k"], ns["k_norm_weight"], ns["k_rot"])):
+        ref, mag = rope(x, ns["positions"], full["rope_theta"], inv_freq=inv, norm_weight=w)
+        assert_close(got, ref, mag, "README per-layer-type example")
+    zeros = np.zeros_like(ns["k_pool"])
+    check_pool_rows(ns["k_pool"], ns["v_pool"], zeros, zeros, ns["slots"], ns["k_rot"], ns["v"],
+                    "README per-layer-type example")
