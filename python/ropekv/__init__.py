@@ -125,7 +125,19 @@ def cpu_target() -> str:
 
 
 def _framework(x: Any) -> str:
-    return type(x).__module__.split(".", 1)[0]
+    """The library x's type comes from (its module's first name); for a
+    subclass defined elsewhere of numpy's ndarray or torch's Tensor, "numpy"
+    or "torch", whose rules it follows (bf16 and fp8 passed as their bits,
+    PyTorch's memory checks, outputs made by its base library)."""
+    fw = type(x).__module__.split(".", 1)[0]
+    if fw in ("numpy", "torch"):
+        return fw
+    if isinstance(x, _np.ndarray):
+        return "numpy"
+    torch = _sys.modules.get("torch")  # (never imported for this check)
+    if torch is not None and isinstance(x, torch.Tensor):
+        return "torch"
+    return fw
 
 
 # How the binding's dtype_views names an array passed as a view of its bits

@@ -225,3 +225,44 @@ def test_threads_call_at_once_on_separate_pools():
     for t in threads:
         t.join()
     assert not errors, errors[0]
+
+
+class _NumpySub(np.ndarray):
+    """An ndarray subclass of a library other than numpy."""
+
+
+class _TorchSub(torch.Tensor):
+    """A torch.Tensor subclass of a library other than torch."""
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_subclasses_defined_elsewhere_follow_their_base(kind):
+    """An ndarray or Tensor subclass of another library's is its base's array:
+    bf16 passed as its bits, q_rot made by the base library, a pool written in
+    place (not refused, nor a TypeError from making q_rot)."""
+    T, Hq, Hk, D, P = 5, 4, 2, 32, 16
+    q, k, v = (RNG.standard_normal((T, h, D)).astype(BF16) for h in (Hq, Hk, Hk))
+    pos = RNG.integers(0, 1 << 20, T)
+    slots = RNG.permutation(P)[:T]
+    k_pool = RNG.standard_normal((P, Hk, D)).astype(BF16)
+    v_pool = RNG.standard_normal((P, Hk, D)).astype(BF16)
+    k0, v0 = k_pool.copy(), v_pool.copy()
+    if kind == "numpy":
+        wrap = lambda a: a.view(_NumpySub)  # noqa: E731
+        back = np.asarray
+    else:
+        wrap = lambda a: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).as_subclass(_TorchSub)  # noqa: E731
+        back = lambda t: as_numpy(t.as_subclass(torch.Tensor))  # noqa: E731
+    kp, vp = wrap(k_pool), wrap(v_pool)
+    q_rot, k_rot, kp_out, vp_out = ropekv.rope_pool_fused(
+        wrap(q), wrap(k), wrap(v), pos, slots, kp, vp, head_dim=D, num_qo_heads=Hq,
+        num_kv_heads=Hk, rope_base=1e4)
+    assert kp_out is kp and vp_out is vp
+    assert isinstance(q_rot, np.ndarray if kind == "numpy" else torch.Tensor)
+    for x, got in ((q, q_rot), (k, k_rot)):
+        ref, mag = rope(x, pos, 1e4)
+        assert_close(back(got), ref, mag, f"{kind} subclass")
+    k_after, v_after = back(kp), back(vp)  # (the caller's pools, written in place)
+    assert bits(k_after[slots]) == bits(back(k_rot)) and bits(v_after[slots]) == bits(v)
+    rest = np.setdiff1d(np.arange(P), slots)
+    assert bits(k_after[rest]) == bits(k0[rest]) and bits(v_after[rest]) == bits(v0[rest])
