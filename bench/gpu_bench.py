@@ -301,7 +301,11 @@ def plot(rows, peak, args, meta):
 # the same shape: name -> (keyword arguments, extra bytes read per token,
 # pool element size or None for q's dtype). Bytes follow SPEC section 7 with
 # the pools' real element size and the table / weight reads added.
-OPTION_MODELS = [("Llama-3.1-8B", 32, 8, 128, 500000.0), ("Qwen3-8B", 32, 8, 128, 1000000.0)]
+# (the last: a full-attention layer of transformers' Gemma4TextConfig defaults:
+# 8 query and 4 kv heads of 512, which it rotates with proportional RoPE and
+# normalises with QK-norm)
+OPTION_MODELS = [("Llama-3.1-8B", 32, 8, 128, 500000.0), ("Qwen3-8B", 32, 8, 128, 1000000.0),
+                 ("Gemma-4 full", 8, 4, 512, 1000000.0)]
 OPTION_TOKENS = [1, 32, 512, 8192, 32768]
 
 
@@ -309,6 +313,7 @@ def option_cases(D, dt):
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    proportional = {"rope_type": "proportional", "partial_rotary_factor": 0.25}
     w = torch.rand(D, device="cuda", dtype=dt) + 0.5
     cache = torch.rand(1 << 17, D, device="cuda", dtype=torch.float32)
     return {
@@ -317,8 +322,7 @@ def option_cases(D, dt):
         "llama3 scaling": ({"rope_scaling": llama3}, 0, None),
         "yarn scaling": ({"rope_scaling": yarn}, 0, None),
         # (Gemma-4's full-attention layers: a quarter of the pairs rotate)
-        "proportional scaling": ({"rope_scaling": {"rope_type": "proportional",
-                                                   "partial_rotary_factor": 0.25}}, 0, None),
+        "proportional scaling": ({"rope_scaling": proportional}, 0, None),
         "cos_sin_cache f32": ({"cos_sin_cache": cache}, 4 * D, None),
         "cos_sin_cache bf16": ({"cos_sin_cache": cache.to(dt)}, 2 * D, None),
         "QK-norm": ({"q_norm_weight": w, "k_norm_weight": w}, 0, None),
@@ -327,6 +331,9 @@ def option_cases(D, dt):
         "QK-norm + fp8 + yarn": ({"q_norm_weight": w, "k_norm_weight": w, "rope_scaling": yarn,
                                   "kv_cache_dtype": "fp8_e4m3", "k_scale": 0.5, "v_scale": 0.5},
                                  0, 1),
+        # (Gemma-4's full-attention layers)
+        "QK-norm + proportional": ({"q_norm_weight": w, "k_norm_weight": w,
+                                    "rope_scaling": proportional}, 0, None),
     }
 
 
@@ -413,7 +420,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--options", action="store_true",
                     help="time each option of the call against the plain call instead "
-                         "(bf16, Llama-3.1-8B and Qwen3-8B shapes) -> gpu_options.md")
+                         "(bf16, Llama-3.1-8B, Qwen3-8B and Gemma-4 full-attention shapes) "
+                         "-> gpu_options.md")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ap.add_argument("--models", default=",".join(m[0] for m in MODELS))
     ap.add_argument("--dtypes", default="bf16,f16")
