@@ -503,7 +503,11 @@ int64_t small_vec(const Problem& p, int64_t esize) {
   const bool norm = has_qk_norm(p);
   const bool computed = p.cos_sin_cache.data == nullptr &&
                         (p.is_neox ? same_pools || is_fp8(p.pool_type) : same_pools && !norm);
-  return computed && p.num_tokens > wide_small_tokens() && (p.rotary_dim / 2) % wide == 0 &&
+  // (A QK-norm over heads of more than 32 narrow lanes, head_dim 512, takes
+  // wide lanes at every T: its head's sum is one warp's only there.)
+  const bool wide_norm = norm && p.rotary_dim / 2 / detail::kSmallVec > 32;
+  return computed && (p.num_tokens > wide_small_tokens() || wide_norm) &&
+                 (p.rotary_dim / 2) % wide == 0 &&
                  vector_ok(p, wide, esize, element_size(p.pool_type)) &&
                  wide_weights_ok(p.q_norm, p.dtype) && wide_weights_ok(p.k_norm, p.dtype)
              ? wide
@@ -589,8 +593,9 @@ detail::Options options_of(const Problem& p, int steps) {
 // Whether a call runs the small kernel (detail::rope_pool_small_kernel): at
 // most small_tokens() tokens of 16-bit data with full rotary, vectors of
 // kSmallVec elements in every array, NeoX or interleaved pairs, a QK-norm
-// only for heads of 1 to 32 lanes (a power of two: head_dim a power of two,
-// and the head's sums read as whole float4s) with contiguous weights
+// only for heads of 1 to 32 lanes at the call's vector width (a power of two:
+// head_dim a power of two, and the head's sums read as whole float4s; heads
+// of 512 in wide lanes, which small_vec gives them at every T) with contiguous weights
 // aligned to kSmallVec of them, pools of any format (but fp8 pools
 // whose scales divide, i.e. a reciprocal that is not exact, only with a
 // QK-norm: alone they ran 0.1-0.3 us faster on the options kernel at
@@ -601,11 +606,14 @@ bool small_kernel(const Problem& p, int64_t esize) {
   const CosSinCache& cs = p.cos_sin_cache;
   const bool norm = has_qk_norm(p);
   const bool plain = cs.data == nullptr && !norm && p.pool_type == pool_type_of(p.dtype);
-  const bool wide = esize == 2 && small_vec(p, esize) != detail::kSmallVec;
+  const int64_t vec = esize == 2 ? small_vec(p, esize) : detail::kSmallVec;
+  const bool wide = vec != detail::kSmallVec;
+  const int64_t norm_lanes = p.rotary_dim / 2 / vec;  // (a head's lanes at that vector width)
   if (esize != 2 || p.rotary_dim != p.head_dim ||
       p.num_tokens > small_tokens(plain, wide, lanes / 2, norm && is_fp8(p.pool_type)) ||
       forced_unroll() != 0 || lanes < 1 || lanes > 128 || p.num_qo_heads + p.num_kv_heads > 65535 ||
-      (norm && (lanes > 32 || (lanes & (lanes - 1)) != 0 || !small_weights_ok(p.q_norm) ||
+      (norm && (norm_lanes > 32 || (norm_lanes & (norm_lanes - 1)) != 0 ||
+                !small_weights_ok(p.q_norm) ||
                 !small_weights_ok(p.k_norm))) ||
       (!norm && is_fp8(p.pool_type) &&
        !(exact_reciprocal(p.k_scale) && exact_reciprocal(p.v_scale))) ||

@@ -1411,6 +1411,9 @@ def test_small_kernel_routing():
     its weights are q's dtype, and with such a QK-norm and fp8 pools at any
     number of tokens; plain NeoX ones past 8192 the plain kernel.
     Heads of 6 wide lanes (D = 96): the wide lanes up to 2048 tokens only.
+    Heads of 512 with a QK-norm of q's dtype (64 narrow lanes, more than a
+    head's sum takes): the small kernel in wide lanes at every T up to 8192;
+    with float32 weights the options kernel.
     Every other test passes on either kernel."""
     import re
     from torch.profiler import ProfilerActivity, profile
@@ -1449,7 +1452,12 @@ def test_small_kernel_routing():
              (300, dict(is_neox=False, **norm), options, None),
              (2049, norm, options, None),
              (4096, norm, options, ("4", "3", "true")),
-             (4096, dict(kv_cache_dtype="float32", **norm), options, ("4", "1", "true"))]
+             (4096, dict(kv_cache_dtype="float32", **norm), options, ("4", "1", "true")),
+             (1, dict(D=512, **norm16), small, ("true", "3", "8")),
+             (256, dict(D=512, **norm16), small, ("true", "3", "8")),
+             (4096, dict(D=512, **norm16), small, ("true", "3", "8")),
+             (8193, dict(D=512, **norm16), options, None),
+             (1, dict(D=512, **norm), options, None)]
     for T, opts, want, build in cases:
         opts = dict(opts)
         t, kw = options_case(T, 32, 8, opts.pop("D", 128), torch.bfloat16, **opts)
