@@ -840,11 +840,11 @@ def rope_pool_fused(
             there) may also hold ``rope_theta``, which must equal rope_base,
             and ``partial_rotary_factor``, which (but for proportional) sets
             rotary_dim to ``int(head_dim * factor)`` where rotary_dim is not
-            given and must agree with it where it is. Unknown types, missing fields, a dict
-            of fields without a type, text that is not JSON, a rope_theta
-            or partial_rotary_factor that disagrees, per-layer-type dicts and
-            mrope_section (multimodal RoPE) raise ValueError; a key ropekv
-            does not read is a UserWarning.
+            given and must agree with it where it is. Unknown types, missing
+            fields, a dict of fields without a type, text that is not JSON,
+            a rope_theta or partial_rotary_factor that disagrees,
+            per-layer-type dicts and mrope_section (multimodal RoPE) raise
+            ValueError; a key ropekv does not read is a UserWarning.
         cos_sin_cache: ``[max_position, R]`` float32 or q's dtype, vLLM's
             layout: row p is ``cos(p * inv_freq)`` in columns ``[0, R/2)``
             and ``sin`` in ``[R/2, R)``. Used instead of rope_base (so any

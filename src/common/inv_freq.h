@@ -105,7 +105,7 @@ inline void fill_inv_freq(const FreqSpec& spec, float* out) {
         break;
       }
       case RopeScalingType::kProportional:
-        // (angle 0: cos 1 and sin 0 exactly, so the pair is copied)
+        // (angle 0: cos 1 and sin 0 exactly, so finite nonzero values come back unchanged)
         f = static_cast<double>(i) < rotating ? base_freq / s.factor : 0.0;
         break;
     }
