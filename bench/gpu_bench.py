@@ -354,12 +354,18 @@ def bench_options(args, timer, log):
     # first format timed after a free ran slower: fp8 pools 1.00x the plain
     # call at T = 8192 where kept pools give 0.92x; gpu_fresh_pools.py.)
     pools = {}
-    for name, Hq, Hk, D, base in OPTION_MODELS:
+    models = [m for m in OPTION_MODELS if args.option_models is None
+              or m[0] in args.option_models.split(",")]
+    tokens = (OPTION_TOKENS if args.option_tokens is None
+              else [int(t) for t in args.option_tokens.split(",")])
+    for name, Hq, Hk, D, base in models:
         cases = option_cases(D, dt)
+        if args.option_cases is not None:
+            cases = {c: cases[c] for c in args.option_cases.split(",")}
         for pe in sorted({c[2] or 2 for c in cases.values()}):
             if (pe, Hk, D) not in pools:
                 pools[(pe, Hk, D)] = make_pools(pe, Hk, D, dt)
-        for T in OPTION_TOKENS:
+        for T in tokens:
             g = torch.Generator(device="cuda").manual_seed(T)
             plain_bytes = spec_bytes(T, Hq, Hk, D, 2, T)
             slices = max(1, min(64, math.ceil(2 * l2 / plain_bytes)))
@@ -406,10 +412,11 @@ def bench_options(args, timer, log):
     lines = ["| model | T | option | µs | vs plain | bytes | GB/s | of copy (same bytes) |",
              "|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        plain = next(p for p in rows if p["model"] == r["model"] and p["T"] == r["T"]
-                     and p["option"] == "plain")
+        plain = next((p for p in rows if p["model"] == r["model"] and p["T"] == r["T"]
+                      and p["option"] == "plain"), None)
+        vs = f"{r['us'] / plain['us']:.2f}" if plain else "-"
         lines.append(f"| {r['model']} | {r['T']} | {r['option']} | {r['us']:.2f} | "
-                     f"{r['us'] / plain['us']:.2f} | {r['bytes']} | "
+                     f"{vs} | {r['bytes']} | "
                      f"{r['bytes'] / r['us'] / 1e3:.0f} | {r['copy_us'] / r['us']:.2f} |")
     with open(os.path.join(args.out, "gpu_options.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
@@ -422,6 +429,14 @@ def main():
                     help="time each option of the call against the plain call instead "
                          "(bf16, Llama-3.1-8B, Qwen3-8B and Gemma-4 full-attention shapes) "
                          "-> gpu_options.md")
+    ap.add_argument("--option-models", default=None,
+                    help="with --options: the shapes to time (names, comma-separated; default all)")
+    ap.add_argument("--option-tokens", default=None,
+                    help="with --options: the token counts (default %s)"
+                         % ",".join(map(str, OPTION_TOKENS)))
+    ap.add_argument("--option-cases", default=None,
+                    help="with --options: the cases (names as in the table, comma-separated; "
+                         "default all; without plain the vs-plain column reads -)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ap.add_argument("--models", default=",".join(m[0] for m in MODELS))
     ap.add_argument("--dtypes", default="bf16,f16")

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""One call of each option of bench/gpu_bench.py's options table (Llama-3.1-8B,
-bf16), at each token count given: the launches Nsight Compute profiles in
+"""One call of each option of bench/gpu_bench.py's options table (bf16, one of
+its shapes: --model, default Llama-3.1-8B), at each token count given: the launches Nsight Compute profiles in
 scripts/gpu-check.sh's `ncuopt` step, to compare each option's kernel with
 the plain one (duration, DRAM throughput, occupancy, stall reasons).
 
-Usage: gpu_options_calls.py [--tokens 1 8192] [--options plain "QK-norm" ...]
+Usage: gpu_options_calls.py [--model "Gemma-4 full"] [--tokens 1 8192]
+                            [--options plain "QK-norm" ...]
 Each case runs twice (the first call makes the library's tables), in the
 order the script prints; read the second launch of each.
 """
@@ -17,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ropekv  # noqa: E402
-from gpu_bench import POOL_ROWS, option_cases  # noqa: E402
+from gpu_bench import OPTION_MODELS, POOL_ROWS, option_cases  # noqa: E402
 
 
 def main():
@@ -26,8 +27,10 @@ def main():
     ap.add_argument("--options", nargs="+",
                     default=["plain", "is_neox=False", "yarn scaling", "cos_sin_cache f32",
                              "QK-norm", "fp8_e4m3 pools"])
+    ap.add_argument("--model", default="Llama-3.1-8B",
+                    choices=[m[0] for m in OPTION_MODELS])
     args = ap.parse_args()
-    Hq, Hk, D, base = 32, 8, 128, 500000.0
+    _, Hq, Hk, D, base = next(m for m in OPTION_MODELS if m[0] == args.model)
     dt = torch.bfloat16
     cases = option_cases(D, dt)
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -51,9 +51,12 @@
 #             with CUDA tensors (fast path, its attribute reader, general path,
 #             torch.ops; not a default step)
 #   bench     bench/gpu_bench.py (ropekv vs PyTorch eager, torch.compile, copy)
-#   options   bench/gpu_bench.py --options (each option's cost vs the plain call)
+#   options   bench/gpu_bench.py --options (each option's cost vs the plain call;
+#             OPTIONS_ARGS adds its arguments, quoted as in a shell:
+#             OPTIONS_ARGS='--option-models "Gemma-4 full" --option-tokens 1,512')
 #   ncuopt    Nsight Compute on each option's kernel next to the plain one
-#             (bench/gpu_options_calls.py; not a default step)
+#             (bench/gpu_options_calls.py; not a default step; NCUOPT_ARGS adds
+#             its arguments, quoted as in a shell: '--model "Gemma-4 full"')
 #   ab        alternating runs of two carried drivers built elsewhere against two
 #             versions of the library (scripts/driver-build.sh): AB_DRIVERS (paths,
 #             default build/ab/base/driver build/ab/new/driver), AB_RUNS
@@ -301,20 +304,24 @@ do_cputest() {
 }
 
 do_ncuopt() {
-  # Each option's kernel next to the plain one (Llama-3.1-8B bf16, T = 1 and
-  # 8192; two launches per case, in the order the script prints): time,
-  # DRAM, occupancy, stalls.
-  local rc=0
+  # Each option's kernel next to the plain one (by default Llama-3.1-8B bf16,
+  # T = 1 and 8192; two launches per case, in the order the script prints):
+  # time, DRAM, occupancy, stalls.
+  local rc=0 args
+  eval "args=(${NCUOPT_ARGS:-})"  # (split as the shell splits words, quotes kept)
   (cd /tmp && timeout 300 ncu --clock-control none -k regex:rope_pool \
      --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
-     $PY "$ROOT/bench/gpu_options_calls.py" > "$OUT/ncu_options.txt" 2>&1) || rc=1
+     $PY "$ROOT/bench/gpu_options_calls.py" "${args[@]}" > "$OUT/ncu_options.txt" 2>&1) || rc=1
   grep -E "rope_pool.*Context|^cases:|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Stall|Warp Cycles Per Issued" \
     "$OUT/ncu_options.txt" | sed -E 's/\(ropekv::cuda::detail::(Opt)?Params\).*//' | head -400
   return $rc
 }
 
 do_options() {
-  (cd /tmp && timeout "${BENCH_TIMEOUT:-560}" $PY "$ROOT/bench/gpu_bench.py" --options --out "$OUT")
+  local args
+  eval "args=(${OPTIONS_ARGS:-})"  # (split as the shell splits words, quotes kept)
+  (cd /tmp && timeout "${BENCH_TIMEOUT:-560}" $PY "$ROOT/bench/gpu_bench.py" --options --out "$OUT" \
+     "${args[@]}")
 }
 
 do_bench() {

@@ -13,7 +13,7 @@
 // calls of 16-bit data with full rotary run the small kernel (small_kernel:
 // one token's heads per block, 8-byte vectors; one build per QK-norm or not
 // and pool format), plain or with interleaved pairs, a cos_sin_cache, a
-// QK-norm (heads of up to 256), float32 or fp8 pools (fp8 alone only with
+// QK-norm (heads of up to 256; 512 in wide lanes), float32 or fp8 pools (fp8 alone only with
 // power-of-two scales); other small plain calls of 16-bit data (partial
 // rotary) run the options kernel's one-step build (faster at decode than the plain kernel's
 // two steps per team), a token's teams spread over several blocks while the
@@ -455,14 +455,21 @@ bool small_weights_ok(const Weight& w, int64_t vec = detail::kSmallVec) {
 // tokens*). A QK-norm with fp8 pools has no limit there but the grid's: against the
 // options kernel, T = 16384 124.9 -> 108.5 us, 32768 239.4 -> 214.3 (a QK-norm alone
 // 117.5 -> 116.9 and 227.6 -> 230.3, so it keeps 8192; *Wide lanes for a
-// QK-norm with fp8 pools past 8192 tokens*). For tuning (read once):
+// QK-norm with fp8 pools past 8192 tokens*). Float32 pools alone, NeoX pairs, heads of
+// more than 32 narrow lanes (long_f32: head_dim 512; Gemma-4's full-attention shape, H100):
+// 1024, where the options kernel (78 registers, one block of a token's 12
+// heads) took T = 512 12.96 -> 9.99 us, 1024 19.64 -> 18.83, and was faster
+// from 2048 (35.2 against 36.8; Llama's heads of 16 lanes: 6.66 against
+// 7.16 at 512; docs/performance.md, *Heads of 512: the QK-norm's head
+// sum by shuffles*). For tuning (read once):
 // ROPEKV_CUDA_SMALL_TOKENS=N sets every limit (0: never).
-int64_t small_tokens(bool plain, bool wide, int64_t wide_lanes, bool norm_fp8) {
+int64_t small_tokens(bool plain, bool wide, int64_t wide_lanes, bool norm_fp8, bool long_f32) {
   static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_TOKENS", -1);
   if (forced >= 0) return forced;
   if (wide && (wide_lanes & (wide_lanes - 1)) == 0)
     return norm_fp8 ? INT_MAX : 8192;  // (INT_MAX: the grid's most blocks in x, one per token)
   if (wide) return 2048;
+  if (long_f32) return 1024;
   return plain ? 512 : 256;
 }
 
@@ -610,7 +617,9 @@ bool small_kernel(const Problem& p, int64_t esize) {
   const bool wide = vec != detail::kSmallVec;
   const int64_t norm_lanes = p.rotary_dim / 2 / vec;  // (a head's lanes at that vector width)
   if (esize != 2 || p.rotary_dim != p.head_dim ||
-      p.num_tokens > small_tokens(plain, wide, lanes / 2, norm && is_fp8(p.pool_type)) ||
+      p.num_tokens > small_tokens(plain, wide, lanes / 2, norm && is_fp8(p.pool_type),
+                                  !norm && cs.data == nullptr && p.is_neox &&
+                                      p.pool_type == PoolType::kF32 && lanes > 32) ||
       forced_unroll() != 0 || lanes < 1 || lanes > 128 || p.num_qo_heads + p.num_kv_heads > 65535 ||
       (norm && (norm_lanes > 32 || (norm_lanes & (norm_lanes - 1)) != 0 ||
                 !small_weights_ok(p.q_norm) ||

@@ -1684,8 +1684,24 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
   // dependent steps on the call's critical path; a barrier of the head's
   // lanes alone (__syncwarp), 0.07 us at T = 1 and 1.6 us at T = 512.) The
   // table build has a barrier for it alone.
+  // Wide heads of 32 lanes (D = 512) are one warp each: their sum is a
+  // butterfly of shuffles before the barrier, where the cos/sin's sincos
+  // hides it, instead of eight shared-memory reads, one after another
+  // (head_sum_serial), after it. Each step adds the same two values in
+  // every lane, so that every lane holds the same sum.
+  constexpr bool kWide = N != kSmallVec;
   float* sq_smem = cs_smem + (kTable ? 0 : 2 * p.half);
-  if constexpr (kNorm) sq_smem[tid] = active && w != nullptr ? sum_squares<T, N>(a, b, true) : 0.0f;
+  float warp_sq = 0.0f;
+  if constexpr (kNorm) {
+    const float sq = active && w != nullptr ? sum_squares<T, N>(a, b, true) : 0.0f;
+    if (kWide && blockDim.x == 32) {
+      warp_sq = sq;
+#pragma unroll
+      for (int m = 16; m >= 1; m /= 2) warp_sq += __shfl_xor_sync(0xffffffffu, warp_sq, m);
+    } else {
+      sq_smem[tid] = sq;
+    }
+  }
   if constexpr (!kTable || kNorm) __syncthreads();
   auto smem_cs = [&] {
     if constexpr (!kTable) {
@@ -1708,7 +1724,6 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
   // registers (1.5 us more at T = 512), and head_sum there re-read blockDim.x
   // at each test (0.07 us more; docs/performance.md, *The small kernel's
   // reads*).
-  constexpr bool kWide = N != kSmallVec;
   if constexpr (!kWide) smem_cs();
   float r = 1.0f;
   if constexpr (kNorm) {
@@ -1716,8 +1731,9 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
     if (w != nullptr) {
       const float* hs = sq_smem + threadIdx.y * blockDim.x;
       const int L = blockDim.x;
-      r = norm_scale(kWide ? head_sum_serial(hs, L) : head_sum(hs, L), 2 * p.half, norm_eps,
-                     true);
+      const float head_sq =
+          kWide ? (L == 32 ? warp_sq : head_sum_serial(hs, L)) : head_sum(hs, L);
+      r = norm_scale(head_sq, 2 * p.half, norm_eps, true);
     }
   }
   if constexpr (kWide) smem_cs();

@@ -1394,6 +1394,19 @@ def test_small_kernel_wide_lanes_qk_norm(pool, dtype):
                         what=f"wide norm {pool} {Hq}/{Hk}/{D} T={T} norms {qn} {kn}", **scales)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_small_kernel_float32_pools_heads_of_512(dtype):
+    """Float32 pools alone on heads of 512 (NeoX, no table), which the small
+    kernel takes in narrow lanes up to 1024 tokens (test_small_kernel_routing):
+    at its limit, past the 256 of other float32 pools, and one token past it
+    (the options kernel); in place and with int32 indices for some."""
+    dt = DTYPES[dtype]
+    for T in (257, 1024, 1025):
+        run_options(T, 8, 4, 512, dt, seed=T, kv_cache_dtype="float32", inplace=T == 1024,
+                    idx=torch.int32 if T % 2 else torch.int64,
+                    what=f"float32 pools 8/4/512 T={T}")
+
+
 @cuda_only
 def test_small_kernel_routing():
     """Which kernel a Llama-shaped decode call runs (names from the PyTorch
@@ -1413,7 +1426,8 @@ def test_small_kernel_routing():
     Heads of 6 wide lanes (D = 96): the wide lanes up to 2048 tokens only.
     Heads of 512 with a QK-norm of q's dtype (64 narrow lanes, more than a
     head's sum takes): the small kernel in wide lanes at every T up to 8192;
-    with float32 weights the options kernel.
+    with float32 weights the options kernel. Float32 pools alone with NeoX pairs on
+    heads of 512 (not 256, not interleaved): the small kernel up to 1024 tokens.
     Every other test passes on either kernel."""
     import re
     from torch.profiler import ProfilerActivity, profile
@@ -1457,7 +1471,11 @@ def test_small_kernel_routing():
              (256, dict(D=512, **norm16), small, ("true", "3", "8")),
              (4096, dict(D=512, **norm16), small, ("true", "3", "8")),
              (8193, dict(D=512, **norm16), options, None),
-             (1, dict(D=512, **norm), options, None)]
+             (1, dict(D=512, **norm), options, None),
+             (1024, dict(D=512, kv_cache_dtype="float32"), small, ("false", "4", "4")),
+             (1025, dict(D=512, kv_cache_dtype="float32"), options, None),
+             (300, dict(D=512, kv_cache_dtype="float32", is_neox=False), options, None),
+             (300, dict(D=256, kv_cache_dtype="float32"), options, None)]
     for T, opts, want, build in cases:
         opts = dict(opts)
         t, kw = options_case(T, 32, 8, opts.pop("D", 128), torch.bfloat16, **opts)
