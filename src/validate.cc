@@ -465,8 +465,9 @@ void check_rope_scaling(const RopeScaling& s) {
       return;
     case RopeScalingType::kProportional:
       check_positive(s.factor, "rope_scaling factor", " (proportional)");
-      if (!(s.partial_rotary_factor > 0.0 && s.partial_rotary_factor <= 1.0))
-        fail("rope_scaling partial_rotary_factor must be in (0, 1] (proportional: the fraction "
+      // (0: no pair rotates, as transformers computes it: int(0 * D // 2) pairs.)
+      if (!(s.partial_rotary_factor >= 0.0 && s.partial_rotary_factor <= 1.0))
+        fail("rope_scaling partial_rotary_factor must be in [0, 1] (proportional: the fraction "
              "of the rotary pairs that rotate), got " + num_str(s.partial_rotary_factor));
       return;
   }

@@ -582,9 +582,10 @@ def _rope_parameters(rope_scaling: Any) -> _RopeParameters:
                          f"a model with sliding and full attention layers does: pass those of "
                          f"the layer's type, e.g. rope_scaling=config.rope_scaling"
                          f"[{next(iter(rope_scaling))!r}]")
-    theta = _rope_base_field(rope_scaling, "rope_theta")
-    factor = _rope_base_field(rope_scaling, "partial_rotary_factor")
     kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    theta = _rope_base_field(rope_scaling, "rope_theta")
+    factor = _rope_base_field(rope_scaling, "partial_rotary_factor",
+                              proportional=kind == "proportional")
     if kind is None and any(key not in _BASE_KEYS for key in rope_scaling):
         # (transformers 5 reads it as the default type and warns that the
         # fields are unrecognized: a factor dropped that way changes every
@@ -658,9 +659,11 @@ def _warn_unread(rope_scaling: dict, kind: str, read: Tuple[str, ...]) -> None:
                       f"{', '.join(k for k in read if k != 'type')})", stacklevel=level)
 
 
-def _rope_base_field(rope_scaling: dict, key: str) -> Optional[float]:
-    """rope_theta (finite, > 0) or partial_rotary_factor (in (0, 1]) of a
-    rope_parameters dict as a float; None where absent or null."""
+def _rope_base_field(rope_scaling: dict, key: str, proportional: bool = False) -> Optional[float]:
+    """rope_theta (finite, > 0) or partial_rotary_factor (in (0, 1], or for
+    the proportional type, the fraction of the pairs that rotate, [0, 1], as
+    the core checks it) of a rope_parameters dict as a float; None where
+    absent or null."""
     val = rope_scaling.get(key)
     if val is None:
         return None
@@ -670,11 +673,15 @@ def _rope_base_field(rope_scaling: dict, key: str) -> Optional[float]:
         x = float(val)
     except OverflowError:
         x = float("inf")
-    ok = 0 < x <= 1 if key == "partial_rotary_factor" else 0 < x < float("inf")
-    if not ok:
-        raise ValueError(f"rope_scaling {key!r} must be "
-                         f"{'in (0, 1]' if key == 'partial_rotary_factor' else 'finite and > 0'}"
-                         f", got {val!r}")
+    if key != "partial_rotary_factor":
+        if not 0 < x < float("inf"):
+            raise ValueError(f"rope_scaling {key!r} must be finite and > 0, got {val!r}")
+    elif proportional and not 0 <= x <= 1:
+        raise ValueError(f"rope_scaling partial_rotary_factor must be in [0, 1] (proportional: "
+                         f"the fraction of the rotary pairs that rotate), got {val!r}")
+    elif not proportional and not 0 < x <= 1:
+        raise ValueError(f"rope_scaling partial_rotary_factor must be in (0, 1] (the fraction "
+                         f"of head_dim that rotates), got {val!r}")
     return x
 
 
@@ -827,7 +834,7 @@ def rope_pool_fused(
             original_max_position_embeddings; optional beta_fast=32,
             beta_slow=1, attention_factor, mscale, mscale_all_dim, truncate)
             or ``"proportional"`` (Gemma-4's full-attention layers: optional
-            factor=1 and partial_rotary_factor=1 in (0, 1], the fraction of
+            factor=1 and partial_rotary_factor=1 in [0, 1], the fraction of
             the R/2 pairs, floor(p * R / 2), that rotate with
             ``base ** (-2i/R) / factor``; the other pairs at angle 0, which
             gives finite nonzero values back unchanged; here
@@ -1092,6 +1099,11 @@ def rope_pool_fused(
             f"pass numpy arrays or a DLPack 1.0 producer; {str(e).splitlines()[0]}") from e
     except ValueError as e:
         e = _in_callers_names(e, q_name, k_name)
+        if "layer-stacked cache" in str(e) and "mlx" in (_framework(k_pool), _framework(v_pool)):
+            # (the usual fix would lose the write: MLX has no views)
+            e = ValueError(f"{e}, an MLX array of its own (an MLX slice such as cache[layer] is a "
+                           f"copy of those rows, which the call would write while the stacked "
+                           f"cache keeps its old ones: keep one [P, Hk, D] MLX array per layer)")
         if not missing:
             raise e from None
         raise ValueError(f"{e} ({' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "

@@ -405,18 +405,18 @@ TEST(Validate, RopeBase) {
 }
 
 // Proportional RoPE's fields: a factor as every type's, a fraction of the
-// pairs in (0, 1]; the count of rotating pairs may be 0 (p R / 2 < 1).
+// pairs in [0, 1]; the count of rotating pairs may be 0 (p = 0, or p R / 2 < 1).
 TEST(Validate, ProportionalScaling) {
   std::mt19937_64 rng(test_seed());
   VSpec s = valid_spec();
   s.cfg.rope_scaling.type = ropekv::RopeScalingType::kProportional;
-  for (double p : {0.25, 1.0, 1e-3}) {
+  for (double p : {0.25, 1.0, 1e-3, 0.0}) {
     s.cfg.rope_scaling.partial_rotary_factor = p;
     EXPECT_NO_THROW(ropekv::validate(build(s, rng).tensors(), s.cfg)) << p;
   }
-  for (double p : {0.0, -0.5, 1.0000001, std::nan("")}) {
+  for (double p : {-1e-300, -0.5, 1.0000001, std::nan("")}) {
     s.cfg.rope_scaling.partial_rotary_factor = p;
-    EXPECT_PREFIX(error_of(s), "rope_scaling partial_rotary_factor must be in (0, 1] "
+    EXPECT_PREFIX(error_of(s), "rope_scaling partial_rotary_factor must be in [0, 1] "
                                "(proportional: the fraction of the rotary pairs that rotate), got ");
   }
   s.cfg.rope_scaling.partial_rotary_factor = 0.5;

@@ -158,6 +158,33 @@ def test_mlx_arrays():
     assert bits(np.array(v_pool)[slots]) == bits(kn)
 
 
+def test_mlx_layer_stacked_pool():
+    """A 4-D (layer-stacked) MLX pool: the error's usual fix, k_pool[layer],
+    would write a copy (an MLX slice is not a view, as the README says), so
+    for MLX the message asks for one MLX array per layer; nothing is written."""
+    mx = pytest.importorskip("mlx.core")
+    T, H, D, P = 2, 2, 16, 5
+    rng = np.random.default_rng()
+    q = mx.array(rng.standard_normal((T, H, D)).astype(np.float32))
+    pos, slots = mx.array(np.arange(T, dtype=np.int32)), mx.array(np.arange(T, dtype=np.int32))
+    cache = mx.array(rng.standard_normal((3, P, H, D)).astype(np.float32))
+    before = np.array(cache)
+    with pytest.raises(ValueError, match=r"^rope_pool_fused expects pool tensors to be 3-D, got "
+                       r"k_pool \(3, 5, 2, 16\); a 4-D pool is usually a layer-stacked cache: "
+                       r"pass k_pool\[layer\], an MLX array of its own \(an MLX slice such as "
+                       r"cache\[layer\] is a copy"):
+        ropekv.rope_pool_fused(q, q, q, pos, slots, cache, cache[0], head_dim=D, num_qo_heads=H,
+                               num_kv_heads=H, rope_base=1e4)
+    assert bits(np.array(cache)) == bits(before)
+    # (what the message and the README say of MLX: a slice written in place
+    # leaves the stacked array as it was)
+    layer = cache[1]
+    ropekv.rope_pool_fused(q, q, q, pos, slots, layer, mx.zeros((P, H, D)), head_dim=D,
+                           num_qo_heads=H, num_kv_heads=H, rope_base=1e4)
+    assert bits(np.array(layer)[:T]) != bits(before[1, :T])
+    assert bits(np.array(cache)) == bits(before)
+
+
 def test_jax_arrays():
     """JAX arrays (CPU) as inputs, bf16 included; they are immutable, so the
     pools are numpy arrays and the rotated q and k come back as JAX arrays."""

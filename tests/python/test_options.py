@@ -263,6 +263,25 @@ def test_proportional_pairs_past_the_fraction_are_copied():
             assert np.all(out[..., first] != x[..., first])
 
 
+@pytest.mark.parametrize("p", [0, 0.0])
+def test_proportional_fraction_zero_rotates_nothing(p):
+    """A partial_rotary_factor of 0, which transformers takes (int(0 * D // 2)
+    pairs rotate), rotates no pair: every inv_freq 0, q_rot and k_rot
+    bit-identical to q and k (finite, nonzero values), the pool rows to k and v."""
+    D, T = 32, 5
+    scaling = {"rope_type": "proportional", "partial_rotary_factor": p}
+    got, m = ropekv.rope_inv_freq(D, 1e4, rope_scaling=scaling)
+    assert got.shape == (D // 2,) and not np.any(got) and m == 1.0
+    q, k, v = (randn((T, H, D), np.float32) for H in (4, 2, 2))
+    pos = RNG.integers(1, 1 << 20, T).astype(np.int64)
+    pools = [np.full((T, 2, D), np.nan, np.float32) for _ in range(2)]
+    q_rot, k_rot, k_pool, v_pool = ropekv.rope_pool_fused(
+        q, k, v, pos, np.arange(T), *pools, head_dim=D, num_qo_heads=4, num_kv_heads=2,
+        rope_base=1e4, rope_scaling=scaling)
+    assert bits(q_rot) == bits(q) and bits(k_rot) == bits(k)
+    assert bits(k_pool) == bits(k) and bits(v_pool) == bits(v)
+
+
 def test_scaling_numpy_scalars():
     """Values of numpy's scalar types (a config read through numpy) are
     numbers: the same frequencies and factor as the Python numbers."""
@@ -309,10 +328,14 @@ def test_scaling_default_type_is_plain():
     ([("rope_type", "linear")], "must be a dict"),
     ({"rope_type": "proportional", "factor": 0.0}, "factor must be finite and > 0 "
      r"\(proportional\)"),
-    ({"rope_type": "proportional", "partial_rotary_factor": 0.0},
-     r"'partial_rotary_factor' must be in \(0, 1\], got 0.0"),
-    ({"rope_type": "proportional", "partial_rotary_factor": 1.25},
-     r"'partial_rotary_factor' must be in \(0, 1\], got 1.25"),
+    ({"rope_type": "proportional", "partial_rotary_factor": -0.25},
+     r"^rope_scaling partial_rotary_factor must be in \[0, 1\] \(proportional: the fraction of "
+     r"the rotary pairs that rotate\), got -0.25$"),
+    ({"rope_type": "proportional", "partial_rotary_factor": 1.5},
+     r"^rope_scaling partial_rotary_factor must be in \[0, 1\] \(proportional: the fraction of "
+     r"the rotary pairs that rotate\), got 1.5$"),
+    ({"rope_type": "proportional", "partial_rotary_factor": float("nan")},
+     r"must be in \[0, 1\] \(proportional: .*, got nan$"),
 ])
 def test_scaling_errors(scaling, match):
     assert_rejected(match, rope_scaling=scaling)
@@ -390,7 +413,10 @@ def test_rope_parameters_inv_freq():
      r"int\(16 \* 0.1\) = 1: rotary_dim must be even and in \[2, head_dim\]"),
     (dict(rope_scaling={"rope_type": "default", "partial_rotary_factor": 0.01}), r"= 0: rotary_dim"),
     (dict(rope_scaling={"rope_type": "default", "partial_rotary_factor": 1.5}),
-     r"'partial_rotary_factor' must be in \(0, 1\], got 1.5"),
+     r"^rope_scaling partial_rotary_factor must be in \(0, 1\] \(the fraction of head_dim "
+     r"that rotates\), got 1.5$"),
+    (dict(rope_scaling={"rope_type": "default", "partial_rotary_factor": 0.0}),
+     r"partial_rotary_factor must be in \(0, 1\] \(the fraction of head_dim that rotates\)"),
     (dict(rope_scaling={"rope_type": "default", "rope_theta": "1e4"}),
      "'rope_theta' must be a number"),
     (dict(rope_scaling={"rope_type": "default", "rope_theta": float("inf")}),

@@ -545,7 +545,19 @@ static ModelConfig load_model_config_json(const std::string& path) {
     fail(c, "num_attention_heads " + std::to_string(c.num_qo_heads) +
                 " is not a multiple of num_key_value_heads " + std::to_string(c.num_kv_heads));
 
-  if (const json* v = field(j, {"head_dim"}, &which)) {
+  // Multi-head latent attention (DeepSeek-V2/V3 and configs of their
+  // model_type): RoPE rotates the qk_rope_head_dim part of each head, and
+  // transformers' configs set head_dim to it whatever hidden_size says.
+  if (const json* r = field(j, {"qk_rope_head_dim"}, &which)) {
+    c.head_dim = get_positive_int(c, *r, which);
+    if (const json* v = field(j, {"head_dim"}, &which)) {
+      if (const int64_t given = get_positive_int(c, *v, which); given != c.head_dim)
+        fail(c, "\"head_dim\" " + std::to_string(given) + " differs from \"qk_rope_head_dim\" " +
+                    std::to_string(c.head_dim) +
+                    " (multi-head latent attention rotates qk_rope_head_dim dims of each head, "
+                    "which transformers takes as head_dim)");
+    }
+  } else if (const json* v = field(j, {"head_dim"}, &which)) {
     c.head_dim = get_positive_int(c, *v, which);
   } else {
     const int64_t hidden = required_int(c, j, {"hidden_size", "n_embd", "d_model"});
