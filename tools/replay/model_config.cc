@@ -267,7 +267,7 @@ std::string nope_note(const json& j, const ModelConfig& c) {
 
 // Whether the model normalises each q and k head before RoPE, and how
 // (transformers' attention classes). Qwen3's (Qwen3-Next, Qwen3.5, Qwen3-VL),
-// Gemma-3's, dots.llm1's, EXAONE-4's, Apertus' and LFM2's attention always
+// Gemma-3's, Gemma-3n's and Gemma-4's (which normalise v too: a note), dots.llm1's, EXAONE-4's, Apertus' and LFM2's attention always
 // do (an RMSNorm of head_dim with learned weights; Gemma's and Qwen3-Next's
 // scale by 1 + w, which ropekv takes as the weight); GLM-4.5 (glm4_moe)
 // where use_qk_norm; Llama-4 where use_qk_norm (true by default) with a
@@ -280,8 +280,8 @@ void read_qk_norm(ModelConfig& c, const json& j) {
   static const char* const kAlways[] = {
       "qwen3",   "qwen3_moe",    "qwen3_next",  "qwen3_vl",         "qwen3_vl_text", "qwen3_vl_moe",
       "qwen3_vl_moe_text",       "qwen3_5",     "qwen3_5_text",     "qwen3_5_moe",   "qwen3_5_moe_text",
-      "gemma3",  "gemma3_text",  "dots1",       "exaone4",          "apertus",       "lfm2",
-      "lfm2_moe"};
+      "gemma3",  "gemma3_text",  "gemma3n",     "gemma3n_text",     "gemma4",        "gemma4_text",
+      "dots1",   "exaone4",      "apertus",     "lfm2",             "lfm2_moe"};
   const bool llama4 = c.model_type == "llama4" || c.model_type == "llama4_text";
   const bool reads_flag = llama4 || c.model_type == "glm4_moe" || c.model_type == "cohere";
   bool use = llama4;  // Llama4TextConfig's default
@@ -293,6 +293,9 @@ void read_qk_norm(ModelConfig& c, const json& j) {
   if (std::find(std::begin(kAlways), std::end(kAlways), c.model_type) != std::end(kAlways)) {
     c.qk_norm = QkNorm::kWeighted;
     c.qk_norm_from = "model_type " + c.model_type;
+    if (c.model_type.rfind("gemma3n", 0) == 0 || c.model_type.rfind("gemma4", 0) == 0)
+      c.notes.push_back(c.model_type + " also normalises v (an RMSNorm without weights) before "
+                        "caching it, which ropekv leaves to the engine: replayed with v as drawn");
   } else if (use && (llama4 || c.model_type == "glm4_moe")) {
     c.qk_norm = llama4 ? QkNorm::kUnit : QkNorm::kWeighted;
     c.qk_norm_from = flag ? "use_qk_norm" : "use_qk_norm, " + c.model_type + "'s default true";
