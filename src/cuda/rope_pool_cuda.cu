@@ -456,7 +456,8 @@ bool small_weights_ok(const Weight& w, int64_t vec = detail::kSmallVec) {
 // options kernel, T = 16384 124.9 -> 108.5 us, 32768 239.4 -> 214.3 (a QK-norm alone
 // 117.5 -> 116.9 and 227.6 -> 230.3, so it keeps 8192; *Wide lanes for a
 // QK-norm with fp8 pools past 8192 tokens*). Float32 pools alone, NeoX pairs, heads of
-// more than 32 narrow lanes (long_f32: head_dim 512; Gemma-4's full-attention shape, H100):
+// 64 narrow lanes (long_f32: head_dim 512, Gemma-4's full-attention shape, the one
+// measured; H100):
 // 1024, where the options kernel (78 registers, one block of a token's 12
 // heads) took T = 512 12.96 -> 9.99 us, 1024 19.64 -> 18.83, and was faster
 // from 2048 (35.2 against 36.8; Llama's heads of 16 lanes: 6.66 against
@@ -619,7 +620,7 @@ bool small_kernel(const Problem& p, int64_t esize) {
   if (esize != 2 || p.rotary_dim != p.head_dim ||
       p.num_tokens > small_tokens(plain, wide, lanes / 2, norm && is_fp8(p.pool_type),
                                   !norm && cs.data == nullptr && p.is_neox &&
-                                      p.pool_type == PoolType::kF32 && lanes > 32) ||
+                                      p.pool_type == PoolType::kF32 && lanes == 64) ||
       forced_unroll() != 0 || lanes < 1 || lanes > 128 || p.num_qo_heads + p.num_kv_heads > 65535 ||
       (norm && (norm_lanes > 32 || (norm_lanes & (norm_lanes - 1)) != 0 ||
                 !small_weights_ok(p.q_norm) ||
