@@ -700,6 +700,21 @@ Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
       fail(std::string(all[i].first) + " has no data pointer (a null array with " +
            std::to_string(numel(*all[i].second)) + " elements)");
   }
+  // Elements at addresses that are not multiples of their size: the kernels
+  // read and write them as typed values (undefined behaviour on the CPU, a
+  // misaligned-address fault that ends the CUDA context on a GPU). Strides
+  // count whole elements, so the first element's address decides.
+  for (size_t i = 0; i < all.size(); ++i) {
+    const DLTensor& a = *all[i].second;
+    const int64_t esize = element_size(a);
+    const uintptr_t at = reinterpret_cast<uintptr_t>(base_pointer(a));
+    if (!spans[i].empty() && at % static_cast<uintptr_t>(esize) != 0)
+      fail(std::string(all[i].first) + " starts at an address that is not a multiple of its " +
+           std::to_string(esize) + "-byte elements (data + byte_offset = " +
+           std::to_string(at % static_cast<uintptr_t>(esize)) + " mod " + std::to_string(esize) +
+           "): memory ropekv cannot address as " + dtype_str(a.dtype) +
+           " (copy it to an aligned array)");
+  }
   for (size_t i = 5; i < 9; ++i) check_no_self_overlap(*all[i].second, all[i].first);
   check_no_overlap(all, spans, t);
   if (dev.device_type == kDLCUDA) cuda::check_addressable(t);

@@ -95,7 +95,10 @@ struct RopeScaling {
   double mscale = 0.0;          ///< yarn (DeepSeek form), 0 = absent
   double mscale_all_dim = 0.0;  ///< yarn (DeepSeek form), 0 = absent
   bool truncate = true;         ///< yarn: floor/ceil the correction range
-  /// proportional: the fraction p of the pairs that rotate, in (0, 1]. The
+  /// proportional: the fraction p of the pairs that rotate, in [0, 1]; read
+  /// by that type only (for the others, where a Hugging Face dict holds a
+  /// partial_rotary_factor, set RopeConfig::rotary_dim to int(head_dim * p),
+  /// as transformers and ropekv's Python layer do). The
   /// first floor(p R / 2) of the R/2 pairs get rope_base ** (-2i / R) /
   /// factor, the rest inv_freq 0, so finite nonzero values come back
   /// unchanged (x * 1 - y * 0, as transformers computes it). R (rotary_dim)
@@ -204,8 +207,10 @@ struct RopePoolTensors {
 void rope_pool_fused(const RopePoolTensors& tensors, const RopeConfig& config,
                      const ExecOptions& options = {});
 
-/// Runs every check rope_pool_fused runs, and nothing else. Throws the same
-/// ropekv::Error; returns normally for a call that would succeed.
+/// Runs every check rope_pool_fused runs on the tensors and the config, and
+/// nothing else. Throws the same ropekv::Error; returns normally for a call
+/// that would succeed with the default ExecOptions. Not checked here: what
+/// ExecOptions add (num_threads >= 0; checked mode's repeated slots).
 void validate(const RopePoolTensors& tensors, const RopeConfig& config);
 
 /// Checked mode of the CUDA backend. A kernel never writes outside the pool:

@@ -546,6 +546,64 @@ TEST(Validate, NullDataPointer) {
   EXPECT_PREFIX(m, "k has no data pointer");
 }
 
+// An array whose first element is not at a multiple of its element size (a
+// byte_offset the size does not divide): refused before anything is
+// written, for an input, an index array and a pool; a 16-bit array at an
+// even offset is fine.
+TEST(Validate, MisalignedArrays) {
+  std::mt19937_64 rng(test_seed());
+  const char* names[] = {"q", "k", "v", "positions", "slots", "k_pool", "v_pool", "q_rot", "k_rot"};
+  for (int which : {0, 4, 5, 8}) {
+    for (uint64_t off : {1, 2, 3}) {
+      VSpec s = valid_spec();
+      Built b = build(s, rng);
+      ropekv::RopePoolTensors r = b.tensors();
+      DLTensor* f[] = {&r.q,      &r.k,      &r.v,     &r.positions, &r.slots,
+                       &r.k_pool, &r.v_pool, &r.q_rot, &r.k_rot};
+      f[which]->byte_offset += off;
+      std::vector<std::vector<uint8_t>> before;
+      for (const Tensor& t : b.t) before.push_back(t.storage()->snapshot());
+      // (the call only once validate() has refused: accepted, it would read
+      // and write past the shifted array's storage)
+      bool refused = false;
+      try {
+        ropekv::validate(r, s.cfg);
+      } catch (const ropekv::Error&) {
+        refused = true;
+      }
+      if (!refused) {
+        ADD_FAILURE() << "validate accepted " << names[which] << " at byte offset " << off;
+        continue;
+      }
+      try {
+        ropekv::rope_pool_fused(r, s.cfg);
+        ADD_FAILURE() << names[which] << " at byte offset " << off << " accepted";
+      } catch (const ropekv::Error& e) {
+        EXPECT_PREFIX(std::string(e.what()),
+                      std::string(names[which]) +
+                          " starts at an address that is not a multiple of its " +
+                          (which == 4 ? "8" : "4") + "-byte elements (data + byte_offset = " +
+                          std::to_string(off) + " mod " + (which == 4 ? "8" : "4") + ")");
+      }
+      for (size_t i = 0; i < b.t.size(); ++i)
+        EXPECT_TRUE(b.t[i].storage()->snapshot() == before[i]) << "array " << i << " changed";
+    }
+  }
+  VSpec s = valid_spec(DType::kBF16);
+  const Built b = build(s, rng);
+  ropekv::RopePoolTensors r = b.tensors();
+  r.q.byte_offset += 2;  // (validated only: the view now ends one element past its storage)
+  EXPECT_NO_THROW(ropekv::validate(r, s.cfg));
+  r.q.byte_offset += 1;
+  try {
+    ropekv::validate(r, s.cfg);
+    ADD_FAILURE() << "bf16 q at an odd address accepted";
+  } catch (const ropekv::Error& e) {
+    EXPECT_PREFIX(std::string(e.what()),
+                  "q starts at an address that is not a multiple of its 2-byte elements");
+  }
+}
+
 TEST(Validate, OverlappingOutputs) {
   VSpec s = valid_spec();
   s.k_pool.strides = {0, kD, 1};  // every row at one address

@@ -266,6 +266,35 @@ def test_slot_out_of_range(rng, slot):
     assert "nothing was written" in msg
 
 
+def unaligned_copy(a, offset):
+    """a's values in a numpy array whose data starts `offset` bytes past an
+    aligned buffer (np.frombuffer at an offset: flags.aligned is False)."""
+    buf = bytearray(a.nbytes + offset)
+    out = np.frombuffer(buf, dtype=a.dtype, count=a.size, offset=offset).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+@pytest.mark.parametrize("name", ["q", "slots", "k_pool"])
+def test_unaligned_array(rng, name):
+    """An array whose first element's address is not a multiple of its element
+    size: refused (the kernels read elements as typed values), nothing written."""
+    arrays, kw = make_call(rng, idx=np.int64)
+    arrays[name] = unaligned_copy(arrays[name], 3)
+    assert not arrays[name].flags.aligned
+    size = arrays[name].dtype.itemsize
+    expect_error(arrays, kw, f"{name} starts at an address that is not a multiple of its "
+                             f"{size}-byte elements (data + byte_offset = 3 mod {size})")
+
+
+def test_unaligned_bf16_at_even_offsets_is_fine(rng):
+    arrays, kw = make_call(rng, dtype=BF16)
+    want = call({n: a.copy() for n, a in arrays.items()}, kw)
+    arrays["q"] = unaligned_copy(arrays["q"], 2 + 8)  # (2-byte elements: aligned for them)
+    got = call(arrays, kw)
+    assert all(bits(g) == bits(w) for g, w in zip(got, want))
+
+
 def test_read_only_pool(rng):
     arrays, kw = make_call(rng)
     arrays["k_pool"].flags.writeable = False
