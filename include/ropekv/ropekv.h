@@ -218,7 +218,9 @@ void validate(const RopePoolTensors& tensors, const RopeConfig& config);
 /// device-side error flag of its device. This synchronises `stream` (a
 /// cudaStream_t; nullptr = legacy default), reads and clears the flag of
 /// CUDA device `device_id`, and throws the same Error the CPU raises if a
-/// call since the last check skipped a token. A no-op without CUDA.
+/// call since the last check skipped a token. A no-op in a build without
+/// CUDA, for a device id no call has run on (no flag was made yet) or out of
+/// range, and while `stream` is being captured into a graph (no sync there).
 void check_device_errors(int device_id, void* stream);
 
 /// The fp32 inverse frequencies the kernels rotate with: rotary_dim / 2
@@ -229,7 +231,8 @@ void check_device_errors(int device_id, void* stream);
 std::vector<float> rope_inv_freq(const RopeConfig& config);
 
 /// The factor cos and sin are multiplied by: yarn's attention factor (see
-/// RopeScaling::attention_factor), 1 for every other scaling type.
+/// RopeScaling::attention_factor), 1 for every other scaling type. Checks
+/// nothing: the fields are validated by rope_inv_freq and the call.
 double rope_attention_factor(const RopeScaling& scaling);
 
 /// True when this build of ropekv has the CUDA backend.
