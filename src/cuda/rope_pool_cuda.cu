@@ -455,14 +455,14 @@ bool small_weights_ok(const Weight& w, int64_t vec = detail::kSmallVec) {
 // tokens*). A QK-norm with fp8 pools has no limit there but the grid's: against the
 // options kernel, T = 16384 124.9 -> 108.5 us, 32768 239.4 -> 214.3 (a QK-norm alone
 // 117.5 -> 116.9 and 227.6 -> 230.3, so it keeps 8192; *Wide lanes for a
-// QK-norm with fp8 pools past 8192 tokens*). Float32 pools alone, NeoX pairs, heads of
-// 64 narrow lanes (long_f32: head_dim 512, Gemma-4's full-attention shape, the one
-// measured; H100):
-// 1024, where the options kernel (78 registers, one block of a token's 12
-// heads) took T = 512 12.96 -> 9.99 us, 1024 19.64 -> 18.83, and was faster
-// from 2048 (35.2 against 36.8; Llama's heads of 16 lanes: 6.66 against
-// 7.16 at 512; docs/performance.md, *Heads of 512: the QK-norm's head
-// sum by shuffles*). For tuning (read once):
+// QK-norm with fp8 pools past 8192 tokens*). Float32 pools alone, NeoX pairs,
+// heads of 64 narrow lanes (long_f32: head_dim 512, Gemma-4's full-attention
+// shape, the one measured; H100): 1024, where the small kernel, against the
+// options kernel (78 registers, one block of a token's 12 heads), took T = 512
+// 12.96 -> 9.99 us and 1024 19.64 -> 18.83, and was slower from 2048 (36.8
+// against 35.2; Llama's heads of 16 lanes at 512: 7.16 against 6.66;
+// docs/performance.md, *Heads of 512: the QK-norm's head sum by shuffles*).
+// For tuning (read once):
 // ROPEKV_CUDA_SMALL_TOKENS=N sets every limit (0: never).
 int64_t small_tokens(bool plain, bool wide, int64_t wide_lanes, bool norm_fp8, bool long_f32) {
   static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_TOKENS", -1);
