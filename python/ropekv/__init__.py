@@ -660,10 +660,11 @@ def _warn_unread(rope_scaling: dict, kind: str, read: Tuple[str, ...]) -> None:
 
 
 def _rope_base_field(rope_scaling: dict, key: str, proportional: bool = False) -> Optional[float]:
-    """rope_theta (finite, > 0) or partial_rotary_factor (in (0, 1], or for
-    the proportional type, the fraction of the pairs that rotate, [0, 1], as
-    the core checks it) of a rope_parameters dict as a float; None where
-    absent or null."""
+    """rope_theta (finite, > 0) or partial_rotary_factor (in (0, 1], the
+    fraction of head_dim that rotates) of a rope_parameters dict as a float;
+    None where absent or null. The proportional type's partial_rotary_factor
+    (the fraction of the pairs that rotate) is only made a float: the core
+    checks its range."""
     val = rope_scaling.get(key)
     if val is None:
         return None
@@ -676,9 +677,6 @@ def _rope_base_field(rope_scaling: dict, key: str, proportional: bool = False) -
     if key != "partial_rotary_factor":
         if not 0 < x < float("inf"):
             raise ValueError(f"rope_scaling {key!r} must be finite and > 0, got {val!r}")
-    elif proportional and not 0 <= x <= 1:
-        raise ValueError(f"rope_scaling partial_rotary_factor must be in [0, 1] (proportional: "
-                         f"the fraction of the rotary pairs that rotate), got {val!r}")
     elif not proportional and not 0 < x <= 1:
         raise ValueError(f"rope_scaling partial_rotary_factor must be in (0, 1] (the fraction "
                          f"of head_dim that rotates), got {val!r}")

@@ -268,8 +268,9 @@ std::string nope_note(const json& j, const ModelConfig& c) {
 // Whether the model normalises each q and k head before RoPE, and how
 // (transformers' attention classes). Qwen3's (Qwen3-Next, Qwen3.5, Qwen3-VL),
 // Gemma-3's, Gemma-3n's and Gemma-4's (which normalise v too: a note),
-// dots.llm1's, EXAONE-4's, Apertus' and LFM2's attention always do (an RMSNorm of head_dim with learned weights; Gemma's and Qwen3-Next's
-// scale by 1 + w, which ropekv takes as the weight); GLM-4.5 (glm4_moe)
+// dots.llm1's, EXAONE-4's, Apertus' and LFM2's attention always do (an
+// RMSNorm of head_dim with learned weights; Gemma's and Qwen3-Next's scale
+// by 1 + w, which ropekv takes as the weight); GLM-4.5 (glm4_moe)
 // where use_qk_norm; Llama-4 where use_qk_norm (true by default) with a
 // weightless norm after RoPE, which is the same as before it with weights of
 // ones (a rotation of the whole head keeps its norm). Cohere's use_qk_norm is
