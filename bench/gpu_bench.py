@@ -354,8 +354,12 @@ def bench_options(args, timer, log):
     # first format timed after a free ran slower: fp8 pools 1.00x the plain
     # call at T = 8192 where kept pools give 0.92x; gpu_fresh_pools.py.)
     pools = {}
-    models = [m for m in OPTION_MODELS if args.option_models is None
-              or m[0] in args.option_models.split(",")]
+    names = [m[0] for m in OPTION_MODELS]
+    wanted = names if args.option_models is None else args.option_models.split(",")
+    unknown = [n for n in wanted if n not in names]
+    if unknown:
+        raise SystemExit(f"--option-models: unknown {unknown}; the shapes are {names}")
+    models = [m for m in OPTION_MODELS if m[0] in wanted]
     tokens = (OPTION_TOKENS if args.option_tokens is None
               else [int(t) for t in args.option_tokens.split(",")])
     for name, Hq, Hk, D, base in models:
