@@ -10,6 +10,7 @@ tests/python/reference.py, which the golden vectors check.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -494,6 +495,40 @@ def test_cupy_arrays():
         assert_close(got, ref, mag, f"cupy {np.dtype(dt).name} q_rot")
         assert (cp.asnumpy(kp)[cp.asnumpy(slots)] == cp.asnumpy(k_rot)).all()
         assert (cp.asnumpy(vp)[cp.asnumpy(slots)] == cp.asnumpy(v)).all()
+
+
+@cuda_only
+@pytest.mark.parametrize("name,offset", [("q", 1), ("slots", 4), ("k_pool", 3)])
+def test_cupy_unaligned_array_raises_and_writes_nothing(name, offset):
+    """A CuPy array whose first element's address is not a multiple of its
+    element size (memptr shifted by bytes): refused on the host before the
+    launch, which would fault on a misaligned load; the pools are unchanged."""
+    cp = pytest.importorskip("cupy")
+    T, Hq, Hk, D, P = 5, 4, 2, 64, 16
+    rng = np.random.default_rng(11)
+    arrays = {
+        "q": rng.standard_normal((T, Hq, D)).astype(np.float16),
+        "k": rng.standard_normal((T, Hk, D)).astype(np.float16),
+        "v": rng.standard_normal((T, Hk, D)).astype(np.float16),
+        "positions": rng.integers(0, 4096, T).astype(np.int64),
+        "slots": rng.permutation(P)[:T].astype(np.int64),
+        "k_pool": rng.standard_normal((P, Hk, D)).astype(np.float16),
+        "v_pool": rng.standard_normal((P, Hk, D)).astype(np.float16),
+    }
+    dev = {n: cp.asarray(a) for n, a in arrays.items()}
+    a = arrays[name]
+    buf = cp.cuda.alloc(a.nbytes + 16)
+    shifted = cp.ndarray(a.shape, a.dtype, memptr=buf + offset)
+    shifted.set(a)
+    dev[name] = shifted
+    with pytest.raises(ValueError, match=re.escape(
+            f"{name} starts at an address that is not a multiple of its "
+            f"{a.dtype.itemsize}-byte elements")):
+        ropekv.rope_pool_fused(*dev.values(), head_dim=D, num_qo_heads=Hq,
+                               num_kv_heads=Hk, rope_base=1e4)
+    cp.cuda.Device().synchronize()
+    assert (dev["k_pool"].get() == arrays["k_pool"]).all()
+    assert (dev["v_pool"].get() == arrays["v_pool"]).all()
 
 
 @cuda_only
