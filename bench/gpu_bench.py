@@ -331,6 +331,8 @@ def option_cases(D, dt):
         "QK-norm + fp8 + yarn": ({"q_norm_weight": w, "k_norm_weight": w, "rope_scaling": yarn,
                                   "kv_cache_dtype": "fp8_e4m3", "k_scale": 0.5, "v_scale": 0.5},
                                  0, 1),
+        "QK-norm + float32 pools": ({"q_norm_weight": w, "k_norm_weight": w,
+                                     "kv_cache_dtype": "float32"}, 0, 4),
         # (Gemma-4's full-attention layers)
         "QK-norm + proportional": ({"q_norm_weight": w, "k_norm_weight": w,
                                     "rope_scaling": proportional}, 0, None),
