@@ -272,8 +272,9 @@ void launch_small_as(const detail::SmallParams<kNorm, kPools>& prm, bool interle
   constexpr int kWide = 2 * detail::kSmallVec;
   const char* what = "launching the rope_pool small kernel";
   if (vec == kWide) {
-    // (No wide build for float32 pools: small_vec keeps them narrow.)
-    if constexpr (kPools == detail::kPoolsF32) {
+    // (No wide build for float32 pools without a QK-norm: small_vec keeps
+    // them narrow.)
+    if constexpr (kPools == detail::kPoolsF32 && !kNorm) {
       throw std::logic_error("ropekv: float32 pools reached the small kernel's wide lanes");
     } else if constexpr (!kNorm && kPools == detail::kPoolsSame) {
       const auto kernel =
@@ -509,8 +510,10 @@ int64_t small_vec(const Problem& p, int64_t esize) {
   // Interleaved pairs take wide lanes in the plain build only.)
   const bool same_pools = p.pool_type == pool_type_of(p.dtype);
   const bool norm = has_qk_norm(p);
-  const bool computed = p.cos_sin_cache.data == nullptr &&
-                        (p.is_neox ? same_pools || is_fp8(p.pool_type) : same_pools && !norm);
+  const bool computed =
+      p.cos_sin_cache.data == nullptr &&
+      (p.is_neox ? same_pools || is_fp8(p.pool_type) || (norm && p.pool_type == PoolType::kF32)
+                 : same_pools && !norm);
   // (A QK-norm over heads of more than 32 narrow lanes, head_dim 512, takes
   // wide lanes at every T: its head's sum is one warp's only there.)
   const bool wide_norm = norm && p.rotary_dim / 2 / detail::kSmallVec > 32;

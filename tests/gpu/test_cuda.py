@@ -1404,7 +1404,7 @@ def test_small_kernel_options(pool, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("pool", ["auto", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("pool", ["auto", "float32", "fp8_e4m3", "fp8_e5m2"])
 def test_small_kernel_wide_lanes_qk_norm(pool, dtype):
     """A QK-norm in the small kernel's wide lanes (NeoX, no table, 257 to 8192
     tokens, weights in q's dtype: the wide builds hold 16-bit weights only)
@@ -1412,9 +1412,10 @@ def test_small_kernel_wide_lanes_qk_norm(pool, dtype):
     two blocks of 20 per token, the others in blocks they fill): weights of both heads,
     of k only and of q only (the other heads take pairs of 1.0 in q's
     dtype), a norm_eps large enough to move r by far more than the
-    tolerance, fp8 scales that divide and powers of two; float32 weights of
-    one head send the call to the options kernel (test_small_kernel_routing),
-    the same results."""
+    tolerance, pools of q's dtype, float32 and fp8 (scales that divide and
+    powers of two); float32 weights of one head send the call to the options
+    kernel (test_small_kernel_routing), the same results. Heads of 512 take
+    wide lanes at every T: also T = 1 and 40 there."""
     dt = DTYPES[dtype]
     fp8 = pool.startswith("fp8")
     norms = [(dt, dt), (None, dt), (dt, None), (torch.float32, dt)]
@@ -1427,6 +1428,11 @@ def test_small_kernel_wide_lanes_qk_norm(pool, dtype):
                         k_norm=kn, norm_eps=0.5 if j == 1 else 1e-6,
                         idx=torch.int32 if (i + j) % 2 else torch.int64,
                         what=f"wide norm {pool} {Hq}/{Hk}/{D} T={T} norms {qn} {kn}", **scales)
+    for T in (1, 40):
+        run_options(T, 4, 2, 512, dt, seed=T, kv_cache_dtype=pool, q_norm=dt, k_norm=dt,
+                    idx=torch.int32 if T == 1 else torch.int64,
+                    **(dict(k_scale=0.37, v_scale=1.7) if fp8 else {}),
+                    what=f"wide norm {pool} 4/2/512 T={T}")
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -1461,7 +1467,9 @@ def test_small_kernel_routing():
     Heads of 6 wide lanes (D = 96): the wide lanes up to 2048 tokens only.
     Heads of 512 with a QK-norm of q's dtype (64 narrow lanes, more than a
     head's sum takes): the small kernel in wide lanes at every T up to 8192;
-    with float32 weights the options kernel. Float32 pools alone with NeoX pairs on
+    with float32 weights the options kernel. A QK-norm of q's dtype with float32
+    pools, NeoX pairs: wide lanes past 256 tokens (heads of 512: at every T),
+    up to 8192. Float32 pools alone with NeoX pairs on
     heads of 512 (not 256, not interleaved): the small kernel up to 1024 tokens.
     Every other test passes on either kernel."""
     import re
@@ -1502,6 +1510,13 @@ def test_small_kernel_routing():
              (2049, norm, options, None),
              (4096, norm, options, ("4", "3", "true")),
              (4096, dict(kv_cache_dtype="float32", **norm), options, ("4", "1", "true")),
+             (256, dict(kv_cache_dtype="float32", **norm16), small, ("true", "4", "4")),
+             (257, dict(kv_cache_dtype="float32", **norm16), small, ("true", "4", "8")),
+             (8192, dict(kv_cache_dtype="float32", **norm16), small, ("true", "4", "8")),
+             (8193, dict(kv_cache_dtype="float32", **norm16), options, None),
+             (300, dict(kv_cache_dtype="float32", is_neox=False, **norm16), options, None),
+             (1, dict(D=512, kv_cache_dtype="float32", **norm16), small, ("true", "4", "8")),
+             (8192, dict(D=512, kv_cache_dtype="float32", **norm16), small, ("true", "4", "8")),
              (1, dict(D=512, **norm16), small, ("true", "3", "8")),
              (256, dict(D=512, **norm16), small, ("true", "3", "8")),
              (4096, dict(D=512, **norm16), small, ("true", "3", "8")),
