@@ -478,7 +478,7 @@ int64_t small_tokens(bool plain, bool wide, int64_t wide_lanes, bool norm_fp8, b
 // Elements per lane of a small-kernel call: 2 * kSmallVec (16-byte vectors,
 // "wide lanes") for NeoX calls without a table (plain, with a QK-norm whose
 // weights are q's dtype, with fp8 pools) and plain interleaved ones of more
-// than wide_small_tokens() = 256 tokens whose arrays all take them, else
+// than wide_small_tokens() = 256 tokens (224 with a QK-norm) whose arrays all take them, else
 // kSmallVec (8 bytes). Wide lanes hold twice the bytes in flight per
 // thread, and a token's heads fill half the blocks (H200, cold L2, 50-call
 // graphs; docs/performance.md, *Wide lanes*): at T = 512
@@ -492,11 +492,14 @@ int64_t small_tokens(bool plain, bool wide, int64_t wide_lanes, bool norm_fp8, b
 // 19.1 -> 17.3 at 2048, 3.96 -> 4.06 at 257; float32 weights take the
 // options kernel there. Plain interleaved pairs (two builds more, 40
 // registers as the NeoX one): 5.47 -> 4.97 us at T = 512, the plain NeoX
-// call's time. For tuning (read once): ROPEKV_CUDA_SMALL_WIDE=N, wide lanes
-// above N tokens.
-int64_t wide_small_tokens() {
+// call's time. A QK-norm takes them from 225 tokens (H100, cold L2, Llama-3.1-8B
+// and Qwen3-8B; narrow against wide): T = 192 3.57 against 3.77 us, 256 5.04
+// against 4.31; with fp8 pools and yarn 3.62 / 3.73 and 5.08 / 4.25
+// (docs/performance.md, *A QK-norm with float32 pools in wide lanes*). For
+// tuning (read once): ROPEKV_CUDA_SMALL_WIDE=N, wide lanes above N tokens.
+int64_t wide_small_tokens(bool norm) {
   static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_WIDE", -1);
-  return forced >= 0 ? forced : 256;
+  return forced >= 0 ? forced : norm ? 224 : 256;
 }
 // QK-norm weights that wide lanes take: q's dtype (the wide builds hold
 // 16-bit weights only), as small_weights_ok says for their 16-byte loads.
@@ -507,7 +510,11 @@ int64_t small_vec(const Problem& p, int64_t esize) {
   const int64_t wide = 2 * detail::kSmallVec;
   // (Float32 pools of 16-bit data were 2-6 % slower in wide lanes at T = 512
   // and 2048 than on the options kernel: they stay there past 256 tokens.
-  // Interleaved pairs take wide lanes in the plain build only.)
+  // With a QK-norm they take wide lanes, where the options kernel was the
+  // slower (H100, Llama-3.1-8B: T = 512 8.29 -> 7.08 us, 2048 28.1 -> 24.5,
+  // 8192 92.4 -> 89.8; heads of 512 at T = 1 3.94 -> 2.77, 1024 25.8 ->
+  // 21.3; docs/performance.md, *A QK-norm with float32 pools in wide
+  // lanes*). Interleaved pairs take wide lanes in the plain build only.)
   const bool same_pools = p.pool_type == pool_type_of(p.dtype);
   const bool norm = has_qk_norm(p);
   const bool computed =
@@ -517,7 +524,7 @@ int64_t small_vec(const Problem& p, int64_t esize) {
   // (A QK-norm over heads of more than 32 narrow lanes, head_dim 512, takes
   // wide lanes at every T: its head's sum is one warp's only there.)
   const bool wide_norm = norm && p.rotary_dim / 2 / detail::kSmallVec > 32;
-  return computed && (p.num_tokens > wide_small_tokens() || wide_norm) &&
+  return computed && (p.num_tokens > wide_small_tokens(norm) || wide_norm) &&
                  (p.rotary_dim / 2) % wide == 0 &&
                  vector_ok(p, wide, esize, element_size(p.pool_type)) &&
                  wide_weights_ok(p.q_norm, p.dtype) && wide_weights_ok(p.k_norm, p.dtype)

@@ -1365,8 +1365,8 @@ def test_small_kernel_options(pool, dtype):
     interleaved pairs, with or without a table. It takes a QK-norm for heads
     of 8 to 256 (1 to 32 lanes, a power of two) with contiguous weights, and
     fp8 pools without a QK-norm for power-of-two scales only; NeoX calls
-    without a table of 257 to 8192 tokens in wide lanes (D = 128, 256, T =
-    257 and 1100 here); the others of SMALL_SHAPES (24, 80, 96, 512, 1024),
+    without a table of 257 (with a QK-norm 225) to 8192 tokens in wide lanes
+    (D = 128, 256, T = 257 and 1100 here); the others of SMALL_SHAPES (24, 80, 96, 512, 1024),
     strided weights, other calls past 256 tokens and fp8 pools alone whose
     scales divide go to the options kernel; in place for some."""
     dt = DTYPES[dtype]
@@ -1406,7 +1406,7 @@ def test_small_kernel_options(pool, dtype):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("pool", ["auto", "float32", "fp8_e4m3", "fp8_e5m2"])
 def test_small_kernel_wide_lanes_qk_norm(pool, dtype):
-    """A QK-norm in the small kernel's wide lanes (NeoX, no table, 257 to 8192
+    """A QK-norm in the small kernel's wide lanes (NeoX, no table, 225 to 8192
     tokens, weights in q's dtype: the wide builds hold 16-bit weights only)
     on heads of 8, 16 and 32 lanes (D = 128, 256, 512; 32 + 8 heads of 8 lanes in
     two blocks of 20 per token, the others in blocks they fill): weights of both heads,
@@ -1420,7 +1420,7 @@ def test_small_kernel_wide_lanes_qk_norm(pool, dtype):
     fp8 = pool.startswith("fp8")
     norms = [(dt, dt), (None, dt), (dt, None), (torch.float32, dt)]
     for i, (Hq, Hk, D) in enumerate(((28, 4, 128), (16, 8, 256), (4, 2, 512), (32, 8, 128))):
-        for j, T in enumerate((257, 700, 3000)):  # (8192: the limit test's)
+        for j, T in enumerate((225, 700, 3000)):  # (8192: the limit test's)
             qn, kn = norms[(i + j) % 4]
             scales = (dict(k_scale=0.37, v_scale=1.7) if (i + j) % 2 else
                       dict(k_scale=0.5, v_scale=4.0)) if fp8 else {}
@@ -1467,9 +1467,9 @@ def test_small_kernel_routing():
     Heads of 6 wide lanes (D = 96): the wide lanes up to 2048 tokens only.
     Heads of 512 with a QK-norm of q's dtype (64 narrow lanes, more than a
     head's sum takes): the small kernel in wide lanes at every T up to 8192;
-    with float32 weights the options kernel. A QK-norm of q's dtype with float32
-    pools, NeoX pairs: wide lanes past 256 tokens (heads of 512: at every T),
-    up to 8192. Float32 pools alone with NeoX pairs on
+    with float32 weights the options kernel. A QK-norm of q's dtype (any pools)
+    takes the wide lanes past 224 tokens, the plain call past 256; with float32
+    pools, NeoX pairs: wide lanes (heads of 512: at every T) up to 8192. Float32 pools alone with NeoX pairs on
     heads of 512 (not 256, not interleaved): the small kernel up to 1024 tokens.
     Every other test passes on either kernel."""
     import re
@@ -1510,8 +1510,12 @@ def test_small_kernel_routing():
              (2049, norm, options, None),
              (4096, norm, options, ("4", "3", "true")),
              (4096, dict(kv_cache_dtype="float32", **norm), options, ("4", "1", "true")),
-             (256, dict(kv_cache_dtype="float32", **norm16), small, ("true", "4", "4")),
-             (257, dict(kv_cache_dtype="float32", **norm16), small, ("true", "4", "8")),
+             (224, norm16, small, ("true", "3", "4")),
+             (225, norm16, small, ("true", "3", "8")),
+             (224, dict(kv_cache_dtype="float32", **norm16), small, ("true", "4", "4")),
+             (225, dict(kv_cache_dtype="float32", **norm16), small, ("true", "4", "8")),
+             (225, dict(kv_cache_dtype="fp8_e4m3", **norm16), small, ("true", "5", "8")),
+             (225, {}, small, ("false", "3", "4")),
              (8192, dict(kv_cache_dtype="float32", **norm16), small, ("true", "4", "8")),
              (8193, dict(kv_cache_dtype="float32", **norm16), options, None),
              (300, dict(kv_cache_dtype="float32", is_neox=False, **norm16), options, None),
