@@ -1469,8 +1469,9 @@ def test_small_kernel_routing():
     head's sum takes): the small kernel in wide lanes at every T up to 8192;
     with float32 weights the options kernel. A QK-norm of q's dtype (any pools)
     takes the wide lanes past 224 tokens, the plain call past 256; with float32
-    pools, NeoX pairs: wide lanes (heads of 512: at every T) up to 8192. Float32 pools alone with NeoX pairs on
-    heads of 512 (not 256, not interleaved): the small kernel up to 1024 tokens.
+    pools, NeoX pairs: wide lanes (heads of 512: at every T) up to 8192.
+    Float32 pools alone with NeoX pairs on heads of 512 (not 256, not
+    interleaved): the small kernel up to 1024 tokens.
     Every other test passes on either kernel."""
     import re
     from torch.profiler import ProfilerActivity, profile
