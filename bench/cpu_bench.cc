@@ -118,10 +118,11 @@ enum Cache { kCold, kWarm, kHot };
 // fp8_pools_0.37 a scale whose reciprocal is not exact, as calibrated scales
 // are.
 enum Option { kPlain, kInterleaved, kLlama3, kYarn, kCosSinCache, kQkNorm, kF32Pools, kFp8Pools,
-              kQwen3Like, kFp8AnyScale, kProportional, kNumOptions };
+              kQwen3Like, kFp8AnyScale, kProportional, kQkNormF32Pools, kNumOptions };
 constexpr const char* kOptionNames[] = {"plain",  "interleaved", "llama3",      "yarn",
                                         "cos_sin_cache", "qk_norm", "f32_pools", "fp8_pools",
-                                        "qknorm+fp8+yarn", "fp8_pools_0.37", "proportional"};
+                                        "qknorm+fp8+yarn", "fp8_pools_0.37", "proportional",
+                                        "qknorm+f32_pools"};
 static_assert(std::size(kOptionNames) == kNumOptions);
 constexpr int64_t kCacheRows = 131072;  // positions are below 128k
 
@@ -217,7 +218,7 @@ const Fixture& fixture(const Model& m, Dtype dtype, int64_t T, Cache cache, Opti
   const DLDataType dt = dtype == kF32    ? DLDataType{kDLFloat, 32, 1}
                         : dtype == kBF16 ? DLDataType{kDLBfloat, 16, 1}
                                          : DLDataType{kDLFloat, 16, 1};
-  const int64_t EP = option == kF32Pools                                              ? 4
+  const int64_t EP = option == kF32Pools || option == kQkNormF32Pools                  ? 4
                      : option == kFp8Pools || option == kQwen3Like || option == kFp8AnyScale ? 1
                                                                                          : E;
   const DLDataType pool_dt = EP == E ? dt
@@ -330,6 +331,10 @@ const Fixture& fixture(const Model& m, Dtype dtype, int64_t T, Cache cache, Opti
       for (auto& a : f->calls) a.q_norm_weight = a.k_norm_weight = weight;
       break;
     case kF32Pools: cfg.kv_cache_dtype = ropekv::KvCacheDtype::kFloat32; break;
+    case kQkNormF32Pools:
+      cfg.kv_cache_dtype = ropekv::KvCacheDtype::kFloat32;
+      for (auto& a : f->calls) a.q_norm_weight = a.k_norm_weight = weight;
+      break;
     case kFp8Pools:
       cfg.kv_cache_dtype = ropekv::KvCacheDtype::kFp8E4M3;
       cfg.k_scale = cfg.v_scale = 0.5;
