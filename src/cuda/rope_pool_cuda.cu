@@ -493,9 +493,10 @@ int64_t small_tokens(bool plain, bool wide, int64_t wide_lanes, bool norm_fp8, b
 // options kernel there. Plain interleaved pairs (two builds more, 40
 // registers as the NeoX one): 5.47 -> 4.97 us at T = 512, the plain NeoX
 // call's time. A QK-norm takes them from 225 tokens (H100, cold L2, Llama-3.1-8B
-// and Qwen3-8B; narrow against wide): T = 192 3.57 against 3.77 us, 256 5.04
-// against 4.31; with fp8 pools and yarn 3.62 / 3.73 and 5.08 / 4.25
-// (docs/performance.md, *A QK-norm with float32 pools in wide lanes*). For
+// and Qwen3-8B; narrow against wide): T = 224 3.72 against 4.46 us, 240 4.44
+// against 4.62 (Qwen3 4.56 against 4.22; with float32 pools or fp8 pools and
+// yarn wide ahead by 0.2-0.4), 256 5.04 against 4.31 (docs/performance.md,
+// *A QK-norm with float32 pools in wide lanes*). For
 // tuning (read once): ROPEKV_CUDA_SMALL_WIDE=N, wide lanes above N tokens.
 int64_t wide_small_tokens(bool norm) {
   static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_WIDE", -1);
