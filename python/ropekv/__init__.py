@@ -1038,7 +1038,8 @@ def rope_pool_fused(
         a, view, read_only = _as_array(x, name, written=i >= 5)
         if read_only and i in (5, 6) and _framework(x) in ("jax", "jaxlib"):
             raise ValueError(f"{name} is a JAX array, which is immutable, but ropekv writes the "
-                             f"pools in place; pass numpy (or PyTorch) pools")
+                             f"pools in place; pass writable pools (numpy, PyTorch, CuPy or "
+                             f"MLX arrays)")
         converted.append(a)
         dtype_views |= view << (2 * i)
         readonly_mask |= int(read_only) << i

@@ -215,7 +215,9 @@ def test_jax_arrays():
     ref, mag = rope(kn, pos, 1e4)
     assert_close(np.asarray(k_rot), ref, mag, "k_rot")
     assert bits(k_pool[slots]) == bits(np.asarray(k_rot)) and bits(v_pool[slots]) == bits(vn)
-    with pytest.raises(ValueError, match="k_pool is a JAX array, which is immutable"):
+    with pytest.raises(ValueError, match="k_pool is a JAX array, which is immutable, but "
+                                         r"ropekv writes the pools in place; pass writable pools "
+                                         r"\(numpy, PyTorch, CuPy or MLX arrays\)"):
         ropekv.rope_pool_fused(put(qn), put(kn), put(vn),
                                put(pos), put(slots), put(k_pool), v_pool,
                                head_dim=D, num_qo_heads=Hq, num_kv_heads=Hk, rope_base=1e4)

@@ -41,13 +41,12 @@ def test_readme_python_example_runs_and_does_what_it_says():
 
 def test_readme_per_layer_type_example():
     """The second example (Gemma-4's full-attention layers: proportional RoPE
-    with QK-norm), run after the first as a reader would: q_rot / k_rot
-    against the float64 reference, the pool rows, and its comment's count of
-    the pairs that rotate."""
+    with QK-norm), run on its own as a reader who copies it would: q_rot /
+    k_rot against the float64 reference, the pool rows, and its comment's
+    count of the pairs that rotate."""
     blocks = python_blocks()
     assert len(blocks) >= 2, "README.md lost its per-layer-type example"
     ns: dict = {}
-    exec(compile(blocks[0], "README.md (python example)", "exec"), ns)  # noqa: S102
     exec(compile(blocks[1], "README.md (per-layer-type example)", "exec"), ns)  # noqa: S102
     full, D = ns["full"], ns["D"]
     inv = hf_inv_freq(full["rope_theta"], D, full)
