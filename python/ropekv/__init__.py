@@ -549,7 +549,7 @@ _BASE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 _RopeParameters = Tuple[Optional[Tuple[float, ...]], Optional[float], Optional[float]]
 
 
-def _rope_parameters(rope_scaling: Any) -> _RopeParameters:
+def _rope_parameters(rope_scaling: Any, warn: bool = True) -> _RopeParameters:
     """A Hugging Face rope_scaling dict (or its JSON text) as (the binding's
     13 numbers: (type, factor, low_freq_factor, high_freq_factor,
     original_max_position_embeddings, beta_fast, beta_slow, attention_factor,
@@ -557,7 +557,8 @@ def _rope_parameters(rope_scaling: Any) -> _RopeParameters:
     0: the library's default from mscale, proportional's partial_rotary_factor
     or 1), or None for no scaling; the dict's rope_theta, or None; its
     partial_rotary_factor where it sets rotary_dim (every type but
-    proportional), or None)."""
+    proportional), or None). warn=False: no warning for keys it does not read
+    (a parse of the same dict in the same call has given it)."""
     if rope_scaling is None:
         return None, None, None
     if isinstance(rope_scaling, str):
@@ -599,14 +600,16 @@ def _rope_parameters(rope_scaling: Any) -> _RopeParameters:
                          "three positions agree, that is the same rotation: pass the dict "
                          "without mrope_section")
     if kind in (None, "default"):
-        _warn_unread(rope_scaling, "default", _BASE_KEYS)
+        if warn:
+            _warn_unread(rope_scaling, "default", _BASE_KEYS)
         return None, theta, factor
     if not isinstance(kind, str) or kind not in _SCALING_TYPES:
         raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: linear, "
                          f"llama3, yarn, proportional (any other scheme: pass its table as "
                          f"cos_sin_cache)")
     required, optional = _SCALING_KEYS[kind]
-    _warn_unread(rope_scaling, kind, (*_BASE_KEYS, *required, *optional))
+    if warn:
+        _warn_unread(rope_scaling, kind, (*_BASE_KEYS, *required, *optional))
     values = {}
     for key in required:
         if rope_scaling.get(key) is None:
@@ -945,6 +948,7 @@ def rope_pool_fused(
         if tf is not None:
             written = _torch_written(tf, k_pool, v_pool, q_out, k_out, inplace)
     kv_code = _KV_CACHE_DTYPES.get(kv_cache_dtype) if isinstance(kv_cache_dtype, str) else None
+    parsed = False  # (whether the fast path parsed rope_scaling: its warnings are given)
     if kv_code is not None and stream is None and (type(q) is _np.ndarray
                                                    or type(q) is _FAST_TENSOR):
         # numpy arrays and PyTorch CPU or CUDA tensors (on the current
@@ -955,6 +959,7 @@ def rope_pool_fused(
         scaling: Any = None
         fast_rotary_dim = rotary_dim
         if rope_scaling is not None:
+            parsed = True
             try:
                 scaling, theta, factor = _rope_parameters_seen(rope_scaling)
                 if theta is not None or factor is not None:
@@ -1060,7 +1065,7 @@ def rope_pool_fused(
         raise ValueError(f"is_neox must be a bool, got {is_neox!r}")
     scaling = None
     if rope_scaling is not None:
-        scaling, theta, factor = _rope_parameters(rope_scaling)
+        scaling, theta, factor = _rope_parameters(rope_scaling, warn=not parsed)
         dim = _rotary_dim_for(theta, factor, rope_base, rotary_dim, head_dim)
         if dim is not rotary_dim:  # (from the dict's partial_rotary_factor)
             common = common[:4] + (dim,)

@@ -455,6 +455,19 @@ def test_unread_rope_scaling_keys_warn(scaling, unread, monkeypatch):
     assert rec[0].filename == __file__
 
 
+def test_unread_key_warns_once_when_the_call_fails(monkeypatch):
+    """A dict with an unread key that lacks a required one: one warning, even
+    with every warning shown (the fast path parses it, fails and leaves the
+    call to the general path, which parses it again), then the ValueError."""
+    import warnings
+    monkeypatch.setattr(ropekv, "_SCALING_SEEN", {})
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        assert_rejected(r"^rope_scaling of type 'linear' needs 'factor'",
+                        rope_scaling={"rope_type": "linear", "fator": 2.0})
+    assert [str(w.message).count("ignores 'fator'") for w in rec] == [1]
+
+
 def test_read_rope_scaling_keys_do_not_warn():
     import warnings
     with warnings.catch_warnings():
