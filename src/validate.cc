@@ -247,56 +247,88 @@ void check_no_self_overlap(const DLTensor& t, const char* name) {
   }
 }
 
-int64_t floor_div(int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); }
+// 128-bit sums: two arrays' byte spans each fit in 64 bits, their sums may not.
+using Wide = __int128;
+
+Wide floor_div(Wide a, Wide b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); }
+
+// Up to three axes of each of two arrays.
+constexpr int kMaxDigits = 6;
 
 // Whether some X = sum c_k * stride_k with c_k in [lo_k, hi_k] (axes k >= i
-// of n, ordered by decreasing |stride|) lies in [x0, x1]. Digit by digit,
-// each axis taking the digits that leave a reachable rest: for views of one
-// buffer's layout (strides that each exceed the span below them) a few
-// digits per axis. `budget` bounds the search; when spent, the answer is yes.
-bool reachable(const int64_t* stride, const int64_t* lo, const int64_t* hi, int i, int n,
-               int64_t x0, int64_t x1, int& budget) {
+// of n, ordered by decreasing stride, every stride > 0) lies in [x0, x1].
+// Digit by digit, each axis taking the digits that leave a reachable rest:
+// for views of one buffer's layout (strides that each exceed the span below
+// them) a few digits per axis. `budget` bounds the search; when spent, the
+// answer is yes.
+bool reachable(const Wide* stride, const Wide* lo, const Wide* hi, int i, int n, Wide x0,
+               Wide x1, int& budget) {
   if (--budget < 0) return true;
-  if (i >= n || i >= 3) return x0 <= 0 && 0 <= x1;  // (n <= 3)
-  int64_t rest_lo = 0, rest_hi = 0;  // what axes i + 1.. reach
-  for (int k = i + 1; k < n && k < 3; ++k) {
-    rest_lo += std::min(lo[k] * stride[k], hi[k] * stride[k]);
-    rest_hi += std::max(lo[k] * stride[k], hi[k] * stride[k]);
+  if (i >= n) return x0 <= 0 && 0 <= x1;
+  Wide rest_lo = 0, rest_hi = 0;  // what axes i + 1.. reach
+  for (int k = i + 1; k < n; ++k) {
+    rest_lo += lo[k] * stride[k];
+    rest_hi += hi[k] * stride[k];
   }
-  // c * s in [x0 - rest_hi, x1 - rest_lo]; s > 0 (negated axes flipped).
-  const int64_t s = stride[i];
-  const int64_t c0 = std::max(lo[i], -floor_div(-(x0 - rest_hi), s));
-  const int64_t c1 = std::min(hi[i], floor_div(x1 - rest_lo, s));
-  for (int64_t c = c0; c <= c1; ++c)
+  // c * s in [x0 - rest_hi, x1 - rest_lo].
+  const Wide s = stride[i];
+  const Wide c0 = std::max(lo[i], -floor_div(-(x0 - rest_hi), s));
+  const Wide c1 = std::min(hi[i], floor_div(x1 - rest_lo, s));
+  for (Wide c = c0; c <= c1; ++c)
     if (reachable(stride, lo, hi, i + 1, n, x0 - c * s, x1 - c * s, budget)) return true;
   return false;
 }
 
-// Whether arrays a and b may share a byte. Two views of one layout (one
-// element size, the same stride on every axis both extend along: the q and
-// k heads of one fused QKV buffer, the k and v pools of one cache) are
-// solved exactly; other pairs count as sharing when their byte spans meet.
-// (Called for arrays whose byte spans meet.)
-bool may_share(const DLTensor& ta, const DLTensor& tb) {
-  const Layout a = layout_of(ta), b = layout_of(tb);
-  if (a.esize != b.esize || ta.ndim != tb.ndim) return true;
-  // Per array axis: the stride and the digit range of (index in a) - (index
-  // in b).
-  int64_t stride[3], lo[3], hi[3];
+enum class Sharing { kNone, kShared, kUnproven };
+
+// Whether arrays a and b share a byte: kShared where some byte is proven
+// shared, kNone where none is, kUnproven where the search's budget ran out.
+// An array's set of element addresses does not change when an axis is
+// reversed (its origin moved to that axis's other end) or the axes are
+// reordered, so each is taken with positive strides, and an axis of a is
+// paired with one of b of the same byte stride (the views of one layout: the
+// q and k heads of one fused QKV buffer, the k and v pools of one cache,
+// either of them reversed or permuted), the difference of their indices one
+// digit; the other axes are digits of their own. A byte is shared when
+// A - B lies in [-(ea - 1), eb - 1] for element addresses A of a and B of b
+// (element sizes ea, eb), i.e. X = (A - A0) - (B - B0) in [B0 - A0 - (ea -
+// 1), B0 - A0 + eb - 1]. (Called for arrays whose byte spans meet.)
+Sharing may_share(const DLTensor& ta, const DLTensor& tb) {
+  // Each array's axes as (byte stride > 0, extent), its origin the lowest
+  // element's address. (An axis of stride 0 adds no address.)
+  struct Axes {
+    Wide origin;
+    int n = 0;
+    Wide stride[3], extent[3];
+  } side[2];
+  for (int k = 0; k < 2; ++k) {
+    const Layout l = layout_of(k == 0 ? ta : tb);
+    side[k].origin = l.base;
+    for (int i = 0; i < l.n; ++i) {
+      const Wide st = Wide{l.stride[i]} * l.esize;
+      if (st == 0) continue;
+      if (st < 0) side[k].origin += st * (l.extent[i] - 1);
+      side[k].stride[side[k].n] = st < 0 ? -st : st;
+      side[k].extent[side[k].n++] = l.extent[i];
+    }
+  }
+  const Axes &a = side[0], &b = side[1];
+  Wide stride[kMaxDigits], lo[kMaxDigits], hi[kMaxDigits];
   int n = 0;
-  for (int d = 0; d < ta.ndim; ++d) {
-    const int ia = static_cast<int>(std::find(a.axis, a.axis + a.n, d) - a.axis);
-    const int ib = static_cast<int>(std::find(b.axis, b.axis + b.n, d) - b.axis);
-    const bool in_a = ia < a.n, in_b = ib < b.n;
-    if (!in_a && !in_b) continue;
-    if (in_a && in_b && a.stride[ia] != b.stride[ib]) return true;
-    const int64_t s = in_a ? a.stride[ia] : b.stride[ib];
-    if (s == 0) return true;
-    int64_t l = in_b ? -(b.extent[ib] - 1) : 0, h = in_a ? a.extent[ia] - 1 : 0;
-    stride[n] = std::abs(s);
-    lo[n] = s > 0 ? l : -h;
-    hi[n] = s > 0 ? h : -l;
-    ++n;
+  bool paired[3] = {false, false, false};  // b's axes taken by one of a's
+  for (int i = 0; i < a.n; ++i, ++n) {
+    int j = 0;
+    while (j < b.n && (paired[j] || b.stride[j] != a.stride[i])) ++j;
+    stride[n] = a.stride[i];
+    lo[n] = j < b.n ? -(b.extent[j] - 1) : 0;
+    hi[n] = a.extent[i] - 1;
+    if (j < b.n) paired[j] = true;
+  }
+  for (int j = 0; j < b.n; ++j) {
+    if (paired[j]) continue;
+    stride[n] = b.stride[j];
+    lo[n] = -(b.extent[j] - 1);
+    hi[n++] = 0;
   }
   for (int i = 0; i < n; ++i)  // decreasing stride
     for (int j = i + 1; j < n; ++j)
@@ -305,13 +337,11 @@ bool may_share(const DLTensor& ta, const DLTensor& tb) {
         std::swap(lo[i], lo[j]);
         std::swap(hi[i], hi[j]);
       }
-  // A byte shared: |d - e * X| < e for d = b.base - a.base, e the element
-  // size and X = sum c_k * stride_k, i.e. X = floor(d / e), or also the next
-  // integer when e does not divide d.
-  const int64_t d = static_cast<int64_t>(b.base - a.base), e = a.esize;
-  const int64_t x0 = floor_div(d, e), x1 = x0 + (d - x0 * e != 0 ? 1 : 0);
+  const Wide d = b.origin - a.origin;
+  const Wide ea = element_size(ta), eb = element_size(tb);
   int budget = 4096;
-  return reachable(stride, lo, hi, 0, n, x0, x1, budget);
+  if (!reachable(stride, lo, hi, 0, n, d - (ea - 1), d + eb - 1, budget)) return Sharing::kNone;
+  return budget < 0 ? Sharing::kUnproven : Sharing::kShared;
 }
 
 // The arrays a call writes share no memory with each other or with any
@@ -341,11 +371,17 @@ void check_no_overlap(const std::vector<std::pair<const char*, const DLTensor*>>
       const DLTensor &w = *all[i].second, &x = *all[j].second;
       if (((&w == &t.q_rot && &x == &t.q) || (&w == &t.k_rot && &x == &t.k)) && exact_alias(w, x))
         continue;
-      if (may_share(w, x))
-        fail(std::string(all[i].first) + " overlaps " + all[j].first +
-             " in memory: an array the call writes may not share memory with another of its "
-             "arrays (the one exception is the in-place call, q_rot = q and k_rot = k "
-             "exactly); pass separate arrays");
+      const Sharing sharing = may_share(w, x);
+      if (sharing == Sharing::kNone) continue;
+      fail(std::string(all[i].first) +
+           (sharing == Sharing::kShared
+                ? " overlaps " + std::string(all[j].first) + " in memory: "
+                : " may overlap " + std::string(all[j].first) +
+                      " in memory (their byte ranges meet, and ropekv could not prove within "
+                      "its search's bound that they share no byte): ") +
+           "an array the call writes may not share memory with another of its arrays (the "
+           "one exception is the in-place call, q_rot = q and k_rot = k exactly); pass "
+           "separate arrays");
     }
   }
 }

@@ -719,16 +719,16 @@ TEST(Validate, ArraysSharingMemory) {
 // k_pool and v_pool as random views of one buffer (strides of any sign,
 // zero included, random offsets), against a brute-force count of the bytes
 // each reaches: a pool whose own elements overlap, or two that share a
-// byte, are refused; two of one layout (the same strides, each stepping past
-// the span of the smaller ones) that share none are accepted. (Other pairs
-// whose byte ranges meet may be refused too: the rule is conservative there,
-// as the README says.)
+// byte, are refused; two of one layout (strides of the same sizes, each
+// stepping past the span of the smaller ones; of any signs, in any order of
+// the axes) that share none are accepted. (Other pairs whose byte ranges meet
+// may be refused too: the rule is conservative there, as the README says.)
 TEST(Validate, RandomPoolLayoutsInOneBuffer) {
   std::mt19937_64 rng(test_seed());
   VSpec s = valid_spec();
   const std::vector<int64_t> shape = {kP, kHk, kD};
   const int64_t esize = dtype_size(DType::kF32);
-  int shared = 0, exact_disjoint = 0;
+  int shared = 0, exact_disjoint = 0, flipped_disjoint = 0;
   for (int it = 0; it < 20000; ++it) {
     Built b = build(s, rng);
     auto storage = std::make_shared<Storage>(4096 * esize);
@@ -750,7 +750,14 @@ TEST(Validate, RandomPoolLayoutsInOneBuffer) {
       ob = oa + static_cast<int64_t>(rng() % 121) - 60;
     }
     std::vector<int64_t> sb = sa;
-    if (rng() % 4 == 0) sb = {stride(), stride(), stride()};
+    const int kind = static_cast<int>(rng() % 4);
+    if (kind == 0) {
+      sb = {stride(), stride(), stride()};
+    } else if (kind == 1) {  // the same layout, axes reversed or swapped
+      for (auto& st : sb)
+        if (rng() & 1) st = -st;
+      std::shuffle(sb.begin(), sb.end(), rng);
+    }
     b.t[5] = Tensor::view(storage, DType::kF32, shape, sa, oa);
     b.t[6] = Tensor::view(storage, DType::kF32, shape, sb, ob);
     auto bytes = [&](const std::vector<int64_t>& st, int64_t off, bool& self) {
@@ -766,6 +773,11 @@ TEST(Validate, RandomPoolLayoutsInOneBuffer) {
     };
     // The documented rule for a pool's own strides: ordered by size, each
     // steps past the span of the smaller ones (others may be refused).
+    auto abs_sorted = [](std::vector<int64_t> st) {
+      for (auto& x : st) x = std::abs(x);
+      std::sort(st.begin(), st.end());
+      return st;
+    };
     auto nested = [&](const std::vector<int64_t>& st) {
       std::vector<std::pair<int64_t, int64_t>> ax;  // (|stride|, extent)
       for (int d = 0; d < 3; ++d) ax.push_back({std::abs(st[d]), shape[d]});
@@ -797,11 +809,15 @@ TEST(Validate, RandomPoolLayoutsInOneBuffer) {
     } else if (sa == sb && nested(sa)) {
       ++exact_disjoint;
       ASSERT_TRUE(msg.empty()) << "disjoint views of one layout refused: " << msg;
+    } else if (abs_sorted(sa) == abs_sorted(sb) && nested(sa) && nested(sb)) {
+      ++flipped_disjoint;
+      ASSERT_TRUE(msg.empty()) << "disjoint reversed or permuted views refused: " << msg;
     }
   }
   // (Both kinds must have occurred for the test to mean anything.)
   EXPECT_GT(shared, 500);
   EXPECT_GT(exact_disjoint, 500);
+  EXPECT_GT(flipped_disjoint, 200);
 }
 
 // Shapes and strides whose products wrap, negative extents, unreadable

@@ -446,6 +446,34 @@ def test_views_of_one_buffer_that_do_not_overlap(rng):
     assert np.shares_memory(got[0], qkv) and np.shares_memory(got[2], kv)
 
 
+def test_reversed_and_permuted_views_of_one_buffer(rng):
+    """Views of one buffer that share no element, one of them reversed or
+    with its axes in another order (the same addresses as the plain view):
+    the pools as the even rows and the reversed odd rows of one cache, a pool
+    reversed along its heads beside the other in one [P, 2, HK, D] cache, and
+    q_out as a reversed head slice of a buffer whose other heads are v. The
+    same results as separate arrays; a reversed view over the other pool's
+    rows is still refused."""
+    arrays, kw = make_call(rng)
+    want = call({n: a.copy() for n, a in arrays.items()}, kw)
+    P = arrays["k_pool"].shape[0]
+    cache = np.empty((2 * P,) + arrays["k_pool"].shape[1:], arrays["k_pool"].dtype)
+    kp, vp = cache[::2], cache[1::2][::-1]
+    kp[...], vp[...] = arrays["k_pool"], arrays["v_pool"]
+    got = call(dict(arrays, k_pool=kp, v_pool=vp), kw)
+    assert all(bits(w) == bits(g) for w, g in zip(want, got))
+    kv = np.stack([arrays["k_pool"], arrays["v_pool"][:, ::-1]], axis=1)  # [P, 2, HK, D]
+    got = call(dict(arrays, k_pool=kv[:, 0], v_pool=kv[:, 1, ::-1]), kw)
+    assert all(bits(w) == bits(g) for w, g in zip(want, got))
+    buf = np.empty((T, HQ + HK, D), arrays["q"].dtype)
+    buf[:, HQ:] = arrays["v"]
+    got = call(dict(arrays, v=buf[:, HQ:]), dict(kw, q_out=buf[:, :HQ][::-1]))
+    assert bits(got[0]) == bits(want[0])
+    cache[...] = 0
+    expect_error(dict(arrays, k_pool=cache[::2], v_pool=cache[::2][::-1]), kw,
+                 "k_pool overlaps v_pool in memory")
+
+
 def test_read_only_memory_of_any_kind(rng):
     """Read-only memory that is not a numpy array: a memoryview of bytes, a
     memoryview of a read-only array, a read-only array behind __dlpack__
