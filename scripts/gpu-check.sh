@@ -91,6 +91,10 @@ ORDER=()
 
 log() { echo "$@" | tee -a "$LOG"; }
 
+# ARGS as the words of $1, split as the shell splits them, quotes kept
+# (TEST_ARGS='-k "small_kernel or options"').
+split_args() { eval "ARGS=(${1:-})"; }
+
 # Runs a step (each command in it has its own time limit), its output
 # appended to log.txt.
 step() {
@@ -163,9 +167,8 @@ do_test() {
   # small kernel's shape tests 14-18 s each, its wide QK-norm tests 9-10 s);
   # a run of the same day passed every test and was cut at 480 s in its
   # summary: run this step in a call of its own.
-  local args=()
-  eval "args=(${TEST_ARGS:-})"
-  (cd /tmp && timeout 570 $PY -m pytest -q -p no:cacheprovider -rs --durations=12 "${args[@]}" "$ROOT/tests/gpu")
+  split_args "${TEST_ARGS:-}"
+  (cd /tmp && timeout 570 $PY -m pytest -q -p no:cacheprovider -rs --durations=12 "${ARGS[@]}" "$ROOT/tests/gpu")
 }
 
 do_sanitize() {
@@ -307,21 +310,20 @@ do_ncuopt() {
   # Each option's kernel next to the plain one (by default Llama-3.1-8B bf16,
   # T = 1 and 8192; two launches per case, in the order the script prints):
   # time, DRAM, occupancy, stalls.
-  local rc=0 args
-  eval "args=(${NCUOPT_ARGS:-})"  # (split as the shell splits words, quotes kept)
+  local rc=0
+  split_args "${NCUOPT_ARGS:-}"
   (cd /tmp && timeout 300 ncu --clock-control none -k regex:rope_pool \
      --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
-     $PY "$ROOT/bench/gpu_options_calls.py" "${args[@]}" > "$OUT/ncu_options.txt" 2>&1) || rc=1
+     $PY "$ROOT/bench/gpu_options_calls.py" "${ARGS[@]}" > "$OUT/ncu_options.txt" 2>&1) || rc=1
   grep -E "rope_pool.*Context|^cases:|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Stall|Warp Cycles Per Issued" \
     "$OUT/ncu_options.txt" | sed -E 's/\(ropekv::cuda::detail::(Opt)?Params\).*//' | head -400
   return $rc
 }
 
 do_options() {
-  local args
-  eval "args=(${OPTIONS_ARGS:-})"  # (split as the shell splits words, quotes kept)
+  split_args "${OPTIONS_ARGS:-}"
   (cd /tmp && timeout "${BENCH_TIMEOUT:-560}" $PY "$ROOT/bench/gpu_bench.py" --options --out "$OUT" \
-     "${args[@]}")
+     "${ARGS[@]}")
 }
 
 do_bench() {
