@@ -474,6 +474,33 @@ def test_reversed_and_permuted_views_of_one_buffer(rng):
                  "k_pool overlaps v_pool in memory")
 
 
+def test_pair_the_bounded_search_cannot_clear_may_overlap():
+    """A pool inside the span of a read array of other strides, sharing no
+    element with it (counted here), in a layout whose search for a shared
+    byte runs out of its bound: refused as "may overlap", not "overlaps",
+    before anything is written."""
+    from numpy.lib.stride_tricks import as_strided
+    T, P, H, D = 323, 223, 64, 2
+    s_t, s_h, s_p, s_k, off = 384, 4, 536, 8, 30  # (in elements)
+    buf = np.zeros(max(T * s_t + H * s_h, off + P * s_p + H * s_k) + D, np.float32)
+    q = as_strided(buf, (T, H, D), (4 * s_t, 4 * s_h, 4))
+    k_pool = as_strided(buf[off:], (P, H, D), (4 * s_p, 4 * s_k, 4))
+    def elements(offset, strides, shape):  # every element's index in buf
+        return offset + np.dot(strides, np.indices(shape).reshape(len(shape), -1))
+
+    assert np.intersect1d(elements(0, (s_t, s_h, 1), (T, H, D)),
+                          elements(off, (s_p, s_k, 1), (P, H, D))).size == 0
+    k = np.ones((T, H, D), np.float32)
+    before = buf.copy()
+    with pytest.raises(ValueError, match=r"^k_pool may overlap q in memory \(their byte ranges "
+                                         r"meet, and ropekv could not prove within its search's "
+                                         r"bound that they share no byte\): "):
+        ropekv.rope_pool_fused(q, k, k, np.arange(T), np.arange(T), k_pool,
+                               np.zeros((P, H, D), np.float32), head_dim=D, num_qo_heads=H,
+                               num_kv_heads=H, rope_base=1e4)
+    assert (buf == before).all()
+
+
 def test_read_only_memory_of_any_kind(rng):
     """Read-only memory that is not a numpy array: a memoryview of bytes, a
     memoryview of a read-only array, a read-only array behind __dlpack__
