@@ -457,21 +457,22 @@ bool small_weights_ok(const Weight& w, int64_t vec = detail::kSmallVec) {
 // options kernel, T = 16384 124.9 -> 108.5 us, 32768 239.4 -> 214.3 (a QK-norm alone
 // 117.5 -> 116.9 and 227.6 -> 230.3, so it keeps 8192; *Wide lanes for a
 // QK-norm with fp8 pools past 8192 tokens*). Float32 pools alone, NeoX pairs,
-// heads of 64 narrow lanes (long_f32: head_dim 512, Gemma-4's full-attention
+// heads of 64 narrow lanes (long_narrow: head_dim 512, Gemma-4's full-attention
 // shape, the one measured; H100): 1024, where the small kernel, against the
 // options kernel (78 registers, one block of a token's 12 heads), took T = 512
 // 12.96 -> 9.99 us and 1024 19.64 -> 18.83, and was slower from 2048 (36.8
 // against 35.2; Llama's heads of 16 lanes at 512: 7.16 against 6.66;
 // docs/performance.md, *Heads of 512: the QK-norm's head sum by shuffles*).
-// For tuning (read once):
+// A QK-norm on those heads in narrow lanes takes the same 1024, within
+// narrow_norm64's own limits. For tuning (read once):
 // ROPEKV_CUDA_SMALL_TOKENS=N sets every limit (0: never).
-int64_t small_tokens(bool plain, bool wide, int64_t wide_lanes, bool norm_fp8, bool long_f32) {
+int64_t small_tokens(bool plain, bool wide, int64_t wide_lanes, bool norm_fp8, bool long_narrow) {
   static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_TOKENS", -1);
   if (forced >= 0) return forced;
   if (wide && (wide_lanes & (wide_lanes - 1)) == 0)
     return norm_fp8 ? INT_MAX : 8192;  // (INT_MAX: the grid's most blocks in x, one per token)
   if (wide) return 2048;
-  if (long_f32) return 1024;
+  if (long_narrow) return 1024;
   return plain ? 512 : 256;
 }
 
@@ -502,12 +503,34 @@ int64_t wide_small_tokens(bool norm) {
   static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_WIDE", -1);
   return forced >= 0 ? forced : norm ? 224 : 256;
 }
+// Heads of 64 narrow lanes (head_dim 512, Gemma-4's full-attention shape)
+// with a QK-norm: the small kernel in narrow lanes, two warps a head whose
+// sums meet in shared memory, instead of wide lanes (one warp a head), up to
+// 192 tokens, or 896 with float32 pools. Narrow lanes put twice the threads
+// on a call (its latency shorter at small T) and store float32 pools 16
+// contiguous bytes a lane, where wide lanes store 32 bytes a lane in two
+// 16-byte halves (20 of each 32-byte sector written; Nsight Compute). H100,
+// cold L2, 8 / 4 heads, narrow against wide: a QK-norm T = 1 1.94 against
+// 2.21 us, 32 2.37 against 2.70, 192 4.62 against 5.08, but 256 6.93
+// against 6.02 (six blocks a token of 128 threads of 56 registers: past
+// about 198 tokens a second wave), 1024 19.0 against 15.4 (fp8 pools and
+// yarn the same); with float32 pools T = 1 2.03 against 2.80, 512 11.9
+// against 12.9, 896 19.4 against 20.4, 1024 22.0 against 21.2
+// (docs/performance.md, *Heads of 512: a QK-norm in two warps a head*). For
+// tuning (read once): ROPEKV_CUDA_NORM64_TOKENS=N, both limits (0: never).
+bool narrow_norm64(const Problem& p) {
+  static const int64_t forced = env_count("ROPEKV_CUDA_NORM64_TOKENS", -1);
+  const int64_t tokens = forced >= 0 ? forced : p.pool_type == PoolType::kF32 ? 896 : 192;
+  return has_qk_norm(p) && p.rotary_dim / 2 / detail::kSmallVec == 64 && p.num_tokens <= tokens;
+}
+
 // QK-norm weights that wide lanes take: q's dtype (the wide builds hold
 // 16-bit weights only), as small_weights_ok says for their 16-byte loads.
 bool wide_weights_ok(const Weight& w, FloatType dtype) {
   return w.data == nullptr || (w.dtype == dtype && small_weights_ok(w, 2 * detail::kSmallVec));
 }
 int64_t small_vec(const Problem& p, int64_t esize) {
+  if (narrow_norm64(p)) return detail::kSmallVec;
   const int64_t wide = 2 * detail::kSmallVec;
   // (Float32 pools of 16-bit data were 2-6 % slower in wide lanes at T = 512
   // and 2048 than on the options kernel: they stay there past 256 tokens.
@@ -523,7 +546,7 @@ int64_t small_vec(const Problem& p, int64_t esize) {
       (p.is_neox ? same_pools || is_fp8(p.pool_type) || (norm && p.pool_type == PoolType::kF32)
                  : same_pools && !norm);
   // (A QK-norm over heads of more than 32 narrow lanes, head_dim 512, takes
-  // wide lanes at every T: its head's sum is one warp's only there.)
+  // wide lanes past narrow_norm64's limits: its head is one warp there.)
   const bool wide_norm = norm && p.rotary_dim / 2 / detail::kSmallVec > 32;
   return computed && (p.num_tokens > wide_small_tokens(norm) || wide_norm) &&
                  (p.rotary_dim / 2) % wide == 0 &&
@@ -628,12 +651,13 @@ bool small_kernel(const Problem& p, int64_t esize) {
   const int64_t vec = esize == 2 ? small_vec(p, esize) : detail::kSmallVec;
   const bool wide = vec != detail::kSmallVec;
   const int64_t norm_lanes = p.rotary_dim / 2 / vec;  // (a head's lanes at that vector width)
+  const bool norm64 = !wide && narrow_norm64(p);  // (two warps a head: norm_lanes 64)
   if (esize != 2 || p.rotary_dim != p.head_dim ||
       p.num_tokens > small_tokens(plain, wide, lanes / 2, norm && is_fp8(p.pool_type),
-                                  !norm && cs.data == nullptr && p.is_neox &&
-                                      p.pool_type == PoolType::kF32 && lanes == 64) ||
+                                  cs.data == nullptr && p.is_neox && lanes == 64 &&
+                                      (norm64 || (!norm && p.pool_type == PoolType::kF32))) ||
       forced_unroll() != 0 || lanes < 1 || lanes > 128 || p.num_qo_heads + p.num_kv_heads > 65535 ||
-      (norm && (norm_lanes > 32 || (norm_lanes & (norm_lanes - 1)) != 0 ||
+      (norm && ((norm_lanes > 32 && !norm64) || (norm_lanes & (norm_lanes - 1)) != 0 ||
                 !small_weights_ok(p.q_norm) ||
                 !small_weights_ok(p.k_norm))) ||
       (!norm && is_fp8(p.pool_type) &&

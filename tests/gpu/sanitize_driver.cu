@@ -997,14 +997,26 @@ int main(int argc, char** argv) {
                    KV::kFp8E4M3, false, false);
   run_options_case("opt f16 norm f32 pools, 600 tokens", 600, 16, 8, 256, f16, 1, false,
                    KV::kFloat32, false);
-  // Heads of 512 with a QK-norm: wide lanes at every T, a head one warp (its
-  // sum by shuffles); their float32 pools alone: the small kernel to 1024 tokens.
-  run_options_case("small kernel wide lanes bf16 norm, D=512", 3, 8, 4, 512, bf16, 1, false,
-                   KV::kAuto, false, true, true, true);
-  run_options_case("small kernel wide lanes f16 norm fp8, D=512, 300 tokens", 300, 8, 4, 512,
+  // Heads of 512 with a QK-norm: narrow lanes to 192 tokens (two warps a
+  // head, their sums meeting in shared memory; float32 pools 896), then wide
+  // lanes, a head one warp (its sum by shuffles); their float32 pools alone:
+  // the small kernel to 1024 tokens.
+  run_options_case("small kernel wide lanes bf16 norm, D=512, 1100 tokens", 1100, 8, 4, 512,
+                   bf16, 1, false, KV::kAuto, false, true, true, true);
+  run_options_case("small kernel wide lanes f16 norm fp8, D=512, 1100 tokens", 1100, 8, 4, 512,
                    f16, 1, false, KV::kFp8E4M3, false, true, false, true);
   run_options_case("small kernel bf16 f32 pools, D=512, 700 tokens", 700, 8, 4, 512, bf16, 1,
                    false, KV::kFloat32, false, false);
+  run_options_case("small kernel narrow bf16 norm, D=512", 3, 8, 4, 512, bf16, 1, false,
+                   KV::kAuto, false, true, true, true);
+  run_options_case("small kernel narrow f16 norm fp8, D=512, 190 tokens", 190, 8, 4, 512, f16,
+                   1, false, KV::kFp8E4M3, false, true, false, true);
+  run_options_case("small kernel narrow bf16 table norm fp8, D=512", 9, 8, 3, 512, bf16, 1,
+                   false, KV::kFp8E4M3, true, true);
+  run_options_case("small kernel narrow bf16 norm f32 pools, D=512", 5, 8, 3, 512, bf16, 1,
+                   false, KV::kFloat32, false, true);
+  run_options_case("small kernel narrow f16 norm f32 pools, D=512, 600 tokens", 600, 8, 4, 512,
+                   f16, 1, false, KV::kFloat32, false, true, false, true);
   // With a QK-norm (f32 weights) and float32 or fp8 pools: the small kernel's
   // options build (heads of up to 32 lanes), with or without a table.
   run_options_case("small kernel bf16 table norm fp8", 9, 32, 8, 128, bf16, 1, false,

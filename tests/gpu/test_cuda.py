@@ -1415,7 +1415,8 @@ def test_small_kernel_wide_lanes_qk_norm(pool, dtype):
     tolerance, pools of q's dtype, float32 and fp8 (scales that divide and
     powers of two); float32 weights of one head send the call to the options
     kernel (test_small_kernel_routing), the same results. Heads of 512 take
-    wide lanes at every T: also T = 1 and 40 there."""
+    wide lanes past 192 tokens (896 with float32 pools): also at the first T
+    past it there, and at 1100."""
     dt = DTYPES[dtype]
     fp8 = pool.startswith("fp8")
     norms = [(dt, dt), (None, dt), (dt, None), (torch.float32, dt)]
@@ -1428,9 +1429,9 @@ def test_small_kernel_wide_lanes_qk_norm(pool, dtype):
                         k_norm=kn, norm_eps=0.5 if j == 1 else 1e-6,
                         idx=torch.int32 if (i + j) % 2 else torch.int64,
                         what=f"wide norm {pool} {Hq}/{Hk}/{D} T={T} norms {qn} {kn}", **scales)
-    for T in (1, 40):
+    for T in (897 if pool == "float32" else 193, 1100):
         run_options(T, 4, 2, 512, dt, seed=T, kv_cache_dtype=pool, q_norm=dt, k_norm=dt,
-                    idx=torch.int32 if T == 1 else torch.int64,
+                    idx=torch.int32 if T % 2 else torch.int64,
                     **(dict(k_scale=0.37, v_scale=1.7) if fp8 else {}),
                     what=f"wide norm {pool} 4/2/512 T={T}")
 
@@ -1446,6 +1447,33 @@ def test_small_kernel_float32_pools_heads_of_512(dtype):
         run_options(T, 8, 4, 512, dt, seed=T, kv_cache_dtype="float32", inplace=T == 1024,
                     idx=torch.int32 if T % 2 else torch.int64,
                     what=f"float32 pools 8/4/512 T={T}")
+
+
+@pytest.mark.parametrize("pool", ["same", "float32", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_small_kernel_qk_norm_heads_of_64_narrow_lanes(dtype, pool):
+    """A QK-norm over heads of 512, which the small kernel takes in narrow
+    lanes (64 a head, two warps whose sums meet in shared memory) up to 192
+    tokens, or with float32 pools 896 (256 with a cos_sin_cache or interleaved
+    pairs): every pool format, weights float32 or q's dtype, on both heads or
+    one, a norm_eps that moves r, several heads per block and blocks with an
+    idle head (Hq + Hk odd), int32 and int64 indices, in place for one, up to
+    the limits."""
+    dt = DTYPES[dtype]
+    fp8 = pool.startswith("fp8")
+    lim = 896 if pool == "float32" else 192
+    norms = [(dt, dt), (torch.float32, dt), (None, torch.float32), (dt, None)]
+    cases = ((1, 8, 4, {}), (5, 3, 2, dict(is_neox=False)), (40, 16, 8, {}),
+             (lim // 2 + 1, 8, 4, {}), (lim, 5, 2, {}), (7, 4, 2, dict(table_dtype=torch.float32)),
+             (min(lim, 256), 2, 1, dict(is_neox=False)))
+    for i, (T, Hq, Hk, extra) in enumerate(cases):
+        qn, kn = norms[i % 4]
+        run_options(T, Hq, Hk, 512, dt, seed=T + i, q_norm=qn, k_norm=kn,
+                    norm_eps=0.5 if i == 2 else 1e-6, inplace=i == 3,
+                    idx=torch.int32 if i % 2 else torch.int64,
+                    **({} if pool == "same" else dict(kv_cache_dtype=pool)),
+                    **(dict(k_scale=0.37, v_scale=1.7) if fp8 else {}), **extra,
+                    what=f"narrow norm64 {pool} {Hq}/{Hk}/512 T={T} norms {qn} {kn} {extra}")
 
 
 @cuda_only
@@ -1465,11 +1493,12 @@ def test_small_kernel_routing():
     its weights are q's dtype, and with such a QK-norm and fp8 pools at any
     number of tokens; plain NeoX ones past 8192 the plain kernel.
     Heads of 6 wide lanes (D = 96): the wide lanes up to 2048 tokens only.
-    Heads of 512 with a QK-norm of q's dtype (64 narrow lanes, more than a
-    head's sum takes): the small kernel in wide lanes at every T up to 8192;
-    with float32 weights the options kernel. A QK-norm of q's dtype (any pools)
+    Heads of 512 with a QK-norm (64 narrow lanes, two warps a head): the
+    small kernel in narrow lanes up to 192 tokens (896 with float32 pools),
+    then with NeoX pairs and weights of q's dtype in wide lanes up to 8192
+    (fp8 pools: any T), else the options kernel. A QK-norm of q's dtype (any pools)
     takes the wide lanes past 224 tokens, the plain call past 256; with float32
-    pools, NeoX pairs: wide lanes (heads of 512: at every T) up to 8192.
+    pools, NeoX pairs: wide lanes up to 8192.
     Float32 pools alone with NeoX pairs on heads of 512 (not 256, not
     interleaved): the small kernel up to 1024 tokens.
     Every other test passes on either kernel."""
@@ -1520,13 +1549,22 @@ def test_small_kernel_routing():
              (8192, dict(kv_cache_dtype="float32", **norm16), small, ("true", "4", "8")),
              (8193, dict(kv_cache_dtype="float32", **norm16), options, None),
              (300, dict(kv_cache_dtype="float32", is_neox=False, **norm16), options, None),
-             (1, dict(D=512, kv_cache_dtype="float32", **norm16), small, ("true", "4", "8")),
+             (1, dict(D=512, kv_cache_dtype="float32", **norm16), small, ("true", "4", "4")),
+             (896, dict(D=512, kv_cache_dtype="float32", **norm), small, ("true", "4", "4")),
+             (897, dict(D=512, kv_cache_dtype="float32", **norm), options, None),
+             (897, dict(D=512, kv_cache_dtype="float32", **norm16), small, ("true", "4", "8")),
              (8192, dict(D=512, kv_cache_dtype="float32", **norm16), small, ("true", "4", "8")),
-             (1, dict(D=512, **norm16), small, ("true", "3", "8")),
-             (256, dict(D=512, **norm16), small, ("true", "3", "8")),
+             (1, dict(D=512, **norm16), small, ("true", "3", "4")),
+             (192, dict(D=512, **norm16), small, ("true", "3", "4")),
+             (193, dict(D=512, **norm16), small, ("true", "3", "8")),
              (4096, dict(D=512, **norm16), small, ("true", "3", "8")),
              (8193, dict(D=512, **norm16), options, None),
-             (1, dict(D=512, **norm), options, None),
+             (192, dict(D=512, kv_cache_dtype="fp8_e4m3", **norm16), small, ("true", "5", "4")),
+             (193, dict(D=512, kv_cache_dtype="fp8_e4m3", **norm16), small, ("true", "5", "8")),
+             (1, dict(D=512, **norm), small, ("true", "3", "4")),
+             (193, dict(D=512, **norm), options, None),
+             (192, dict(D=512, is_neox=False, **norm16), small, ("true", "3", "4")),
+             (193, dict(D=512, is_neox=False, **norm16), options, None),
              (1024, dict(D=512, kv_cache_dtype="float32"), small, ("false", "4", "4")),
              (1025, dict(D=512, kv_cache_dtype="float32"), options, None),
              (300, dict(D=512, kv_cache_dtype="float32", is_neox=False), options, None),
@@ -1601,7 +1639,7 @@ def test_small_kernel_reports_each_bad_slot_once():
 
 @cuda_only
 @pytest.mark.parametrize("env", ["ROPEKV_CUDA_SMALL_THREADS=200", "ROPEKV_CUDA_SMALL_THREADS=32",
-                                 "ROPEKV_CUDA_SMALL_TOKENS=0"])
+                                 "ROPEKV_CUDA_SMALL_TOKENS=0", "ROPEKV_CUDA_NORM64_TOKENS=0"])
 def test_small_kernel_tuning_variables(env):
     """The small kernel's tuning variables: blocks of a thread count that is
     not a power of two, or below a head's lanes (one head per block), and
@@ -1618,12 +1656,15 @@ def test_small_kernel_tuning_variables(env):
                                    table_dtype=table, what=f"%s T={T} D={D}")
         # The options build with a QK-norm: heads of 16, 8 and 1 lanes, blocks
         # ending in part of a warp.
-        for (T, Hq, Hk, D) in ((1, 32, 8, 128), (40, 8, 2, 64), (3, 3, 2, 8)):
+        for (T, Hq, Hk, D) in ((1, 32, 8, 128), (40, 8, 2, 64), (3, 3, 2, 8), (7, 8, 4, 512)):
             tc.run_options(T, Hq, Hk, D, torch.bfloat16, seed=T, q_norm=torch.float32,
                            k_norm=torch.bfloat16, kv_cache_dtype="fp8_e4m3", k_scale=0.5,
                            v_scale=3.0, what=f"%s norm fp8 T={T} D={D}")
+            tc.run_options(T, Hq, Hk, D, torch.bfloat16, seed=T + 1, q_norm=torch.bfloat16,
+                           k_norm=torch.bfloat16, kv_cache_dtype="float32",
+                           what=f"%s norm f32 pools T={T} D={D}")
         print("OK")
-    """) % (os.path.dirname(os.path.abspath(__file__)), env, env)
+    """) % (os.path.dirname(os.path.abspath(__file__)), env, env, env)
     name, value = env.split("=")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=300, env=dict(os.environ, **{name: value}))
