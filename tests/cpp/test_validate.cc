@@ -351,7 +351,13 @@ TEST(Validate, OutputsMustMatch) {
   EXPECT_PREFIX(error_of(s), "k_rot shape must match k shape");
   s = valid_spec();
   s.k_rot.dtype = DType::kBF16;
-  EXPECT_PREFIX(error_of(s), "q_rot/k_rot dtype must match");
+  EXPECT_PREFIX(error_of(s), "k_rot dtype must match q/k/v dtype, got k_rot bfloat16 for float32");
+  s.q_rot.dtype = DType::kF16;
+  EXPECT_PREFIX(error_of(s), "q_rot/k_rot dtype must match q/k/v dtype, got q_rot float16, "
+                             "k_rot bfloat16 for float32");
+  s = valid_spec();
+  s.q_rot.dtype = DType::kF16;
+  EXPECT_PREFIX(error_of(s), "q_rot dtype must match q/k/v dtype, got q_rot float16 for float32");
 }
 
 TEST(Validate, HeadDim) {

@@ -576,10 +576,14 @@ def _read_only(shape):
     ({}, dict(k_out=np.empty((3, 1, 18), np.float32)), "k_out shape must match k shape"),
     ({}, dict(q_out=_read_only((3, 2, 16))), "q_out is read-only, but ropekv writes into it"),
     ({}, dict(k_out=_read_only((3, 1, 16)), is_neox=False), "k_out is read-only"),
-    ({}, dict(q_out=np.empty((3, 2, 16), np.float16), k_out=np.empty((3, 1, 16), np.float32)),
-     "q_out/k_out dtype must match q/k/v dtype, got q_out float16, k_out float32 for float32"),
+    ({}, dict(q_out=np.empty((3, 2, 16), np.float16), k_out=np.empty((3, 1, 16), np.float16)),
+     "q_out/k_out dtype must match q/k/v dtype, got q_out float16, k_out float16 for float32"),
+    ({}, dict(q_out=np.empty((3, 2, 16), np.float32), k_out=np.empty((3, 1, 16), np.float16)),
+     "k_out dtype must match q/k/v dtype, got k_out float16 for float32"),
     ({}, dict(q_out=np.empty((3, 2, 16), np.float16)),
-     "q_out/k_rot dtype must match q/k/v dtype, got q_out float16, k_rot float32"),
+     "q_out dtype must match q/k/v dtype, got q_out float16 for float32"),
+    ({}, dict(k_out=np.empty((3, 1, 16), np.float16)),
+     "k_out dtype must match q/k/v dtype, got k_out float16 for float32"),
     # in place: q and k themselves
     (dict(q=_read_only((3, 2, 16))), dict(inplace=True), "q is read-only, but ropekv writes"),
     (dict(k=_read_only((3, 1, 16))),
@@ -707,8 +711,7 @@ def test_fp8_typed_inputs_are_named_in_dtype_errors(kv_cache_dtype):
     kp32, vp32 = randn((4, 2, D), np.float32), randn((4, 2, D), np.float32)
     before = [bits(a) for a in (q_out, kp32, vp32)]
     with pytest.raises(ValueError, match="^" + re.escape(
-            "q_out/k_out dtype must match q/k/v dtype, got q_out float8_e4m3fn, k_out float32 "
-            "for float32") + "$"):
+            "q_out dtype must match q/k/v dtype, got q_out float8_e4m3fn for float32") + "$"):
         ropekv.rope_pool_fused(q32, q32, q32, np.arange(T), np.arange(T), kp32, vp32, head_dim=D,
                                num_qo_heads=2, num_kv_heads=2, rope_base=1e4, q_out=q_out,
                                k_out=np.empty((T, 2, D), np.float32))
