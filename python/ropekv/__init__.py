@@ -293,7 +293,8 @@ _DECLINE = object()  # a rope_scaling the fast path leaves to the general path
 
 def _torch_fast() -> Optional[Tuple[Any, ...]]:
     """(torch.Tensor, torch.bfloat16, torch.int16, the dtypes numpy shares,
-    torch.strided, torch.is_grad_enabled, torch._C._increment_version)
+    torch.strided, torch.is_grad_enabled, torch._C._increment_version,
+    torch.is_inference_mode_enabled)
     once torch is imported (by the caller: ropekv never imports it here),
     else None: the inline path of CPU tensors in rope_pool_fused. The first
     time, also tells _ext.run_fast the tensor type and dtypes it reads."""
@@ -304,7 +305,8 @@ def _torch_fast() -> Optional[Tuple[Any, ...]]:
             return None
         _TORCH_FAST = (torch.Tensor, torch.bfloat16, torch.int16,
                        (torch.float32, torch.float16, torch.int32, torch.int64), torch.strided,
-                       torch.is_grad_enabled, torch._C._increment_version)
+                       torch.is_grad_enabled, torch._C._increment_version,
+                       torch.is_inference_mode_enabled)
         _register_fast_torch(torch)
         _FAST_TENSOR = torch.Tensor
     return _TORCH_FAST
@@ -338,8 +340,10 @@ def _torch_written(tf: Tuple[Any, ...], k_pool: Any, v_pool: Any, q_out: Any, k_
     outputs, q and k in place), whose version counters the call bumps after
     writing, as PyTorch's own in-place ops do: autograd then refuses a
     backward pass through a value the call changed. Raises ValueError, before
-    anything is written, for one that requires grad while grad mode is on:
-    ropekv is not differentiable, and autograd could not record the write."""
+    anything is written, for one that requires grad while grad mode is on
+    (ropekv is not differentiable, and autograd could not record the write),
+    and for an inference tensor outside inference mode (which PyTorch's own
+    in-place ops refuse)."""
     T = tf[0]
     # Plain tensors first, without isinstance (a decode call's host time).
     if type(k_pool) is T and type(v_pool) is T and q_out is None and k_out is None:
@@ -348,12 +352,22 @@ def _torch_written(tf: Tuple[Any, ...], k_pool: Any, v_pool: Any, q_out: Any, k_
         written = (k_pool, v_pool, q_out, k_out)
     else:
         written = tuple([x for x in (k_pool, v_pool, q_out, k_out) if isinstance(x, T)])
-    if not tf[5]():  # (grad mode off, as in serving: no tensor's flag is read)
+    grad = tf[5]()
+    if not grad and tf[7]():  # (inference mode, as in serving: no tensor's flag is read)
         return written
     for x in written:
-        if x.requires_grad:
+        # (Outside inference mode PyTorch's own in-place ops refuse an
+        # inference tensor; with grad mode on, one that requires grad.)
+        inference = x.is_inference()
+        if inference or (grad and x.requires_grad):
             names = ("k_pool", "v_pool", "q" if inplace else "q_out", "k" if inplace else "k_out")
             name = next(n for n, y in zip(names, (k_pool, v_pool, q_out, k_out)) if y is x)
+            if inference:
+                raise ValueError(
+                    f"{name} is an inference tensor (made under torch.inference_mode()), which "
+                    f"PyTorch lets only code inside inference mode update in place, and ropekv "
+                    f"writes it: make the call inside torch.inference_mode(), as PyTorch's own "
+                    f"in-place ops must be")
             raise ValueError(
                 f"{name} requires grad, and ropekv writes it in place, which autograd cannot "
                 f"record (ropekv is not differentiable): call under torch.no_grad() or "

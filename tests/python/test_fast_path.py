@@ -208,6 +208,35 @@ def test_writing_a_tensor_that_requires_grad_is_an_error_under_grad_mode(written
     assert snapshot(args_of(c) + (c["q_out"], c["k_out"])) != before
 
 
+@pytest.mark.parametrize("written", ["k_pool", "v_pool", "q_out", "k_out", "q", "k"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_writing_an_inference_tensor_outside_inference_mode_is_an_error(written, grad):
+    """As PyTorch refuses an in-place op on an inference tensor outside
+    torch.inference_mode() (with grad mode on or under torch.no_grad()): an
+    engine that made its cache in inference mode calls there. Nothing is
+    written; inside inference mode the same call runs, on both paths (a
+    stream sends it down the general one)."""
+    seed = new_seed()
+    c = torch_call("float32", seed)
+    inplace = written in ("q", "k")
+    with torch.inference_mode():
+        c[written] = c[written].clone()
+    assert c[written].is_inference()
+    outs = {} if inplace else {"q_out": c["q_out"], "k_out": c["k_out"]}
+    before = snapshot(args_of(c) + (c["q_out"], c["k_out"]))
+    for stream in (None, 0):
+        with torch.set_grad_enabled(grad):
+            with pytest.raises(ValueError, match=rf"^{written} is an inference tensor \(made under "
+                                                 rf"torch.inference_mode\(\)\), which PyTorch"):
+                ropekv.rope_pool_fused(*args_of(c), **outs, inplace=inplace, stream=stream, **KW)
+        assert snapshot(args_of(c) + (c["q_out"], c["k_out"])) == before
+    with pytest.raises(RuntimeError, match="inference tensor outside InferenceMode"):
+        c[written].add_(1.0)  # (PyTorch's own rule, which the error follows)
+    with torch.inference_mode():
+        ropekv.rope_pool_fused(*args_of(c), **outs, inplace=inplace, **KW)
+    assert snapshot(args_of(c) + (c["q_out"], c["k_out"])) != before
+
+
 @pytest.mark.parametrize("stream", [None, 0])
 @pytest.mark.parametrize("inplace", [False, True])
 def test_written_tensors_have_their_version_bumped(stream, inplace):
