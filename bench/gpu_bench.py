@@ -306,6 +306,10 @@ def plot(rows, peak, args, meta):
 # normalises with QK-norm)
 OPTION_MODELS = [("Llama-3.1-8B", 32, 8, 128, 500000.0), ("Qwen3-8B", 32, 8, 128, 1000000.0),
                  ("Gemma-4 full", 8, 4, 512, 1000000.0)]
+# Shapes timed only when named in --option-models: 32 query and 8 kv heads of
+# 512 (more heads of Gemma-4's full-attention size than its defaults: the
+# narrow QK-norm's one-wave limit, 18 * SMs / 40 tokens).
+EXTRA_OPTION_MODELS = [("heads of 512, 32/8", 32, 8, 512, 1000000.0)]
 OPTION_TOKENS = [1, 32, 512, 8192, 32768]
 
 
@@ -356,12 +360,13 @@ def bench_options(args, timer, log):
     # first format timed after a free ran slower: fp8 pools 1.00x the plain
     # call at T = 8192 where kept pools give 0.92x; gpu_fresh_pools.py.)
     pools = {}
-    names = [m[0] for m in OPTION_MODELS]
-    wanted = names if args.option_models is None else args.option_models.split(",")
+    names = [m[0] for m in OPTION_MODELS + EXTRA_OPTION_MODELS]
+    wanted = ([m[0] for m in OPTION_MODELS] if args.option_models is None
+              else args.option_models.split(","))
     unknown = [n for n in wanted if n not in names]
     if unknown:
         raise SystemExit(f"--option-models: unknown {unknown}; the shapes are {names}")
-    models = [m for m in OPTION_MODELS if m[0] in wanted]
+    models = [m for m in OPTION_MODELS + EXTRA_OPTION_MODELS if m[0] in wanted]
     tokens = (OPTION_TOKENS if args.option_tokens is None
               else [int(t) for t in args.option_tokens.split(",")])
     for name, Hq, Hk, D, base in models:

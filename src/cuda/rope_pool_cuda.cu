@@ -516,11 +516,20 @@ int64_t wide_small_tokens(bool norm) {
 // about 198 tokens a second wave), 1024 19.0 against 15.4 (fp8 pools and
 // yarn the same); with float32 pools T = 1 2.03 against 2.80, 512 11.9
 // against 12.9, 896 19.4 against 20.4, 1024 22.0 against 21.2
-// (docs/performance.md, *Heads of 512: a QK-norm in two warps a head*). For
-// tuning (read once): ROPEKV_CUDA_NORM64_TOKENS=N, both limits (0: never).
-bool narrow_norm64(const Problem& p) {
+// (docs/performance.md, *Heads of 512: a QK-norm in two warps a head*).
+// Other pool formats also stop where the narrow grid leaves one wave: two
+// warps a head of 56-register threads, 36 warps an SM, so T * 2 * (Hq + Hk)
+// <= 36 * SMs (198 tokens for those 12 heads on 132 SMs; 59 for 32 + 8
+// heads, where 192 tokens would be 3.3 waves). Measured at 12 heads only:
+// for more heads, or fewer SMs, the limit keeps narrow lanes within the one
+// wave where they were measured to win.
+// For tuning (read once): ROPEKV_CUDA_NORM64_TOKENS=N, both limits (0: never).
+bool narrow_norm64(const Problem& p, int sms) {
   static const int64_t forced = env_count("ROPEKV_CUDA_NORM64_TOKENS", -1);
-  const int64_t tokens = forced >= 0 ? forced : p.pool_type == PoolType::kF32 ? 896 : 192;
+  const int64_t one_wave = 18 * static_cast<int64_t>(sms) / (p.num_qo_heads + p.num_kv_heads);
+  const int64_t tokens = forced >= 0                    ? forced
+                         : p.pool_type == PoolType::kF32 ? 896
+                                                         : std::min<int64_t>(192, one_wave);
   return has_qk_norm(p) && p.rotary_dim / 2 / detail::kSmallVec == 64 && p.num_tokens <= tokens;
 }
 
@@ -529,8 +538,8 @@ bool narrow_norm64(const Problem& p) {
 bool wide_weights_ok(const Weight& w, FloatType dtype) {
   return w.data == nullptr || (w.dtype == dtype && small_weights_ok(w, 2 * detail::kSmallVec));
 }
-int64_t small_vec(const Problem& p, int64_t esize) {
-  if (narrow_norm64(p)) return detail::kSmallVec;
+int64_t small_vec(const Problem& p, int64_t esize, int sms) {
+  if (narrow_norm64(p, sms)) return detail::kSmallVec;
   const int64_t wide = 2 * detail::kSmallVec;
   // (Float32 pools of 16-bit data were 2-6 % slower in wide lanes at T = 512
   // and 2048 than on the options kernel: they stay there past 256 tokens.
@@ -643,15 +652,15 @@ detail::Options options_of(const Problem& p, int steps) {
 // QK-norm: alone they ran 0.1-0.3 us faster on the options kernel at
 // T <= 128), and a cos_sin_cache, if any, whose rows allow kSmallVec-value
 // loads (16-byte aligned for float32, 8 for 16-bit).
-bool small_kernel(const Problem& p, int64_t esize) {
+bool small_kernel(const Problem& p, int64_t esize, int sms) {
   const int64_t lanes = p.rotary_dim / 2 / detail::kSmallVec;
   const CosSinCache& cs = p.cos_sin_cache;
   const bool norm = has_qk_norm(p);
   const bool plain = cs.data == nullptr && !norm && p.pool_type == pool_type_of(p.dtype);
-  const int64_t vec = esize == 2 ? small_vec(p, esize) : detail::kSmallVec;
+  const int64_t vec = esize == 2 ? small_vec(p, esize, sms) : detail::kSmallVec;
   const bool wide = vec != detail::kSmallVec;
   const int64_t norm_lanes = p.rotary_dim / 2 / vec;  // (a head's lanes at that vector width)
-  const bool norm64 = !wide && narrow_norm64(p);  // (two warps a head: norm_lanes 64)
+  const bool norm64 = !wide && narrow_norm64(p, sms);  // (two warps a head: norm_lanes 64)
   if (esize != 2 || p.rotary_dim != p.head_dim ||
       p.num_tokens > small_tokens(plain, wide, lanes / 2, norm && is_fp8(p.pool_type),
                                   cs.data == nullptr && p.is_neox && lanes == 64 &&
@@ -724,7 +733,7 @@ int64_t small_heads_per_block(int64_t tokens, int64_t heads, int64_t lanes, bool
 // The small kernel's launch: HB heads of L lanes per block
 // (small_heads_per_block), grid (T, ceil((Hq + Hk) / HB)).
 void launch_small(Params& prm, const Problem& p, const DeviceState& st, cudaStream_t stream) {
-  const int64_t vec = small_vec(p, element_size(p.dtype));
+  const int64_t vec = small_vec(p, element_size(p.dtype), st.sms);
   const int64_t lanes = p.rotary_dim / 2 / vec;
   const int64_t heads = p.num_qo_heads + p.num_kv_heads;
   const bool norm = has_qk_norm(p);
@@ -830,7 +839,7 @@ void run(const Problem& p, const ExecOptions& options) {
 
   const int64_t esize = element_size(p.dtype);
   prm.attention_factor = p.attention_factor;
-  if (small_kernel(p, esize)) return launch_small(prm, p, st, stream);
+  if (small_kernel(p, esize, st.sms)) return launch_small(prm, p, st, stream);
   const bool table = table_kernel(p, esize);
   const bool plain_call = is_plain(p) || table;
   const bool norm = has_qk_norm(p);  // (not plain)

@@ -1494,7 +1494,9 @@ def test_small_kernel_routing():
     number of tokens; plain NeoX ones past 8192 the plain kernel.
     Heads of 6 wide lanes (D = 96): the wide lanes up to 2048 tokens only.
     Heads of 512 with a QK-norm (64 narrow lanes, two warps a head): the
-    small kernel in narrow lanes up to 192 tokens (896 with float32 pools),
+    small kernel in narrow lanes up to 192 tokens (896 with float32 pools;
+    with other pools fewer where the narrow grid would pass one wave, 18 *
+    SMs / (Hq + Hk) tokens: 59 for 32 + 8 heads on 132 SMs),
     then with NeoX pairs and weights of q's dtype in wide lanes up to 8192
     (fp8 pools: any T), else the options kernel. A QK-norm of q's dtype (any pools)
     takes the wide lanes past 224 tokens, the plain call past 256; with float32
@@ -1507,6 +1509,8 @@ def test_small_kernel_routing():
     norm = dict(q_norm=torch.float32, k_norm=torch.bfloat16)
     norm16 = dict(q_norm=torch.bfloat16, k_norm=torch.bfloat16)
     small, options = "rope_pool_small_kernel", "rope_pool_options_kernel"
+    # (The narrow QK-norm's one wave for 32 + 8 heads of 512: 18 * SMs / 40 tokens.)
+    wave40 = 18 * torch.cuda.get_device_properties(0).multi_processor_count // 40
     cases = [(1, dict(kv_cache_dtype="fp8_e4m3", **norm), small, ("true", "5")),
              (1, dict(kv_cache_dtype="fp8_e4m3", k_scale=0.37, **norm), small, ("true", "2")),
              (1, norm, small, ("true", "3")),
@@ -1555,23 +1559,28 @@ def test_small_kernel_routing():
              (897, dict(D=512, kv_cache_dtype="float32", **norm16), small, ("true", "4", "8")),
              (8192, dict(D=512, kv_cache_dtype="float32", **norm16), small, ("true", "4", "8")),
              (1, dict(D=512, **norm16), small, ("true", "3", "4")),
-             (192, dict(D=512, **norm16), small, ("true", "3", "4")),
-             (193, dict(D=512, **norm16), small, ("true", "3", "8")),
+             (192, dict(D=512, H=(8, 4), **norm16), small, ("true", "3", "4")),
+             (193, dict(D=512, H=(8, 4), **norm16), small, ("true", "3", "8")),
+             (wave40, dict(D=512, **norm16), small, ("true", "3", "4")),
+             (wave40 + 1, dict(D=512, **norm16), small, ("true", "3", "8")),
              (4096, dict(D=512, **norm16), small, ("true", "3", "8")),
              (8193, dict(D=512, **norm16), options, None),
-             (192, dict(D=512, kv_cache_dtype="fp8_e4m3", **norm16), small, ("true", "5", "4")),
-             (193, dict(D=512, kv_cache_dtype="fp8_e4m3", **norm16), small, ("true", "5", "8")),
+             (192, dict(D=512, H=(8, 4), kv_cache_dtype="fp8_e4m3", **norm16), small,
+              ("true", "5", "4")),
+             (193, dict(D=512, H=(8, 4), kv_cache_dtype="fp8_e4m3", **norm16), small,
+              ("true", "5", "8")),
              (1, dict(D=512, **norm), small, ("true", "3", "4")),
-             (193, dict(D=512, **norm), options, None),
-             (192, dict(D=512, is_neox=False, **norm16), small, ("true", "3", "4")),
-             (193, dict(D=512, is_neox=False, **norm16), options, None),
+             (wave40 + 1, dict(D=512, **norm), options, None),
+             (192, dict(D=512, H=(8, 4), is_neox=False, **norm16), small, ("true", "3", "4")),
+             (193, dict(D=512, H=(8, 4), is_neox=False, **norm16), options, None),
              (1024, dict(D=512, kv_cache_dtype="float32"), small, ("false", "4", "4")),
              (1025, dict(D=512, kv_cache_dtype="float32"), options, None),
              (300, dict(D=512, kv_cache_dtype="float32", is_neox=False), options, None),
              (300, dict(D=256, kv_cache_dtype="float32"), options, None)]
     for T, opts, want, build in cases:
         opts = dict(opts)
-        t, kw = options_case(T, 32, 8, opts.pop("D", 128), torch.bfloat16, **opts)
+        Hq, Hk = opts.pop("H", (32, 8))
+        t, kw = options_case(T, Hq, Hk, opts.pop("D", 128), torch.bfloat16, **opts)
         options_call(t, kw)  # (the first call makes the library's tables)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
