@@ -340,10 +340,10 @@ def _torch_written(tf: Tuple[Any, ...], k_pool: Any, v_pool: Any, q_out: Any, k_
     outputs, q and k in place), whose version counters the call bumps after
     writing, as PyTorch's own in-place ops do: autograd then refuses a
     backward pass through a value the call changed. Raises ValueError, before
-    anything is written, for one that requires grad while grad mode is on
-    (ropekv is not differentiable, and autograd could not record the write),
-    and for an inference tensor outside inference mode (which PyTorch's own
-    in-place ops refuse)."""
+    anything is written, outside inference mode only: for one that requires
+    grad while grad mode is on (ropekv is not differentiable, and autograd
+    could not record the write), and for an inference tensor (which PyTorch's
+    own in-place ops refuse there)."""
     T = tf[0]
     # Plain tensors first, without isinstance (a decode call's host time).
     if type(k_pool) is T and type(v_pool) is T and q_out is None and k_out is None:
@@ -352,12 +352,13 @@ def _torch_written(tf: Tuple[Any, ...], k_pool: Any, v_pool: Any, q_out: Any, k_
         written = (k_pool, v_pool, q_out, k_out)
     else:
         written = tuple([x for x in (k_pool, v_pool, q_out, k_out) if isinstance(x, T)])
-    grad = tf[5]()
-    if not grad and tf[7]():  # (inference mode, as in serving: no tensor's flag is read)
+    if tf[7]():  # (inference mode, as in serving: no tensor's flag is read)
         return written
+    grad = tf[5]()
     for x in written:
         # (Outside inference mode PyTorch's own in-place ops refuse an
-        # inference tensor; with grad mode on, one that requires grad.)
+        # inference tensor; with grad mode on, one that requires grad. In
+        # inference mode, grad mode on or off, they refuse neither.)
         inference = x.is_inference()
         if inference or (grad and x.requires_grad):
             names = ("k_pool", "v_pool", "q" if inplace else "q_out", "k" if inplace else "k_out")

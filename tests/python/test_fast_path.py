@@ -232,9 +232,28 @@ def test_writing_an_inference_tensor_outside_inference_mode_is_an_error(written,
         assert snapshot(args_of(c) + (c["q_out"], c["k_out"])) == before
     with pytest.raises(RuntimeError, match="inference tensor outside InferenceMode"):
         c[written].add_(1.0)  # (PyTorch's own rule, which the error follows)
-    with torch.inference_mode():
+    with torch.inference_mode(), torch.set_grad_enabled(grad):
         ropekv.rope_pool_fused(*args_of(c), **outs, inplace=inplace, **KW)
     assert snapshot(args_of(c) + (c["q_out"], c["k_out"])) != before
+
+
+@pytest.mark.parametrize("stream", [None, 0])
+def test_inference_mode_with_grad_mode_on_writes_what_pytorch_writes(stream):
+    """Grad mode switched on inside torch.inference_mode(): PyTorch's in-place
+    ops still update an inference tensor and a leaf that requires grad there
+    (recording nothing), and so does the call."""
+    for kind in ("inference", "requires_grad"):
+        c = torch_call("float32", new_seed())
+        if kind == "requires_grad":
+            c["k_pool"] = c["k_pool"].clone().requires_grad_()
+        with torch.inference_mode():
+            if kind == "inference":
+                c["k_pool"] = c["k_pool"].clone()
+            before = c["k_pool"].detach().clone()
+            with torch.enable_grad():
+                ropekv.rope_pool_fused(*args_of(c), stream=stream, **KW)
+                c["k_pool"].add_(0.0)  # (PyTorch's own in-place op, in the same modes)
+            assert not torch.equal(c["k_pool"].detach(), before), kind
 
 
 @pytest.mark.parametrize("stream", [None, 0])
