@@ -503,6 +503,22 @@ int64_t wide_small_tokens(bool norm) {
   static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_WIDE", -1);
   return forced >= 0 ? forced : norm ? 224 : 256;
 }
+// Threads per block the small kernel aims at (whole heads; one head of up to
+// 128 lanes where a head has more): 256 for 17 to 64 tokens, else 128. Of
+// 64, 128 and 256 (H200, cold L2, four shapes, plain and with a table), 256
+// was 0.07-0.17 us faster than 128 at T = 32 and 64 but slower at T = 8 and
+// 512; 64 lost at T = 1 and 512 (docs/performance.md, *Small calls*). For
+// tuning (read once): ROPEKV_CUDA_SMALL_THREADS=N, 32 to
+// detail::kSmallThreads.
+int64_t forced_small_threads() {
+  static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_THREADS", 0);
+  return forced > 0 ? std::clamp<int64_t>(forced, 32, detail::kSmallThreads) : 0;
+}
+int64_t small_threads(int64_t tokens) {
+  if (const int64_t forced = forced_small_threads()) return forced;
+  return tokens > 16 && tokens <= 64 ? 256 : 128;
+}
+
 // Heads of 64 narrow lanes (head_dim 512, Gemma-4's full-attention shape)
 // with a QK-norm: the small kernel in narrow lanes, two warps a head whose
 // sums meet in shared memory, instead of wide lanes (one warp a head), up to
@@ -518,15 +534,20 @@ int64_t wide_small_tokens(bool norm) {
 // against 12.9, 896 19.4 against 20.4, 1024 22.0 against 21.2
 // (docs/performance.md, *Heads of 512: a QK-norm in two warps a head*).
 // Other pool formats also stop where the narrow grid leaves one wave: two
-// warps a head of 56-register threads, 36 warps an SM, so T * 2 * (Hq + Hk)
-// <= 36 * SMs (198 tokens for those 12 heads on 132 SMs; 59 for 32 + 8
-// heads, where 192 tokens would be 3.3 waves). Measured at 12 heads only:
-// for more heads, or fewer SMs, the limit keeps narrow lanes within the one
-// wave where they were measured to win.
+// warps a head, and as many warps an SM as blocks of small_threads(T)
+// threads of kNarrowNormRegisters registers fit its 64K registers (36 in
+// blocks of 128, 32 in blocks of 256), so 2 * T * (Hq + Hk) <= warps * SMs
+// (198 tokens for those 12 heads on 132 SMs; 52 for 32 + 8 heads, in blocks
+// of 256, where 192 tokens would be 3.3 waves). Measured at 12 heads only: for more heads, or
+// fewer SMs, the limit keeps narrow lanes within the one wave where they were
+// measured to win.
 // For tuning (read once): ROPEKV_CUDA_NORM64_TOKENS=N, both limits (0: never).
+constexpr int64_t kNarrowNormRegisters = 56;  // (ptxas -v, sm_90: the narrow QK-norm builds)
 bool narrow_norm64(const Problem& p, int sms) {
   static const int64_t forced = env_count("ROPEKV_CUDA_NORM64_TOKENS", -1);
-  const int64_t one_wave = 18 * static_cast<int64_t>(sms) / (p.num_qo_heads + p.num_kv_heads);
+  const int64_t threads = small_threads(p.num_tokens);
+  const int64_t warps = 65536 / (kNarrowNormRegisters * threads) * threads / 32;
+  const int64_t one_wave = warps * sms / (2 * (p.num_qo_heads + p.num_kv_heads));
   const int64_t tokens = forced >= 0                    ? forced
                          : p.pool_type == PoolType::kF32 ? 896
                                                          : std::min<int64_t>(192, one_wave);
@@ -563,22 +584,6 @@ int64_t small_vec(const Problem& p, int64_t esize, int sms) {
                  wide_weights_ok(p.q_norm, p.dtype) && wide_weights_ok(p.k_norm, p.dtype)
              ? wide
              : detail::kSmallVec;
-}
-
-// Threads per block the small kernel aims at (whole heads; one head of up to
-// 128 lanes where a head has more): 256 for 17 to 64 tokens, else 128. Of
-// 64, 128 and 256 (H200, cold L2, four shapes, plain and with a table), 256
-// was 0.07-0.17 us faster than 128 at T = 32 and 64 but slower at T = 8 and
-// 512; 64 lost at T = 1 and 512 (docs/performance.md, *Small calls*). For
-// tuning (read once): ROPEKV_CUDA_SMALL_THREADS=N, 32 to
-// detail::kSmallThreads.
-int64_t forced_small_threads() {
-  static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_THREADS", 0);
-  return forced > 0 ? std::clamp<int64_t>(forced, 32, detail::kSmallThreads) : 0;
-}
-int64_t small_threads(int64_t tokens) {
-  if (const int64_t forced = forced_small_threads()) return forced;
-  return tokens > 16 && tokens <= 64 ? 256 : 128;
 }
 
 int choose_unroll(int64_t tokens, int64_t steps, int64_t vec_bytes, bool options, bool qk_norm) {

@@ -1495,8 +1495,8 @@ def test_small_kernel_routing():
     Heads of 6 wide lanes (D = 96): the wide lanes up to 2048 tokens only.
     Heads of 512 with a QK-norm (64 narrow lanes, two warps a head): the
     small kernel in narrow lanes up to 192 tokens (896 with float32 pools;
-    with other pools fewer where the narrow grid would pass one wave, 18 *
-    SMs / (Hq + Hk) tokens: 59 for 32 + 8 heads on 132 SMs),
+    with other pools fewer where the narrow grid would pass one wave: 52
+    tokens for 32 + 8 heads on 132 SMs),
     then with NeoX pairs and weights of q's dtype in wide lanes up to 8192
     (fp8 pools: any T), else the options kernel. A QK-norm of q's dtype (any pools)
     takes the wide lanes past 224 tokens, the plain call past 256; with float32
@@ -1509,8 +1509,9 @@ def test_small_kernel_routing():
     norm = dict(q_norm=torch.float32, k_norm=torch.bfloat16)
     norm16 = dict(q_norm=torch.bfloat16, k_norm=torch.bfloat16)
     small, options = "rope_pool_small_kernel", "rope_pool_options_kernel"
-    # (The narrow QK-norm's one wave for 32 + 8 heads of 512: 18 * SMs / 40 tokens.)
-    wave40 = 18 * torch.cuda.get_device_properties(0).multi_processor_count // 40
+    # (The narrow QK-norm's one wave for 32 + 8 heads of 512: 32 warps an SM in
+    # blocks of 256 threads at 17 to 64 tokens, 2 * 40 a token: 16 * SMs / 40.)
+    wave40 = 16 * torch.cuda.get_device_properties(0).multi_processor_count // 40
     cases = [(1, dict(kv_cache_dtype="fp8_e4m3", **norm), small, ("true", "5")),
              (1, dict(kv_cache_dtype="fp8_e4m3", k_scale=0.37, **norm), small, ("true", "2")),
              (1, norm, small, ("true", "3")),
