@@ -682,17 +682,17 @@ Problem make_problem(const RopePoolTensors& t, const RopeConfig& cfg,
   if (!same_shape(t.k_rot, t.k))
     fail("k_rot shape must match k shape, got " + shape_str(t.k_rot) + " vs " +
          shape_str(t.k));
-  {
-    // (Names only the outputs whose dtype is wrong: the other may be one
-    // the Python layer made, of the right dtype.)
-    const bool q_bad = !same_dtype(t.q_rot.dtype, t.q.dtype);
-    const bool k_bad = !same_dtype(t.k_rot.dtype, t.q.dtype);
-    const std::string names = q_bad && k_bad ? "q_rot/k_rot" : q_bad ? "q_rot" : "k_rot";
-    std::string got;
-    if (q_bad) got += "q_rot " + dtype_str(t.q_rot.dtype);
-    if (k_bad) got += std::string(q_bad ? ", " : "") + "k_rot " + dtype_str(t.k_rot.dtype);
-    if (q_bad || k_bad)
-      fail(names + " dtype must match q/k/v dtype, got " + got + " for " + dtype_str(t.q.dtype));
+  // (Names only the outputs whose dtype is wrong: the other may be one the
+  // Python layer made, of the right dtype.)
+  const bool q_bad = !same_dtype(t.q_rot.dtype, t.q.dtype);
+  const bool k_bad = !same_dtype(t.k_rot.dtype, t.q.dtype);
+  if (q_bad || k_bad) {
+    const std::string q_got = "q_rot " + dtype_str(t.q_rot.dtype);
+    const std::string k_got = "k_rot " + dtype_str(t.k_rot.dtype);
+    fail(std::string(q_bad && k_bad ? "q_rot/k_rot" : q_bad ? "q_rot" : "k_rot") +
+         " dtype must match q/k/v dtype, got " +
+         (q_bad && k_bad ? q_got + ", " + k_got : q_bad ? q_got : k_got) + " for " +
+         dtype_str(t.q.dtype));
   }
 
   // --- What the original leaves to luck. ---

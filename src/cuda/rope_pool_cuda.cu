@@ -538,20 +538,20 @@ int64_t small_threads(int64_t tokens) {
 // threads of kNarrowNormRegisters registers fit its 64K registers (36 in
 // blocks of 128, 32 in blocks of 256), so 2 * T * (Hq + Hk) <= warps * SMs
 // (198 tokens for those 12 heads on 132 SMs; 52 for 32 + 8 heads, in blocks
-// of 256, where 192 tokens would be 3.3 waves). Measured at 12 heads only: for more heads, or
-// fewer SMs, the limit keeps narrow lanes within the one wave where they were
-// measured to win.
+// of 256, where 192 tokens would be 3.3 waves). Measured at 12 heads only:
+// for more heads, or fewer SMs, the limit keeps narrow lanes within the one
+// wave where they were measured to win.
 // For tuning (read once): ROPEKV_CUDA_NORM64_TOKENS=N, both limits (0: never).
 constexpr int64_t kNarrowNormRegisters = 56;  // (ptxas -v, sm_90: the narrow QK-norm builds)
 bool narrow_norm64(const Problem& p, int sms) {
   static const int64_t forced = env_count("ROPEKV_CUDA_NORM64_TOKENS", -1);
+  if (!has_qk_norm(p) || p.rotary_dim / 2 / detail::kSmallVec != 64) return false;
+  if (forced >= 0 || p.pool_type == PoolType::kF32)
+    return p.num_tokens <= (forced >= 0 ? forced : 896);
   const int64_t threads = small_threads(p.num_tokens);
   const int64_t warps = 65536 / (kNarrowNormRegisters * threads) * threads / 32;
   const int64_t one_wave = warps * sms / (2 * (p.num_qo_heads + p.num_kv_heads));
-  const int64_t tokens = forced >= 0                    ? forced
-                         : p.pool_type == PoolType::kF32 ? 896
-                                                         : std::min<int64_t>(192, one_wave);
-  return has_qk_norm(p) && p.rotary_dim / 2 / detail::kSmallVec == 64 && p.num_tokens <= tokens;
+  return p.num_tokens <= std::min<int64_t>(192, one_wave);
 }
 
 // QK-norm weights that wide lanes take: q's dtype (the wide builds hold

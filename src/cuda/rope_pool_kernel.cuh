@@ -1689,26 +1689,19 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
   // hides it, instead of eight shared-memory reads, one after another
   // (head_sum_serial), after it. Each step adds the same two values in
   // every lane, so that every lane holds the same sum.
+  // Narrow heads of 64 lanes (D = 512, the launcher's narrow_norm64) are two
+  // warps: each warp's sum by the same butterfly, its first lane's copy to
+  // shared memory; after the barrier every lane adds the two in one order.
   constexpr bool kWide = N != kSmallVec;
-  // (Heads of 64 narrow lanes, head_dim 512, two warps a head: the
-  // launcher's narrow_norm64.)
-  constexpr bool kNorm64 = !kWide;
   float* sq_smem = cs_smem + (kTable ? 0 : 2 * p.half);
   float warp_sq = 0.0f;
   if constexpr (kNorm) {
     const float sq = active && w != nullptr ? sum_squares<T, N>(a, b, true) : 0.0f;
-    if (kWide && blockDim.x == 32) {
+    if (blockDim.x == (kWide ? 32 : 64)) {
       warp_sq = sq;
 #pragma unroll
       for (int m = 16; m >= 1; m /= 2) warp_sq += __shfl_xor_sync(0xffffffffu, warp_sq, m);
-    } else if (kNorm64 && blockDim.x == 64) {
-      // (Heads of 64 narrow lanes, two warps: each warp's sum by the same
-      // butterfly, its first lane's copy to shared memory; after the barrier
-      // every lane adds the two in one order.)
-      warp_sq = sq;
-#pragma unroll
-      for (int m = 16; m >= 1; m /= 2) warp_sq += __shfl_xor_sync(0xffffffffu, warp_sq, m);
-      if ((lane & 31) == 0) sq_smem[tid] = warp_sq;
+      if (!kWide && (lane & 31) == 0) sq_smem[tid] = warp_sq;
     } else {
       sq_smem[tid] = sq;
     }
@@ -1742,9 +1735,8 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
     if (w != nullptr) {
       const float* hs = sq_smem + threadIdx.y * blockDim.x;
       const int L = blockDim.x;
-      const float head_sq = kWide    ? (L == 32 ? warp_sq : head_sum_serial(hs, L))
-                            : kNorm64 && L == 64 ? hs[0] + hs[32]
-                                      : head_sum(hs, L);
+      const float head_sq = kWide ? (L == 32 ? warp_sq : head_sum_serial(hs, L))
+                                  : (L == 64 ? hs[0] + hs[32] : head_sum(hs, L));
       r = norm_scale(head_sq, 2 * p.half, norm_eps, true);
     }
   }
