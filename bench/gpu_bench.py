@@ -309,7 +309,7 @@ OPTION_MODELS = [("Llama-3.1-8B", 32, 8, 128, 500000.0), ("Qwen3-8B", 32, 8, 128
 # Shapes timed only when named in --option-models: 32 query and 8 kv heads of
 # 512 (more heads of Gemma-4's full-attention size than its defaults: the
 # narrow QK-norm's one-wave limit, 16 * SMs / 40 tokens, 52 on 132 SMs).
-EXTRA_OPTION_MODELS = [("heads of 512, 32/8", 32, 8, 512, 1000000.0)]
+EXTRA_OPTION_MODELS = [("heads of 512 (32/8)", 32, 8, 512, 1000000.0)]
 OPTION_TOKENS = [1, 32, 512, 8192, 32768]
 
 
