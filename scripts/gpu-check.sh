@@ -62,6 +62,11 @@
 #             default build/ab/base/driver build/ab/new/driver), AB_RUNS
 #             alternations (2), AB_CASES (driver arguments, "ENV=VALUE+...:mode"
 #             items; not a default step)
+#   abflags   two builds of this tree that differ only in CMAKE_CUDA_FLAGS
+#             (AB_FLAGS_A, AB_FLAGS_B, e.g. -DROPEKV_X=0), each installed in a
+#             folder of its own (/tmp/ab-A, /tmp/ab-B), then bench/gpu_bench.py
+#             --options (OPTIONS_ARGS) from each in turn, AB_RUNS alternations
+#             (2): for a compile-time choice (not a default step)
 #   peers     .peers/tools/build.sh, then bench/gpu_peers.py: ropekv next to vLLM,
 #             FlashInfer and SGLang kernels built from .peers/ (git-ignored, carried;
 #             not a default step; about 8 minutes, PEERS_BUDGET seconds)
@@ -345,6 +350,35 @@ do_ab() {
   return $rc
 }
 
+do_abflags() {
+  local v i f cpu=() flags pids=() rc=0
+  flags=$(scripts/cpu-baseline.sh)
+  [ -n "$flags" ] && cpu=(-C "cmake.define.CMAKE_CXX_FLAGS=$flags")
+  for v in A B; do  # (both at once: the CUDA file is one translation unit each)
+    f=AB_FLAGS_$v
+    timeout 420 $PY -m pip install -q --no-build-isolation --no-deps --target "/tmp/ab-$v" . \
+      -C build-dir="/tmp/ab-build-$v" -C cmake.define.CMAKE_CUDA_ARCHITECTURES="$ARCH" \
+      -C "cmake.define.CMAKE_CUDA_FLAGS=${!f:-}" "${CMAKE_DEFS[@]}" "${cpu[@]}" \
+      > "/tmp/ab-build-$v.log" 2>&1 &
+    pids+=($!)
+  done
+  for i in 0 1; do
+    wait "${pids[$i]}" || { tail -20 "/tmp/ab-build-$([ $i = 0 ] && echo A || echo B).log"; rc=1; }
+  done
+  [ $rc -eq 0 ] || return 1
+  split_args "${OPTIONS_ARGS:-}"
+  for i in $(seq "${AB_RUNS:-2}"); do
+    for v in A B; do
+      f=AB_FLAGS_$v
+      echo "== build $v (CMAKE_CUDA_FLAGS '${!f:-}') run $i"
+      (cd /tmp && PYTHONPATH=/tmp/ab-$v timeout 300 $PY "$ROOT/bench/gpu_bench.py" --options \
+         --out "/tmp/ab-out-$v-$i" "${ARGS[@]}" > /dev/null) || rc=1
+      grep "^| " "/tmp/ab-out-$v-$i/gpu_options.md" | cut -d'|' -f2-6
+    done
+  done
+  return $rc
+}
+
 do_peers() {
   # The serving engines' own kernels next to ropekv, on the same inputs: built
   # from .peers/ (filled by .peers/tools/fetch_sources.sh on a machine with
@@ -388,6 +422,7 @@ for s in "${STEPS[@]}"; do
     options) step options do_options ;;
     ncuopt) step ncuopt do_ncuopt ;;
     ab) step ab do_ab ;;
+    abflags) step abflags do_abflags ;;
     peers) step peers do_peers ;;
     *) log "unknown step $s"; exit 2 ;;
   esac
