@@ -147,16 +147,24 @@ ARCH=$($PY -c "import torch; p = torch.cuda.get_device_capability(); print(f'{p[
   git log --oneline -1 2>/dev/null
 } | tee -a "$LOG"
 
+# CPU_ARGS: pip's -C for the CPU backend's baseline flags (none where the
+# script gives none).
+cpu_args() {
+  local flags
+  flags=$(scripts/cpu-baseline.sh)
+  CPU_ARGS=()
+  [ -n "$flags" ] && CPU_ARGS=(-C "cmake.define.CMAKE_CXX_FLAGS=$flags")
+  return 0
+}
+
 do_build() {
   # With AVX2 as the CPU baseline (scripts/cpu-baseline.sh) Highway compiles
   # only its AVX2 and AVX-512 kernels (the CPU backend's two Highway files are
   # most of this build).
-  local cpu=() flags
-  flags=$(scripts/cpu-baseline.sh)
-  [ -n "$flags" ] && cpu=(-C "cmake.define.CMAKE_CXX_FLAGS=$flags")
+  cpu_args
   timeout 420 $PY -m pip install --no-build-isolation --no-deps --force-reinstall -v . \
     -C build-dir="$BUILD_DIR" -C cmake.define.CMAKE_CUDA_ARCHITECTURES="$ARCH" \
-    "${CMAKE_DEFS[@]}" "${cpu[@]}" || return 1
+    "${CMAKE_DEFS[@]}" "${CPU_ARGS[@]}" || return 1
   (cd /tmp && $PY -c "import ropekv; assert ropekv.has_cuda(), 'built without CUDA'; \
                       print('ropekv', ropekv.__version__, 'CUDA', ropekv.has_cuda())") || return 1
   local lib
@@ -351,14 +359,13 @@ do_ab() {
 }
 
 do_abflags() {
-  local v i f cpu=() flags pids=() rc=0
-  flags=$(scripts/cpu-baseline.sh)
-  [ -n "$flags" ] && cpu=(-C "cmake.define.CMAKE_CXX_FLAGS=$flags")
+  local v i f pids=() rc=0
+  cpu_args
   for v in A B; do  # (both at once: the CUDA file is one translation unit each)
     f=AB_FLAGS_$v
     timeout 420 $PY -m pip install -q --no-build-isolation --no-deps --target "/tmp/ab-$v" . \
       -C build-dir="/tmp/ab-build-$v" -C cmake.define.CMAKE_CUDA_ARCHITECTURES="$ARCH" \
-      -C "cmake.define.CMAKE_CUDA_FLAGS=${!f:-}" "${CMAKE_DEFS[@]}" "${cpu[@]}" \
+      -C "cmake.define.CMAKE_CUDA_FLAGS=${!f:-}" "${CMAKE_DEFS[@]}" "${CPU_ARGS[@]}" \
       > "/tmp/ab-build-$v.log" 2>&1 &
     pids+=($!)
   done
