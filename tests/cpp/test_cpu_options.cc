@@ -1006,6 +1006,9 @@ TEST(CpuOptions, SmallCallsIntoLargePools) {
     s.cache_rows = 2048;
     ++n;
     op.apply(&s);
+    // Every other call partial (where the option leaves R at D): the
+    // streamed pool rows take the copied dims too.
+    if (s.R == 0 && n % 2 == 0) s.R = s.D / 2;
     const int64_t pool_elem = s.pool == PoolKind::kE4M3 || s.pool == PoolKind::kE5M2 ? 1
                               : s.pool == PoolKind::kF32                          ? 4
                                                                                   : dtype_size(s.dtype);
@@ -1015,6 +1018,39 @@ TEST(CpuOptions, SmallCallsIntoLargePools) {
     SCOPED_TRACE(std::string(op.name) + ": " + describe(s));
     check_targets_and_two_threads(c, e);
   }
+}
+
+// A position outside the cos_sin_cache at the first, a middle or the last
+// token: the call is refused before any write, naming that token.
+TEST(CpuOptions, TablePositionsCheckedOnEveryTokenBeforeAnyWrite) {
+  std::mt19937_64 rng(test_seed());
+  OptSpec s;
+  s.T = 5;
+  s.Hq = 4;
+  s.Hk = 2;
+  s.D = 32;
+  s.P = 8;
+  s.cache = CacheKind::kF32;
+  s.cache_rows = 64;
+  s.q_norm = true;
+  for (int64_t token : {0, 2, 4})
+    for (int64_t position : {int64_t{-1}, int64_t{64}}) {
+      OptCase c = make_opt_case(s, rng);
+      c.positions.set_index(token, position);
+      std::map<Storage*, std::vector<uint8_t>> before;
+      for (Storage* st : c.storages()) before[st] = st->snapshot();
+      const std::string want = "positions[" + std::to_string(token) + "] = " +
+                               std::to_string(position) +
+                               " is outside cos_sin_cache, which has 64 rows";
+      try {
+        ropekv::rope_pool_fused(c.tensors(), c.config());
+        ADD_FAILURE() << "accepted " << want;
+      } catch (const ropekv::Error& e) {
+        EXPECT_EQ(std::string(e.what()).rfind(want, 0), 0u) << e.what();
+      }
+      for (const auto& [st, bytes] : before)
+        EXPECT_TRUE(st->snapshot() == bytes) << "a rejected call wrote memory";
+    }
 }
 
 // The call of the fp8 code tests: T tokens of one q head and one kv head of

@@ -1026,6 +1026,21 @@ TEST(Validate, CheckedModeRejectsDuplicateSlots) {
       for (const auto& [storage, snap] : before.bytes)
         EXPECT_TRUE(storage->snapshot() == snap) << "a rejected call wrote memory";
     }
+    // The largest slot repeated: the last pair of the sorted slots.
+    {
+      const int64_t largest[] = {1, 7, 3, -1, 7};
+      for (int64_t t = 0; t < 5; ++t) c.slots.set_index(t, largest[t]);
+      const Snapshot before(c);
+      try {
+        ropekv::rope_pool_fused(c.tensors(), c.config(), checked);
+        ADD_FAILURE() << "a repeated largest slot accepted in checked mode";
+      } catch (const ropekv::Error& e) {
+        EXPECT_PREFIX(std::string(e.what()), "slots[4] = 7 repeats slots[1]");
+      }
+      for (const auto& [storage, snap] : before.bytes)
+        EXPECT_TRUE(storage->snapshot() == snap) << "a rejected call wrote memory";
+      for (int64_t t = 0; t < 5; ++t) c.slots.set_index(t, slots[t]);
+    }
     // Unchecked, the call goes through (one of the two tokens lands).
     EXPECT_NO_THROW(ropekv::rope_pool_fused(c.tensors(), c.config()));
     // Checked with distinct slots (negative ones repeated): a normal call.

@@ -346,8 +346,16 @@ def test_messages_through_mlx():
         call(m, kw)
 
 
-def test_duplicate_slots_raise_in_checked_mode(rng):
+@pytest.mark.parametrize("path", ["fast", "general"])
+@pytest.mark.parametrize("option", [None, "q_norm_weight"])
+def test_duplicate_slots_raise_in_checked_mode(rng, path, option):
+    """On both paths (stream=0 takes the general one for CPU arrays), with and
+    without an option (each path hands checked mode to its own core call)."""
     arrays, kw = make_call(rng, idx=np.int64)
+    if path == "general":
+        kw["stream"] = 0
+    if option:
+        kw[option] = rng.uniform(0.5, 1.5, D).astype(np.float32)
     arrays["slots"][3] = arrays["slots"][1]
     s = int(arrays["slots"][1])
     expect_error(arrays, kw, f"slots[3] = {s} repeats slots[1]: two tokens would race")
@@ -427,6 +435,42 @@ def test_shifted_alias_is_not_in_place(rng):
     buf = rng.standard_normal(T * HQ * D + 1).astype(np.float32)
     arrays["q"] = buf[:-1].reshape(T, HQ, D)
     kw["q_out"] = buf[1:].reshape(T, HQ, D)
+    expect_error(arrays, kw, "q_out overlaps q in memory")
+
+
+@pytest.mark.parametrize("writer,option", [
+    ("k_pool", "cos_sin_cache"), ("v_pool", "q_norm_weight"), ("k_pool", "k_norm_weight"),
+    ("q_out", "q_norm_weight"), ("k_out", "cos_sin_cache"),
+])
+def test_writer_over_an_option_array(rng, writer, option):
+    """A pool or an output over the cos_sin_cache or a QK-norm weight: the
+    call would overwrite what it reads for other tokens' heads. Refused like
+    the overlaps of the core arrays, nothing written."""
+    arrays, kw = make_call(rng)
+    rows = 4  # (positions below rows: the table's rows are its only valid ones)
+    arrays["positions"] = rng.integers(0, rows, T).astype(np.int32)
+    if writer in ("k_pool", "v_pool"):
+        flat = arrays[writer].reshape(-1)
+    else:  # an output of its own, the option array taken from its memory
+        flat = np.full((T, HQ if writer == "q_out" else HK, D), np.nan, np.float32).reshape(-1)
+        kw[writer] = flat.reshape(T, -1, D)
+    # The option array as a view of the writer's last elements.
+    n = rows * D if option == "cos_sin_cache" else D
+    view = flat[flat.size - n:]
+    view[...] = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    kw[option] = view.reshape(rows, D) if option == "cos_sin_cache" else view
+    expect_error(arrays, kw, f"{writer} overlaps {option} in memory")
+
+
+def test_transposed_view_of_q_is_not_in_place(rng):
+    """q_out over q's memory, its shape and dtype q's, but tokens and heads
+    swapped in its strides: not the exact alias inplace=True makes, and each
+    write would land on an element another head has yet to read."""
+    arrays, kw = make_call(rng)
+    q = arrays["q"]
+    kw["q_out"] = np.lib.stride_tricks.as_strided(
+        q, shape=q.shape, strides=(D * 4, T * D * 4, 4), writeable=True)
+    assert kw["q_out"].shape == q.shape and np.shares_memory(kw["q_out"], q)
     expect_error(arrays, kw, "q_out overlaps q in memory")
 
 

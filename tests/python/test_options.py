@@ -806,6 +806,13 @@ def test_option_errors():
                     q_norm_weight=np.ones(16, f32), norm_eps=1e39)
     assert_rejected(r"q_norm_weight shape must be \[head_dim\] = \(16,\)",
                     q_norm_weight=np.ones(8, f32))
+    # longer than a head (a weight of another layer or model): not cut to head_dim
+    assert_rejected(r"q_norm_weight shape must be \[head_dim\] = \(16,\), got \(32,\)",
+                    q_norm_weight=np.ones(32, f32))
+    assert_rejected(r"k_norm_weight shape must be \[head_dim\] = \(16,\), got \(17,\)",
+                    k_norm_weight=np.ones(17, f32))
+    assert_rejected(r"k_norm_weight shape must be \[head_dim\] = \(16,\), got \(2, 16\)",
+                    k_norm_weight=np.ones((2, 16), f32))
     assert_rejected("k_norm_weight dtype must be float32 or q's dtype",
                     k_norm_weight=np.ones(16, np.float64))
     assert_rejected(r"cos_sin_cache shape must be \[max_position, rotary_dim\]",
