@@ -284,6 +284,15 @@ def test_written_tensors_have_their_version_bumped(stream, inplace):
         assert d["k_pool"].is_inference()
     ropekv.rope_pool_fused(*args_of(plain), stream=stream, **KW)
     assert snapshot(args_of(d)) == snapshot(args_of(plain))
+    # Normal tensors written inside inference mode: PyTorch's in-place ops
+    # bump their versions there too.
+    e = torch_call("float32", seed)
+    written = [e["q_out"], e["k_out"], e["k_pool"], e["v_pool"]]
+    before = [x._version for x in written]
+    with torch.inference_mode():
+        ropekv.rope_pool_fused(*args_of(e), q_out=e["q_out"], k_out=e["k_out"], stream=stream,
+                               **KW)
+    assert all(x._version > b for x, b in zip(written, before))
 
 
 @pytest.mark.parametrize("framework", ["torch", "numpy"])

@@ -274,6 +274,24 @@ def test_partial_rotary(model, dtype):
     assert bits(kp[slots]) == bits(k_out) and bits(vp[slots]) == bits(v)
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_positions_past_2_to_the_24(dtype):
+    """SPEC section 2 takes fp32(pos): past 2^24 a position rounds to a
+    multiple of 2 (4 past 2^25, ...) before it multiplies. The reference's
+    angles, and, without the reference, the bits of the position it rounds to."""
+    dt = DTYPES[dtype]
+    big = np.array([(1 << 24) + 1, (1 << 25) + 3, -((1 << 24) + 1), (1 << 31) - 1,
+                    (1 << 40) + 7], np.int64)
+    rounded = big.astype(np.float32).astype(np.int64)
+    assert (rounded != big).all()
+    T, Hq, Hk, D = len(big), 4, 2, 64
+    q, k, v = randn((T, Hq, D), dt), randn((T, Hk, D), dt), randn((T, Hk, D), dt)
+    got = run_and_check(T, Hq, Hk, D, 500000.0, dt, idx=np.int64, positions=big, q=q, k=k, v=v)
+    same = run_and_check(T, Hq, Hk, D, 500000.0, dt, idx=np.int64, positions=rounded, q=q, k=k,
+                         v=v)
+    assert bits(got[0]) == bits(same[0]) and bits(got[1]) == bits(same[1])
+
+
 def test_rotary_dim_equal_to_head_dim_is_the_default():
     T, H, D = 5, 4, 64
     q = randn((T, H, D), np.float32)

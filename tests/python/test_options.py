@@ -187,6 +187,13 @@ def test_llama3_equal_factors_at_the_band_wavelength():
     ("llama-4-scout", 500000.0, 128, LLAMA4_SCOUT, "LlamaConfig"),
     ("qwen2.5-7b-yarn", 1e6, 128, YARN_QWEN, "Qwen2Config"),
     ("linear", 10000.0, 128, LINEAR, "LlamaConfig"),
+    # yarn's attention factor from mscale and mscale_all_dim (DeepSeek's
+    # form), from either alone, and given outright
+    ("yarn-mscale", 10000.0, 128, YARN_MSCALE, "Qwen2Config"),
+    ("yarn-mscale-only", 10000.0, 128, dict(YARN_QWEN, mscale=0.8), "Qwen2Config"),
+    ("yarn-mscale_all_dim-only", 10000.0, 128, dict(YARN_QWEN, mscale_all_dim=0.707),
+     "Qwen2Config"),
+    ("yarn-attention_factor", 1e6, 128, dict(YARN_QWEN, attention_factor=1.25), "Qwen2Config"),
 ])
 def test_inv_freq_matches_transformers(name, theta, D, scaling, config):
     """Against transformers' own rope initialisation (which runs in fp32:
@@ -553,6 +560,35 @@ def test_inplace(dtype):
     call_and_check(21, 8, 4, 128, DTYPES[dtype], inplace=True)
     call_and_check(5, 4, 2, 64, DTYPES[dtype], inplace=True, is_neox=False, q_norm="float32",
                    k_norm="float32")
+
+
+def test_numpy_bools_mean_what_python_bools_do():
+    """is_neox and inplace as numpy bools (a config read through numpy, say):
+    the same bits as True / False, and inplace=np.True_ writes q and k
+    themselves."""
+    T, H, D = 4, 2, 16
+    q, k, v = (randn((T, H, D), np.float32) for _ in range(3))
+    idx = np.arange(T, dtype=np.int32)
+
+    def run(qq, kk, **kw):
+        pools = [poison((T, H, D), np.float32) for _ in range(2)]
+        out = ropekv.rope_pool_fused(qq, kk, v, idx, idx, *pools, head_dim=D, num_qo_heads=H,
+                                     num_kv_heads=H, rope_base=1e4, **kw)
+        return out[:2], pools
+
+    for flag in (True, False):
+        (want_q, want_k), want_pools = run(q, k, is_neox=flag)
+        (got_q, got_k), got_pools = run(q, k, is_neox=np.bool_(flag))
+        assert bits(got_q) == bits(want_q) and bits(got_k) == bits(want_k), flag
+        assert [bits(x) for x in got_pools] == [bits(x) for x in want_pools], flag
+    (want_q, want_k), _ = run(q, k)
+    qi, ki = q.copy(), k.copy()
+    got_q, got_k = run(qi, ki, inplace=np.True_)[0]
+    assert got_q is qi and got_k is ki
+    assert bits(qi) == bits(want_q) and bits(ki) == bits(want_k)
+    q2 = q.copy()
+    got_q, got_k = run(q2, k.copy(), inplace=np.False_)[0]
+    assert got_q is not q2 and bits(q2) == bits(q) and bits(got_q) == bits(want_q)
 
 
 def test_inplace_conflicts_with_outputs():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ropekv
-from reference import DTYPES, assert_close, load_golden, poison, rope
+from reference import DTYPES, assert_close, load_golden, poison, rope, tolerance, ulp
 
 CASES = load_golden()
 
@@ -43,3 +43,34 @@ def test_ropekv_on_golden(dtype):
             np.testing.assert_allclose(ref[0, 0], c["expected"], rtol=0, atol=1e-12)
         assert_close(q_rot, ref, mag, f"golden D={D} pos={c['position']}")
         assert_close(kp[1:], ref, mag, "pool row")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_assert_close_fails_what_it_must(dtype):
+    """The checker itself: a poisoned (unwritten) element, a NaN, an Inf and
+    an error just over the tolerance fail; an error within it passes."""
+    dt = DTYPES[dtype]
+    rng = np.random.default_rng()
+    ref = rng.standard_normal(64).astype(np.float32).astype(dt).astype(np.float64)
+    mag = np.abs(ref) + 1.0
+    good = ref.astype(dt)
+    assert_close(good, ref, mag, "exact")
+    tol = tolerance(np.dtype(dt), ref, mag)
+    for bad, what in ((poison(64, dt), "poison"), (np.where(np.arange(64) == 7, np.nan, good),
+                                                    "one NaN"),
+                      (np.where(np.arange(64) == 9, np.inf, good), "one Inf")):
+        with pytest.raises(AssertionError):
+            assert_close(np.asarray(bad).astype(dt), ref, mag, what)
+    # One ulp of the dtype off passes (the rounding the tolerance allows);
+    # the first value of the dtype past the tolerance fails.
+    u = ulp(np.dtype(dt), ref)
+    within = ref.copy()
+    within[5] += u[5]
+    assert_close(within.astype(dt), ref, mag, "one ulp")
+    over = ref.copy()
+    k = 1.0
+    while abs(float(np.asarray(ref[5] + k * tol[5]).astype(dt)) - ref[5]) <= tol[5]:
+        k += 0.25
+    over[5] += k * tol[5]
+    with pytest.raises(AssertionError):
+        assert_close(over.astype(dt), ref, mag, "over")
