@@ -145,6 +145,9 @@ ARCH=$($PY -c "import torch; p = torch.cuda.get_device_capability(); print(f'{p[
   $PY -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__,
            'cuda', torch.version.cuda, torch.cuda.get_device_name(0))" 2>&1
   git log --oneline -1 2>/dev/null
+  # (A copied tree, as the device tool makes, keeps a stale .git: say so.)
+  changed=$(git status --porcelain 2>/dev/null | wc -l)
+  [ "$changed" -gt 0 ] && echo "(this tree differs from that commit in $changed files: the code run is the tree's)"
 } | tee -a "$LOG"
 
 # CPU_ARGS: pip's -C for the CPU backend's baseline flags (none where the
