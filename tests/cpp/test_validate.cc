@@ -1010,37 +1010,26 @@ TEST(Validate, CheckedModeRejectsDuplicateSlots) {
     s.P = 8;
     s.slot_type = st;
     Case c = make_case(s, rng);
-    const int64_t slots[] = {4, -1, 6, -1, 4};
-    for (int64_t t = 0; t < 5; ++t) c.slots.set_index(t, slots[t]);
-    c.reset();
     ropekv::ExecOptions checked;
     checked.checked = true;
-    {
-      const Snapshot before(c);
-      try {
-        ropekv::rope_pool_fused(c.tensors(), c.config(), checked);
-        ADD_FAILURE() << "duplicate slots accepted in checked mode";
-      } catch (const ropekv::Error& e) {
-        EXPECT_PREFIX(std::string(e.what()), "slots[4] = 4 repeats slots[0]");
-      }
-      for (const auto& [storage, snap] : before.bytes)
-        EXPECT_TRUE(storage->snapshot() == snap) << "a rejected call wrote memory";
-    }
-    // The largest slot repeated: the last pair of the sorted slots.
-    {
-      const int64_t largest[] = {1, 7, 3, -1, 7};
-      for (int64_t t = 0; t < 5; ++t) c.slots.set_index(t, largest[t]);
-      const Snapshot before(c);
-      try {
-        ropekv::rope_pool_fused(c.tensors(), c.config(), checked);
-        ADD_FAILURE() << "a repeated largest slot accepted in checked mode";
-      } catch (const ropekv::Error& e) {
-        EXPECT_PREFIX(std::string(e.what()), "slots[4] = 7 repeats slots[1]");
-      }
-      for (const auto& [storage, snap] : before.bytes)
-        EXPECT_TRUE(storage->snapshot() == snap) << "a rejected call wrote memory";
+    // Slots with one repeat, refused in checked mode with nothing written.
+    auto expect_refused = [&](const int64_t (&slots)[5], const std::string& prefix) {
       for (int64_t t = 0; t < 5; ++t) c.slots.set_index(t, slots[t]);
-    }
+      const Snapshot before(c);
+      try {
+        ropekv::rope_pool_fused(c.tensors(), c.config(), checked);
+        ADD_FAILURE() << "accepted in checked mode: " << prefix;
+      } catch (const ropekv::Error& e) {
+        EXPECT_PREFIX(std::string(e.what()), prefix);
+      }
+      for (const auto& [storage, snap] : before.bytes)
+        EXPECT_TRUE(storage->snapshot() == snap) << "a rejected call wrote memory";
+    };
+    // The largest slot repeated (the last pair of the sorted slots), then
+    // the smallest one (the first pair), which the calls below keep.
+    expect_refused({1, 7, 3, -1, 7}, "slots[4] = 7 repeats slots[1]");
+    expect_refused({4, -1, 6, -1, 4}, "slots[4] = 4 repeats slots[0]");
+    c.reset();
     // Unchecked, the call goes through (one of the two tokens lands).
     EXPECT_NO_THROW(ropekv::rope_pool_fused(c.tensors(), c.config()));
     // Checked with distinct slots (negative ones repeated): a normal call.
