@@ -62,6 +62,12 @@
 // either is within the contract's bound, and each is reproducible.
 #pragma once
 
+// The cos/sin's shared-memory layout in quads (cs_index); 0 for cos[i]
+// order, for A/B measurement only.
+#ifndef ROPEKV_CS_QUADS
+#define ROPEKV_CS_QUADS 1
+#endif
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -567,10 +573,31 @@ __device__ __forceinline__ float first_inv_freq(const Params& p, int tid) {
   return tid < p.half ? __ldg(p.inv_freq + tid) : 0.0f;
 }
 
-// The token's cos/sin into shared memory (cos[half], then sin[half]), one
+// Where frequency i's cos (and, half further on, its sin) sits in shared
+// memory for readers of N values a lane (smem_cos_sin_quads<N>). N a multiple of
+// 8: a chunk's N / 4 quads (float4s) lie in N / 4 planes of half / N quads,
+// quad g of chunk c at plane g, place c, so that a warp's lanes, one chunk
+// each, read each plane's quads one after another: conflict-free 16-byte
+// reads. In cos[i] order, a lane's 32-byte chunk put eight lanes on each
+// bank (Nsight Compute, the wide lanes' reads: 80 % of their wavefronts
+// were conflicts; docs/performance.md, *The cos/sin in quads*). N <= 4: cos[i].
+template <int N>
+__device__ __forceinline__ int cs_index(int i, int half) {
+#if ROPEKV_CS_QUADS
+  if constexpr (N % 8 == 0) {
+    const unsigned u = static_cast<unsigned>(i);
+    return static_cast<int>(((u % N / 4) * (static_cast<unsigned>(half) / N) + u / N) * 4 + u % 4);
+  }
+#endif
+  return i;
+}
+
+// The token's cos/sin into shared memory (cos[half], then sin[half], each in
+// the order of cs_index<N>: N the reading lanes' values, 1 for cos[i]), one
 // frequency per thread of the block's `threads`: theta = fp32(pos *
 // inv_freq), each times yarn's attention factor when it is not 1. freq0:
 // first_inv_freq(p, tid).
+template <int N = 1>
 __device__ __forceinline__ void make_cos_sin(const Params& p, long long position, int tid,
                                              int threads, float freq0, float* cs_smem) {
   const float pos = static_cast<float>(position);
@@ -582,12 +609,14 @@ __device__ __forceinline__ void make_cos_sin(const Params& p, long long position
       c = __fmul_rn(c, m);
       s = __fmul_rn(s, m);
     }
-    cs_smem[i] = c;
-    cs_smem[p.half + i] = s;
+    const int at = cs_index<N>(i, p.half);
+    cs_smem[at] = c;
+    cs_smem[p.half + at] = s;
   }
 }
 
-// The chunk's cos and sin (N each) from shared memory (cos[half], sin[half]).
+// The chunk's cos and sin (N each) from shared memory (cos[half], then
+// sin[half], in cos[i] order).
 template <int N>
 __device__ __forceinline__ void smem_cos_sin(const float* cs_smem, int half, int c,
                                              float (&cc)[N], float (&ss)[N]) {
@@ -596,6 +625,36 @@ __device__ __forceinline__ void smem_cos_sin(const float* cs_smem, int half, int
     cc[j] = cs_smem[c * N + j];
     ss[j] = cs_smem[half + c * N + j];
   }
+}
+
+// The same from shared memory written by make_cos_sin<N> (N a multiple of
+// 4, half a multiple of N, so that sin[] is 16-byte aligned too), in 16-byte
+// reads: as scalars the sin reads were 4- and 8-way bank conflicts at N = 4
+// and 8. (The small kernel's; in the plain kernel these reads took its
+// U = 2 build from 64 to 71 registers.)
+template <int N>
+__device__ __forceinline__ void smem_cos_sin_quads(const float* cs_smem, int half, int c,
+                                                   float (&cc)[N], float (&ss)[N]) {
+#if ROPEKV_CS_QUADS
+  static_assert(N % 4 == 0, "whole quads");
+  const float4* cq = reinterpret_cast<const float4*>(cs_smem);
+  const float4* sq = reinterpret_cast<const float4*>(cs_smem + half);
+#pragma unroll
+  for (int g = 0; g < N / 4; ++g) {
+    const int at = cs_index<N>(c * N + 4 * g, half) / 4;
+    const float4 x = cq[at], y = sq[at];
+    cc[4 * g] = x.x;
+    cc[4 * g + 1] = x.y;
+    cc[4 * g + 2] = x.z;
+    cc[4 * g + 3] = x.w;
+    ss[4 * g] = y.x;
+    ss[4 * g + 1] = y.y;
+    ss[4 * g + 2] = y.z;
+    ss[4 * g + 3] = y.w;
+  }
+#else
+  smem_cos_sin<N>(cs_smem, half, c, cc, ss);
+#endif
 }
 
 // The N values at element i of a table of dtype code 0 f32 or (16-bit) 1 f16 /
@@ -1673,7 +1732,7 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
       }
     }
   } else {
-    make_cos_sin(p, position, tid, threads, freq0, cs_smem);
+    make_cos_sin<kInterleaved ? 1 : N>(p, position, tid, threads, freq0, cs_smem);
   }
   if (slot >= p.pool_size && reporter) report_bad_index(p.err, false, t, slot, p.pool_size);
   // QK-norm: each lane's sum of squares goes to shared memory (after the
@@ -1717,7 +1776,7 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
           ss[j] = cs_smem[p.half + f];
         }
       } else {
-        smem_cos_sin<N>(cs_smem, p.half, lane, cc, ss);
+        smem_cos_sin_quads<N>(cs_smem, p.half, lane, cc, ss);
       }
     }
   };
