@@ -62,12 +62,6 @@
 // either is within the contract's bound, and each is reproducible.
 #pragma once
 
-// The cos/sin's shared-memory layout in quads (cs_index); 0 for cos[i]
-// order, for A/B measurement only.
-#ifndef ROPEKV_CS_QUADS
-#define ROPEKV_CS_QUADS 1
-#endif
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -580,15 +574,17 @@ __device__ __forceinline__ float first_inv_freq(const Params& p, int tid) {
 // each, read each plane's quads one after another: conflict-free 16-byte
 // reads. In cos[i] order, a lane's 32-byte chunk put eight lanes on each
 // bank (Nsight Compute, the wide lanes' reads: 80 % of their wavefronts
-// were conflicts; docs/performance.md, *The cos/sin in quads*). N <= 4: cos[i].
+// were conflicts). With smem_cos_sin_quads, against cos[i] order and scalar
+// sin reads (H100, cold L2, heads of 512, 8 + 4 heads): plain T = 512 8.49
+// -> 7.83 us, 1024 15.65 -> 14.63; a QK-norm T = 256 6.02 -> 5.65, 512 9.91
+// -> 9.35; Llama-3.1-8B and Qwen3-8B within 1 % (docs/performance.md, *The
+// cos/sin in quads*). N <= 4: cos[i].
 template <int N>
 __device__ __forceinline__ int cs_index(int i, int half) {
-#if ROPEKV_CS_QUADS
   if constexpr (N % 8 == 0) {
     const unsigned u = static_cast<unsigned>(i);
     return static_cast<int>(((u % N / 4) * (static_cast<unsigned>(half) / N) + u / N) * 4 + u % 4);
   }
-#endif
   return i;
 }
 
@@ -635,7 +631,6 @@ __device__ __forceinline__ void smem_cos_sin(const float* cs_smem, int half, int
 template <int N>
 __device__ __forceinline__ void smem_cos_sin_quads(const float* cs_smem, int half, int c,
                                                    float (&cc)[N], float (&ss)[N]) {
-#if ROPEKV_CS_QUADS
   static_assert(N % 4 == 0, "whole quads");
   const float4* cq = reinterpret_cast<const float4*>(cs_smem);
   const float4* sq = reinterpret_cast<const float4*>(cs_smem + half);
@@ -652,9 +647,6 @@ __device__ __forceinline__ void smem_cos_sin_quads(const float* cs_smem, int hal
     ss[4 * g + 2] = y.z;
     ss[4 * g + 3] = y.w;
   }
-#else
-  smem_cos_sin<N>(cs_smem, half, c, cc, ss);
-#endif
 }
 
 // The N values at element i of a table of dtype code 0 f32 or (16-bit) 1 f16 /
