@@ -353,7 +353,7 @@ def make_pools(pool_esize, Hk, D, dt):
 def bench_options(args, timer, log):
     """Each option's cost next to the plain call and a copy of the same bytes."""
     rows = []
-    dt = torch.bfloat16
+    dt = DTYPES[args.option_dtype]
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 60 * 2**20
     # Every pool format's pools of each (Hk, D), made once and kept, as an
     # engine keeps its KV cache. (Freed and made again between formats, the
@@ -369,7 +369,9 @@ def bench_options(args, timer, log):
     models = [m for m in OPTION_MODELS + EXTRA_OPTION_MODELS if m[0] in wanted]
     tokens = (OPTION_TOKENS if args.option_tokens is None
               else [int(t) for t in args.option_tokens.split(",")])
-    for name, Hq, Hk, D, base in models:
+    for model, Hq, Hk, D, base in models:
+        # (f16 rows name their dtype; abflags and the docs read bf16 rows as the default)
+        name = model if args.option_dtype == "bf16" else f"{model} {args.option_dtype}"
         cases = option_cases(D, dt)
         if args.option_cases is not None:
             cases = {c: cases[c] for c in args.option_cases.split(",")}
@@ -438,13 +440,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--options", action="store_true",
                     help="time each option of the call against the plain call instead "
-                         "(bf16, Llama-3.1-8B, Qwen3-8B and Gemma-4 full-attention shapes) "
-                         "-> gpu_options.md")
+                         "(bf16 unless --option-dtype; Llama-3.1-8B, Qwen3-8B and Gemma-4 "
+                         "full-attention shapes) -> gpu_options.md")
     ap.add_argument("--option-models", default=None,
                     help="with --options: the shapes to time (names, comma-separated; default all)")
     ap.add_argument("--option-tokens", default=None,
                     help="with --options: the token counts (default %s)"
                          % ",".join(map(str, OPTION_TOKENS)))
+    ap.add_argument("--option-dtype", default="bf16", choices=sorted(DTYPES),
+                    help="with --options: q, k and v's dtype (default bf16)")
     ap.add_argument("--option-cases", default=None,
                     help="with --options: the cases (names as in the table, comma-separated; "
                          "default all; without plain the vs-plain column reads -)")
