@@ -606,8 +606,9 @@ def _rope_parameters(rope_scaling: Any, warn: bool = True) -> _RopeParameters:
         # (transformers 5 reads it as the default type and warns that the
         # fields are unrecognized: a factor dropped that way changes every
         # angle, so it is an error here, as in the replay tool's reader)
+        fields = [key for key in rope_scaling if key not in ("rope_type", "type")]
         raise ValueError(f"rope_scaling has no 'rope_type' (or 'type'), so its fields "
-                         f"{', '.join(map(repr, rope_scaling))} would mean nothing: give the "
+                         f"{', '.join(map(repr, fields))} would mean nothing: give the "
                          f"type (linear, llama3, yarn, proportional), or pass None for no scaling")
     if "mrope_section" in rope_scaling:
         raise ValueError("rope_scaling has mrope_section (multimodal RoPE, as Qwen2-VL's): "
@@ -665,9 +666,12 @@ def _rope_parameters(rope_scaling: Any, warn: bool = True) -> _RopeParameters:
 def _warn_unread(rope_scaling: dict, kind: str, read: Tuple[str, ...]) -> None:
     """A warning for keys ropekv does not read (a misspelt optional key would
     otherwise leave its default in silence), as transformers warns of them."""
+    global _UNREAD_WARNINGS
     unread = [key for key in rope_scaling if key not in read]
     if unread:
         import warnings
+
+        _UNREAD_WARNINGS += 1
 
         level, frame = 1, _sys._getframe(0)  # (the warning names the caller's line)
         while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("ropekv"):
@@ -748,10 +752,13 @@ def _rotary_dim_for(theta: Optional[float], factor: Optional[float], rope_base: 
 # whose values are all of the exact types str, int, float, bool are kept
 # (their equality and hash decide float(); a subclass's need not), and no
 # float zero or NaN (-0.0 == 0.0 but prints differently in an error; NaN
-# matches nothing).
+# matches nothing), nor a dict whose parse warned of keys ropekv does not
+# read (_UNREAD_WARNINGS counts them): each call with it warns again, under
+# the caller's warning filters.
 _SCALING_SEEN: dict = {}
 _SCALING_SEEN_MAX = 64
 _SCALING_PLAIN = (str, int, float, bool)
+_UNREAD_WARNINGS = 0
 
 
 def _rope_parameters_seen(rope_scaling: Any) -> _RopeParameters:
@@ -767,8 +774,9 @@ def _rope_parameters_seen(rope_scaling: Any) -> _RopeParameters:
         pass
     except Exception:  # noqa: BLE001 - a value without a usable hash: no memory
         return _rope_parameters(rope_scaling)
+    warned = _UNREAD_WARNINGS
     params = _rope_parameters(rope_scaling)  # a dict it cannot read raises: nothing kept
-    if len(_SCALING_SEEN) < _SCALING_SEEN_MAX and all(
+    if warned == _UNREAD_WARNINGS and len(_SCALING_SEEN) < _SCALING_SEEN_MAX and all(
             type(v) in _SCALING_PLAIN and not (type(v) is float and (v == 0.0 or v != v))
             for v in values):
         _SCALING_SEEN[key] = params
@@ -1056,10 +1064,18 @@ def rope_pool_fused(
             continue
         name = _NAMES[i] if i < 7 else (q_name, k_name)[i - 7]
         a, view, read_only = _as_array(x, name, written=i >= 5)
-        if read_only and i in (5, 6) and _framework(x) in ("jax", "jaxlib"):
-            raise ValueError(f"{name} is a JAX array, which is immutable, but ropekv writes the "
-                             f"pools in place; pass writable pools (numpy, PyTorch, CuPy or "
-                             f"MLX arrays)")
+        if read_only and i >= 5 and _framework(x) in ("jax", "jaxlib"):
+            # (a copy of a JAX array is immutable too: the generic read-only
+            # hint, "pass a writable array (e.g. a copy)", would not help)
+            if i in (5, 6):
+                raise ValueError(f"{name} is a JAX array, which is immutable, but ropekv writes "
+                                 f"the pools in place; pass writable pools (numpy, PyTorch, CuPy "
+                                 f"or MLX arrays)")
+            fix = ("drop inplace=True (ropekv then returns new arrays)" if inplace else
+                   f"leave {name} out (ropekv then makes it) or pass a numpy, PyTorch, CuPy or "
+                   f"MLX array")
+            raise ValueError(f"{name} is a JAX array, which is immutable, but ropekv writes "
+                             f"into it; {fix}")
         converted.append(a)
         dtype_views |= view << (2 * i)
         readonly_mask |= int(read_only) << i

@@ -221,6 +221,20 @@ def test_jax_arrays():
         ropekv.rope_pool_fused(put(qn), put(kn), put(vn),
                                put(pos), put(slots), put(k_pool), v_pool,
                                head_dim=D, num_qo_heads=Hq, num_kv_heads=Hk, rope_base=1e4)
+    # Written JAX q/k (in place) or outputs: a copy would be immutable too, so
+    # the message says what to do instead; nothing written.
+    before = bits(k_pool), bits(v_pool)
+    for kw, fix in ((dict(inplace=True), r"q is a JAX array, which is immutable, but ropekv "
+                                         r"writes into it; drop inplace=True"),
+                    (dict(q_out=put(qn)), r"q_out is a JAX array, which is immutable, but ropekv "
+                                          r"writes into it; leave q_out out"),
+                    (dict(k_out=put(kn)), r"k_out is a JAX array, which is immutable, but ropekv "
+                                          r"writes into it; leave k_out out")):
+        with pytest.raises(ValueError, match=fix):
+            ropekv.rope_pool_fused(put(qn), put(kn), put(vn), put(pos), put(slots),
+                                   k_pool, v_pool, head_dim=D, num_qo_heads=Hq,
+                                   num_kv_heads=Hk, rope_base=1e4, **kw)
+        assert (bits(k_pool), bits(v_pool)) == before
 
 
 def test_threads_call_at_once_on_separate_pools():

@@ -451,12 +451,21 @@ def test_mrope_section_is_an_error():
 def test_unread_rope_scaling_keys_warn(scaling, unread, monkeypatch):
     """A key ropekv does not read (a misspelt optional one would leave its
     default) is a warning naming it, at the caller's line; the call runs.
-    (Once per dict the fast path remembers: the memory is emptied first.)"""
+    Every call warns, under the caller's filters: the fast path does not
+    remember such a dict (pytest.warns or -W error would miss a typo after
+    the first call otherwise)."""
+    import warnings
     monkeypatch.setattr(ropekv, "_SCALING_SEEN", {})
     with pytest.warns(UserWarning, match=rf"^rope_scaling of type '\w+': ropekv ignores "
                                          rf"{re.escape(unread)} \(it reads rope_type, ") as rec:
         call_and_check(3, 2, 1, 16, np.dtype(np.float32), rope_scaling=scaling)
     assert rec[0].filename == __file__
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            call_and_check(3, 2, 1, 16, np.dtype(np.float32), rope_scaling=scaling)
+    assert [w.filename for w in rec if "ropekv ignores" in str(w.message)] == [__file__] * 2
+    assert not ropekv._SCALING_SEEN
     with pytest.warns(UserWarning, match="ropekv ignores") as rec:
         ropekv.rope_inv_freq(16, 1e4, None, scaling)
     assert rec[0].filename == __file__
