@@ -200,6 +200,12 @@ def _as_array(x: Any, name: str, written: bool = False) -> Tuple[Any, int, bool]
             ) from None
     fw = _framework(x)
     if fw == "numpy":
+        if isinstance(x, _np.ma.MaskedArray):
+            # (its data would be read and written as if no element were masked)
+            fix = (f"pass {name}.data (its memory: ropekv writes there, the mask stays)"
+                   if written else f"pass {name}.filled(value), or {name}.data for every value")
+            raise ValueError(f"{name} is a numpy masked array, whose mask ropekv would "
+                             f"ignore; {fix}")
         _check_numpy_layout(x, name)
         read_only = not x.flags.writeable
         # ml_dtypes bf16 and fp8 have no DLPack/buffer code of their own: they

@@ -314,6 +314,20 @@ def test_not_an_array(rng):
     expect_error(arrays, kw, "q must be an array")
 
 
+@pytest.mark.parametrize("name", ["q", "positions", "k_pool", "v_pool"])
+def test_masked_array(rng, name):
+    """A numpy masked array would be read (or written) as if nothing were
+    masked: refused, with the fix for an input or a pool; nothing written."""
+    arrays, kw = make_call(rng)
+    mask = np.zeros(arrays[name].shape, bool)
+    mask.flat[0] = True
+    arrays[name] = np.ma.masked_array(arrays[name], mask=mask)
+    fix = (f"pass {name}.data (its memory" if name.endswith("pool") else
+           f"pass {name}.filled(value), or {name}.data for every value")
+    expect_error(arrays, kw, f"{name} is a numpy masked array, whose mask ropekv would ignore; "
+                             f"{fix}")
+
+
 def test_head_dim_not_int(rng):
     arrays, kw = make_call(rng)
     kw["head_dim"] = 16.0
