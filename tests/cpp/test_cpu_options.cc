@@ -554,12 +554,11 @@ void check_opt(const OptCase& c, const OptExpected& e,
 // Inputs restored, outputs poisoned, one call, every check.
 void run_and_check_opt(OptCase& c, const OptExpected& e, int threads = 1) {
   c.reset();
-  std::map<const Storage*, std::vector<uint8_t>> before;
-  for (Storage* st : c.storages()) before[st] = st->snapshot();
+  const Snapshot before(c);
   ropekv::ExecOptions opt;
   opt.num_threads = threads;
   ropekv::rope_pool_fused(c.tensors(), c.config(), opt);
-  check_opt(c, e, before);
+  check_opt(c, e, before.bytes);
 }
 
 // Every output byte of the last call.
@@ -1037,8 +1036,7 @@ TEST(CpuOptions, TablePositionsCheckedOnEveryTokenBeforeAnyWrite) {
     for (int64_t position : {int64_t{-1}, int64_t{64}}) {
       OptCase c = make_opt_case(s, rng);
       c.positions.set_index(token, position);
-      std::map<Storage*, std::vector<uint8_t>> before;
-      for (Storage* st : c.storages()) before[st] = st->snapshot();
+      const Snapshot before(c);
       const std::string want = "positions[" + std::to_string(token) + "] = " +
                                std::to_string(position) +
                                " is outside cos_sin_cache, which has 64 rows";
@@ -1048,7 +1046,7 @@ TEST(CpuOptions, TablePositionsCheckedOnEveryTokenBeforeAnyWrite) {
       } catch (const ropekv::Error& e) {
         EXPECT_EQ(std::string(e.what()).rfind(want, 0), 0u) << e.what();
       }
-      for (const auto& [st, bytes] : before)
+      for (const auto& [st, bytes] : before.bytes)
         EXPECT_TRUE(st->snapshot() == bytes) << "a rejected call wrote memory";
     }
 }

@@ -711,10 +711,12 @@ inline Expected expect(const Case& c) {
 
 // ============================================================ the checks
 
-/// Snapshots of every storage of a Case, taken just before a call.
+/// Snapshots of every storage of a call's case (a Case, or anything with
+/// storages(), as the option tests' OptCase), taken just before a call.
 struct Snapshot {
   std::map<const Storage*, std::vector<uint8_t>> bytes;
-  explicit Snapshot(const Case& c) {
+  template <class C>
+  explicit Snapshot(const C& c) {
     for (Storage* s : c.storages()) bytes[s] = s->snapshot();
   }
 };
