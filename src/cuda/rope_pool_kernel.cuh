@@ -72,6 +72,11 @@
 #include "common/fp8.h"
 #include "common/sincos.h"
 
+// A/B switch for measuring split wide lanes (load_lane); 1: on.
+#ifndef ROPEKV_WIDE_SPLIT
+#define ROPEKV_WIDE_SPLIT 1
+#endif
+
 namespace ropekv {
 namespace cuda {
 namespace detail {
@@ -649,6 +654,30 @@ __device__ __forceinline__ void smem_cos_sin_quads(const float* cs_smem, int hal
   }
 }
 
+// A lane's cos and sin for load_lane's layout: smem_cos_sin_quads<N> (the
+// quads of make_cos_sin<N>), or with kSplit its two runs of N / 2 in cos[i]
+// order (make_cos_sin<1>), read as quads c and c + half / N, each run's reads
+// one contiguous span of the warp: conflict-free too.
+template <int N, bool kSplit>
+__device__ __forceinline__ void smem_cos_sin_lane(const float* cs_smem, int half, int c,
+                                                  float (&cc)[N], float (&ss)[N]) {
+  if constexpr (!kSplit) {
+    smem_cos_sin_quads<N>(cs_smem, half, c, cc, ss);
+  } else {
+    static_assert(N == 8, "split lanes: two quads");
+    float c0[4], s0[4], c1[4], s1[4];
+    smem_cos_sin_quads<4>(cs_smem, half, c, c0, s0);
+    smem_cos_sin_quads<4>(cs_smem, half, c + half / N, c1, s1);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      cc[j] = c0[j];
+      ss[j] = s0[j];
+      cc[4 + j] = c1[j];
+      ss[4 + j] = s1[j];
+    }
+  }
+}
+
 // The N values at element i of a table of dtype code 0 f32 or (16-bit) 1 f16 /
 // 2 bf16, as loaded: 16-byte loads where they hold more (8-byte ones for
 // N = 2; the launchers check the row stride, the base and half for it), the
@@ -942,6 +971,54 @@ __device__ __forceinline__ unsigned int fp8x2(float lo, float hi, Fp8Kind kind) 
 #endif
 }
 
+// Where a lane's N elements of a half-row lie: N contiguous ones at N * lane
+// (pass x = row + N * lane), or with kSplit two runs of N / 2, at N / 2 * lane
+// and quarter + N / 2 * lane (x = row + N / 2 * lane; quarter = half / 2, the
+// wide lanes' N / 2 * L), so that each of a warp's loads and stores covers
+// one contiguous run. The wide lanes' float32 pool stores (32 bytes a lane in
+// two 16-byte halves) used 20 of each 32-byte sector they wrote (Nsight
+// Compute); split, each store of a warp writes 512 contiguous bytes.
+template <class T, int N, bool kSplit>
+__device__ __forceinline__ Vec<T, N> load_lane(const T* x, int quarter) {
+  if constexpr (!kSplit) {
+    return load_vec<T, N, true>(x);
+  } else {
+    constexpr int W = Vec<T, N / 2>::kNumWords;
+    const Vec<T, N / 2> lo = load_vec<T, N / 2, true>(x), hi = load_vec<T, N / 2, true>(x + quarter);
+    Vec<T, N> v;
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+      v.w[j] = lo.w[j];
+      v.w[W + j] = hi.w[j];
+    }
+    return v;
+  }
+}
+
+// The two runs of a split lane's vector (load_lane).
+template <class T, int N>
+__device__ __forceinline__ void split_vec(const Vec<T, N>& v, Vec<T, N / 2>& lo,
+                                          Vec<T, N / 2>& hi) {
+  constexpr int W = Vec<T, N / 2>::kNumWords;
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    lo.w[j] = v.w[j];
+    hi.w[j] = v.w[W + j];
+  }
+}
+
+template <class T, int N, bool kSplit>
+__device__ __forceinline__ void store_lane(T* y, int quarter, const Vec<T, N>& v) {
+  if constexpr (!kSplit) {
+    store_vec<T, N, true>(y, v);
+  } else {
+    Vec<T, N / 2> lo, hi;
+    split_vec<T, N>(v, lo, hi);
+    store_vec<T, N / 2, true>(y, lo);
+    store_vec<T, N / 2, true>(y + quarter, hi);
+  }
+}
+
 // Writes the N values of v (q's dtype: k_rot as rounded, or v) at element
 // `off` of pool row (row, h) in the pool's format (o.pool_mode, one of the
 // formats kPools). 16-byte kernel: one vector store of N pool elements (two for a
@@ -1003,6 +1080,21 @@ __device__ __forceinline__ void store_pool(const Tensor3& y, const Options& o, l
     *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
   } else {
     *reinterpret_cast<unsigned int*>(dst) = w[0];
+  }
+}
+
+// store_pool of a lane's vector in load_lane's layout (e: its first element).
+template <class T, int N, int kPools, bool kSplit>
+__device__ __forceinline__ void store_pool_lane(const Tensor3& y, const Options& o,
+                                                long long row, int h, int e, int quarter,
+                                                const Vec<T, N>& v, float scale, float mul) {
+  if constexpr (!kSplit) {
+    store_pool<T, N, true, kPools>(y, o, row, h, e, v, scale, mul);
+  } else {
+    Vec<T, N / 2> lo, hi;
+    split_vec<T, N>(v, lo, hi);
+    store_pool<T, N / 2, true, kPools>(y, o, row, h, e, lo, scale, mul);
+    store_pool<T, N / 2, true, kPools>(y, o, row, h, e + quarter, hi, scale, mul);
   }
 }
 
@@ -1449,6 +1541,26 @@ __device__ __forceinline__ void weight_words(const void* w, int e, int wdt,
   }
 }
 
+// The weights of a lane's N elements at e (load_lane's runs with kSplit: two
+// loads of N / 2 weights, 16-bit ones in the wide builds).
+template <int N, int WW, bool kSplit>
+__device__ __forceinline__ void lane_weight_words(const void* w, int e, int quarter, int wdt,
+                                                  unsigned int (&x)[WW]) {
+  if constexpr (!kSplit) {
+    weight_words<N, WW>(w, e, wdt, x);
+  } else {
+    static_assert(WW == N / 2, "split lanes: 16-bit weights");
+    unsigned int lo[WW / 2], hi[WW / 2];
+    weight_words<N / 2, WW / 2>(w, e, wdt, lo);
+    weight_words<N / 2, WW / 2>(w, e + quarter, wdt, hi);
+#pragma unroll
+    for (int j = 0; j < WW / 2; ++j) {
+      x[j] = lo[j];
+      x[WW / 2 + j] = hi[j];
+    }
+  }
+}
+
 // The weights of weight_words as floats (exact): float32 words as they are,
 // 16-bit ones (q's dtype T) converted in pairs, where they are used (a
 // conversion right after the load would stall the loads issued after it).
@@ -1612,7 +1724,7 @@ __device__ __forceinline__ float head_sum_serial(const float* hs, int L) {
 // has the shapes it was chosen from).
 template <class T, bool kTable, bool kInterleaved, bool kNorm = false, int kPools = kPoolsSame,
           int kN = kSmallVec, class P = SmallParams<kNorm, kPools>>
-__global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
+__global__ void __launch_bounds__(kSmallThreads, (kN != kSmallVec && kPools == kPoolsF32 && ROPEKV_WIDE_SPLIT) ? 5 : 0) rope_pool_small_kernel(
     const __grid_constant__ P p) {
   static_assert(std::is_same<P, SmallParams<kNorm, kPools>>::value, "the build's parameters");
   // cos[half], then sin[half] (not with a table); then with a QK-norm each
@@ -1631,10 +1743,14 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
   const int Hq = p.num_qo_heads, hh = blockIdx.y * blockDim.y + threadIdx.y;
   const bool active = hh < Hq + p.num_kv_heads, is_q = hh < Hq;
   const int h = is_q ? hh : hh - Hq;
+  // Wide lanes with float32 pools split their vectors in two runs (load_lane).
+  constexpr bool kSplit = N != kSmallVec && kPools == kPoolsF32 && ROPEKV_WIDE_SPLIT;
+  constexpr int kRun = kSplit ? N / 2 : N;  // (a lane's first element: kRun * lane)
+  const int quarter = p.half / 2;
   // Before the wait (overlapping the previous kernel): addresses only.
   const float freq0 = kTable ? 0.0f : first_inv_freq(p, tid);
-  const T* src = at<T>(is_q ? p.q : p.k, t, h) + lane * N;
-  const T* vsrc = at<T>(p.v, t, is_q ? 0 : h) + lane * N;
+  const T* src = at<T>(is_q ? p.q : p.k, t, h) + lane * kRun;
+  const T* vsrc = at<T>(p.v, t, is_q ? 0 : h) + lane * kRun;
   const void* pos_at = index_at(p.positions, p.pos_stride, p.pos64, t);
   const void* slot_at = index_at(p.slots, p.slot_stride, p.slot64, t);
   // The QK-norm's eps in a register before the wait (4-element lanes, where
@@ -1653,11 +1769,11 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
   // four shapes; docs/performance.md, *Small calls*).
   Vec<T, N> a, b, va, vb;
   if (active) {
-    a = load_vec<T, N, true>(src);
-    b = load_vec<T, N, true>(src + p.half);
+    a = load_lane<T, N, kSplit>(src, quarter);
+    b = load_lane<T, N, kSplit>(src + p.half, quarter);
     if (!is_q) {
-      va = load_vec<T, N, true>(vsrc);
-      vb = load_vec<T, N, true>(vsrc + p.half);
+      va = load_lane<T, N, kSplit>(vsrc, quarter);
+      vb = load_lane<T, N, kSplit>(vsrc + p.half, quarter);
     }
   }
   // The head's QK-norm weights (QK-norm build), as raw words: converted
@@ -1673,8 +1789,8 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
     if (w != nullptr) {
       wdt = is_q ? p.o.qn_dtype : p.o.kn_dtype;
       if (active) {
-        weight_words<N, WW>(w, lane * N, wdt, wa);
-        weight_words<N, WW>(w, p.half + lane * N, wdt, wb);
+        lane_weight_words<N, WW, kSplit>(w, lane * kRun, quarter, wdt, wa);
+        lane_weight_words<N, WW, kSplit>(w, p.half + lane * kRun, quarter, wdt, wb);
       }
     } else if constexpr (WW == N) {
 #pragma unroll
@@ -1724,7 +1840,7 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
       }
     }
   } else {
-    make_cos_sin<kInterleaved ? 1 : N>(p, position, tid, threads, freq0, cs_smem);
+    make_cos_sin<kInterleaved || kSplit ? 1 : N>(p, position, tid, threads, freq0, cs_smem);
   }
   if (slot >= p.pool_size && reporter) report_bad_index(p.err, false, t, slot, p.pool_size);
   // QK-norm: each lane's sum of squares goes to shared memory (after the
@@ -1768,7 +1884,7 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
           ss[j] = cs_smem[p.half + f];
         }
       } else {
-        smem_cos_sin_quads<N>(cs_smem, p.half, lane, cc, ss);
+        smem_cos_sin_lane<N, kSplit>(cs_smem, p.half, lane, cc, ss);
       }
     }
   };
@@ -1799,20 +1915,22 @@ __global__ void __launch_bounds__(kSmallThreads) rope_pool_small_kernel(
     rotate_interleaved<T, N>(a, b, cc, ss);
   else
     rotate<T, N>(a, b, cc, ss);
-  T* dst = at<T>(is_q ? p.q_rot : p.k_rot, t, h) + lane * N;
-  store_vec<T, N, true>(dst, a);
-  store_vec<T, N, true>(dst + p.half, b);
+  T* dst = at<T>(is_q ? p.q_rot : p.k_rot, t, h) + lane * kRun;
+  store_lane<T, N, kSplit>(dst, quarter, a);
+  store_lane<T, N, kSplit>(dst + p.half, quarter, b);
   if (is_q || slot < 0 || slot >= p.pool_size) return;
   if constexpr (kPools != kPoolsSame) {
     // (Unrolled: the four stores as one copy in a loop made a call with fp8
     // pools 0.6 us slower at T = 1; docs/performance.md, *Options*.)
     const Options& o = p.o;
-    store_pool<T, N, true, kPools>(p.k_pool, o, slot, h, lane * N, a, o.k_scale, o.k_mul);
-    store_pool<T, N, true, kPools>(p.k_pool, o, slot, h, p.half + lane * N, b, o.k_scale,
-                                   o.k_mul);
-    store_pool<T, N, true, kPools>(p.v_pool, o, slot, h, lane * N, va, o.v_scale, o.v_mul);
-    store_pool<T, N, true, kPools>(p.v_pool, o, slot, h, p.half + lane * N, vb, o.v_scale,
-                                   o.v_mul);
+    const int e = lane * kRun;
+    store_pool_lane<T, N, kPools, kSplit>(p.k_pool, o, slot, h, e, quarter, a, o.k_scale, o.k_mul);
+    store_pool_lane<T, N, kPools, kSplit>(p.k_pool, o, slot, h, p.half + e, quarter, b,
+                                          o.k_scale, o.k_mul);
+    store_pool_lane<T, N, kPools, kSplit>(p.v_pool, o, slot, h, e, quarter, va, o.v_scale,
+                                          o.v_mul);
+    store_pool_lane<T, N, kPools, kSplit>(p.v_pool, o, slot, h, p.half + e, quarter, vb,
+                                          o.v_scale, o.v_mul);
   } else {
     T* kz = at<T>(p.k_pool, slot, h) + lane * N;
     store_vec<T, N, true>(kz, a);
