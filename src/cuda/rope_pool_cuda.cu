@@ -272,7 +272,11 @@ void launch_small_as(const detail::SmallParams<kNorm, kPools>& prm, bool interle
   constexpr int kWide = 2 * detail::kSmallVec;
   const char* what = "launching the rope_pool small kernel";
   if (vec == kWide) {
-    if constexpr (!kNorm && kPools == detail::kPoolsSame) {
+    // (No wide build for float32 pools without a QK-norm: small_vec keeps
+    // them narrow.)
+    if constexpr (kPools == detail::kPoolsF32 && !kNorm) {
+      throw std::logic_error("ropekv: float32 pools reached the small kernel's wide lanes");
+    } else if constexpr (!kNorm && kPools == detail::kPoolsSame) {
       const auto kernel =
           interleaved ? rope_pool_small_kernel<T, false, true, false, kPools, kWide>
                       : rope_pool_small_kernel<T, false, false, false, kPools, kWide>;
@@ -567,11 +571,9 @@ int64_t small_vec(const Problem& p, int64_t esize, int sms) {
   // lanes*). Interleaved pairs take wide lanes in the plain build only.)
   const bool same_pools = p.pool_type == pool_type_of(p.dtype);
   const bool norm = has_qk_norm(p);
-  static const bool f32_wide = env_count("ROPEKV_CUDA_F32_WIDE", 0) > 0;
   const bool computed =
       p.cos_sin_cache.data == nullptr &&
-      (p.is_neox ? same_pools || is_fp8(p.pool_type) ||
-                       ((norm || f32_wide) && p.pool_type == PoolType::kF32)
+      (p.is_neox ? same_pools || is_fp8(p.pool_type) || (norm && p.pool_type == PoolType::kF32)
                  : same_pools && !norm);
   // (A QK-norm over heads of more than 32 narrow lanes, head_dim 512, takes
   // wide lanes past narrow_norm64's limits: its head is one warp there.)
