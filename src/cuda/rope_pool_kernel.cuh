@@ -72,11 +72,6 @@
 #include "common/fp8.h"
 #include "common/sincos.h"
 
-// A/B switch for measuring split wide lanes (load_lane); 1: on.
-#ifndef ROPEKV_WIDE_SPLIT
-#define ROPEKV_WIDE_SPLIT 1
-#endif
-
 namespace ropekv {
 namespace cuda {
 namespace detail {
@@ -1688,6 +1683,19 @@ __device__ __forceinline__ float head_sum_serial(const float* hs, int L) {
   return sum;
 }
 
+// Whether a small-kernel build splits its lanes' vectors in two runs
+// (load_lane): the wide builds with float32 pools (a QK-norm's: float32 pools
+// alone stay in narrow lanes). Against whole 16-byte vectors (H100, cold L2,
+// µs): heads of 512 (8 + 4) with a QK-norm, T = 1024 21.85 -> 18.33, 8192
+// 137.7 -> 132.1 (float32 pools alone 130.8); Llama-3.1-8B and Qwen3-8B
+// within 2 % either way (docs/performance.md, *Split wide lanes for float32
+// pools*). Those builds are held to five blocks of kSmallThreads an SM
+// (__launch_bounds__), which keeps them at the unsplit builds' 48 registers
+// (57-64 without: each run has its own addresses); 0 leaves the other builds
+// as the compiler makes them (1 would raise their registers).
+template <int kN, int kPools>
+constexpr bool kSplitLanes = kN != kSmallVec && kPools == kPoolsF32;
+
 // The kernel of small calls of 16-bit data (decode), full rotary; kTable:
 // cos/sin read from a cos_sin_cache; kInterleaved: GPT-J pairs (2i, 2i+1)
 // instead of NeoX (i, i + half); kNorm: a QK-norm (heads of L = 1..32 lanes,
@@ -1700,7 +1708,7 @@ __device__ __forceinline__ float head_sum_serial(const float* hs, int L) {
 // build before) was twice the plain one's length. Block (L, HB): HB heads
 // of one token, each q head or kv head (with its v) taken by L = half / kN
 // lanes; a lane loads the vectors of kN elements at kN * l and half + kN * l
-// (kN = kSmallVec = 4; 8, "wide lanes", in the NeoX builds and the plain
+// (split in two runs in the wide float32-pool builds: kSplitLanes) (kN = kSmallVec = 4; 8, "wide lanes", in the NeoX builds and the plain
 // interleaved build without a table that calls of 257 to 8192 tokens take:
 // twice the bytes in flight per thread).
 // With kN = 4 (NeoX: pairs 4l.. with half + 4l..; interleaved: the pairs 2l,
@@ -1724,7 +1732,8 @@ __device__ __forceinline__ float head_sum_serial(const float* hs, int L) {
 // has the shapes it was chosen from).
 template <class T, bool kTable, bool kInterleaved, bool kNorm = false, int kPools = kPoolsSame,
           int kN = kSmallVec, class P = SmallParams<kNorm, kPools>>
-__global__ void __launch_bounds__(kSmallThreads, (kN != kSmallVec && kPools == kPoolsF32 && ROPEKV_WIDE_SPLIT) ? 5 : 0) rope_pool_small_kernel(
+__global__ void __launch_bounds__(kSmallThreads, kSplitLanes<kN, kPools> ? 5 : 0)
+    rope_pool_small_kernel(
     const __grid_constant__ P p) {
   static_assert(std::is_same<P, SmallParams<kNorm, kPools>>::value, "the build's parameters");
   // cos[half], then sin[half] (not with a table); then with a QK-norm each
@@ -1743,8 +1752,7 @@ __global__ void __launch_bounds__(kSmallThreads, (kN != kSmallVec && kPools == k
   const int Hq = p.num_qo_heads, hh = blockIdx.y * blockDim.y + threadIdx.y;
   const bool active = hh < Hq + p.num_kv_heads, is_q = hh < Hq;
   const int h = is_q ? hh : hh - Hq;
-  // Wide lanes with float32 pools split their vectors in two runs (load_lane).
-  constexpr bool kSplit = N != kSmallVec && kPools == kPoolsF32 && ROPEKV_WIDE_SPLIT;
+  constexpr bool kSplit = kSplitLanes<kN, kPools>;
   constexpr int kRun = kSplit ? N / 2 : N;  // (a lane's first element: kRun * lane)
   const int quarter = p.half / 2;
   // Before the wait (overlapping the previous kernel): addresses only.
