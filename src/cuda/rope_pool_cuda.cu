@@ -533,6 +533,9 @@ int64_t small_threads(int64_t tokens) {
 // yarn the same); with float32 pools T = 1 2.03 against 2.80, 512 11.9
 // against 12.9, 896 19.4 against 20.4, 1024 22.0 against 21.2
 // (docs/performance.md, *Heads of 512: a QK-norm in two warps a head*).
+// The float32 limit was measured against wide lanes that stored whole
+// 16-byte vectors; split (kSplitLanes), wide lanes take T = 1024 in 18.3 us,
+// and have not been measured below it.
 // Other pool formats also stop where the narrow grid leaves one wave: two
 // warps a head, and as many warps an SM as blocks of small_threads(T)
 // threads of kNarrowNormRegisters registers fit its 64K registers (36 in
