@@ -979,7 +979,8 @@ __device__ __forceinline__ Vec<T, N> load_lane(const T* x, int quarter) {
     return load_vec<T, N, true>(x);
   } else {
     constexpr int W = Vec<T, N / 2>::kNumWords;
-    const Vec<T, N / 2> lo = load_vec<T, N / 2, true>(x), hi = load_vec<T, N / 2, true>(x + quarter);
+    const Vec<T, N / 2> lo = load_vec<T, N / 2, true>(x);
+    const Vec<T, N / 2> hi = load_vec<T, N / 2, true>(x + quarter);
     Vec<T, N> v;
 #pragma unroll
     for (int j = 0; j < W; ++j) {
@@ -1002,6 +1003,8 @@ __device__ __forceinline__ void split_vec(const Vec<T, N>& v, Vec<T, N / 2>& lo,
   }
 }
 
+// Stores v in load_lane's layout at y (y = row + N * lane, or N / 2 * lane
+// split).
 template <class T, int N, bool kSplit>
 __device__ __forceinline__ void store_lane(T* y, int quarter, const Vec<T, N>& v) {
   if constexpr (!kSplit) {
@@ -1686,7 +1689,7 @@ __device__ __forceinline__ float head_sum_serial(const float* hs, int L) {
 // Whether a small-kernel build splits its lanes' vectors in two runs
 // (load_lane): the wide builds with float32 pools (a QK-norm's: float32 pools
 // alone stay in narrow lanes). Against whole 16-byte vectors (H100, cold L2,
-// µs): heads of 512 (8 + 4) with a QK-norm, T = 1024 21.85 -> 18.33, 8192
+// us): heads of 512 (8 + 4) with a QK-norm, T = 1024 21.85 -> 18.33, 8192
 // 137.7 -> 132.1 (float32 pools alone 130.8); Llama-3.1-8B and Qwen3-8B
 // within 2 % either way (docs/performance.md, *Split wide lanes for float32
 // pools*). Those builds are held to five blocks of kSmallThreads an SM
@@ -1708,9 +1711,10 @@ constexpr bool kSplitLanes = kN != kSmallVec && kPools == kPoolsF32;
 // build before) was twice the plain one's length. Block (L, HB): HB heads
 // of one token, each q head or kv head (with its v) taken by L = half / kN
 // lanes; a lane loads the vectors of kN elements at kN * l and half + kN * l
-// (split in two runs in the wide float32-pool builds: kSplitLanes) (kN = kSmallVec = 4; 8, "wide lanes", in the NeoX builds and the plain
+// (kN = kSmallVec = 4; 8, "wide lanes", in the NeoX builds and the plain
 // interleaved build without a table that calls of 257 to 8192 tokens take:
-// twice the bytes in flight per thread).
+// twice the bytes in flight per thread; the wide float32-pool builds split
+// each vector in two runs, kSplitLanes).
 // With kN = 4 (NeoX: pairs 4l.. with half + 4l..; interleaved: the pairs 2l,
 // 2l + 1 and half / 2 + 2l, half / 2 + 2l + 1 they hold (kN = 8: 4l..4l + 3
 // and half / 2 + 4l..), so that loads and stores stay contiguous runs); grid
