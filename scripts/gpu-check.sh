@@ -67,6 +67,11 @@
 #             folder of its own (/tmp/ab-A, /tmp/ab-B), then bench/gpu_bench.py
 #             --options (OPTIONS_ARGS) from each in turn, AB_RUNS alternations
 #             (2): for a compile-time choice (not a default step)
+#   envs      bench/gpu_bench.py --options (OPTIONS_ARGS) from the build step's
+#             install, once under each setting of ENV_SETS (';'-separated, each
+#             a space-separated list of VAR=value, '-' for none:
+#             ENV_SETS='-;ROPEKV_CUDA_NORM64_TOKENS=192'), in turn, ENV_RUNS
+#             alternations (2): for a run-time switch (not a default step)
 #   peers     .peers/tools/build.sh, then bench/gpu_peers.py: ropekv next to vLLM,
 #             FlashInfer and SGLang kernels built from .peers/ (git-ignored, carried;
 #             not a default step; about 8 minutes, PEERS_BUDGET seconds)
@@ -389,6 +394,24 @@ do_abflags() {
   return $rc
 }
 
+do_envs() {
+  local i set rc=0 sets
+  IFS=';' read -r -a sets <<< "${ENV_SETS:--}"
+  split_args "${OPTIONS_ARGS:-}"
+  for i in $(seq "${ENV_RUNS:-2}"); do
+    for set in "${sets[@]}"; do
+      local d="/tmp/envs-out-$i-${set//[^A-Za-z0-9_=-]/_}"
+      echo "== settings '$set' run $i"
+      # (word splitting of $set intended: its VAR=value items)
+      # shellcheck disable=SC2086
+      (cd /tmp && env ${set/#-/} timeout 300 $PY "$ROOT/bench/gpu_bench.py" --options --out "$d" \
+         "${ARGS[@]}" > /dev/null) || rc=1
+      grep "^| " "$d/gpu_options.md" | cut -d'|' -f2-6
+    done
+  done
+  return $rc
+}
+
 do_peers() {
   # The serving engines' own kernels next to ropekv, on the same inputs: built
   # from .peers/ (filled by .peers/tools/fetch_sources.sh on a machine with
@@ -433,6 +456,7 @@ for s in "${STEPS[@]}"; do
     ncuopt) step ncuopt do_ncuopt ;;
     ab) step ab do_ab ;;
     abflags) step abflags do_abflags ;;
+    envs) step envs do_envs ;;
     peers) step peers do_peers ;;
     *) log "unknown step $s"; exit 2 ;;
   esac
