@@ -566,7 +566,8 @@ int64_t small_vec(const Problem& p, int64_t esize, int sms) {
   if (narrow_norm64(p, sms)) return detail::kSmallVec;
   const int64_t wide = 2 * detail::kSmallVec;
   // (Float32 pools of 16-bit data were 2-6 % slower in wide lanes at T = 512
-  // and 2048 than on the options kernel: they stay there past 256 tokens.
+  // and 2048 than on the options kernel: they stay there past 256 tokens;
+  // measured before the wide lanes' float32 stores were split, kSplitLanes.
   // With a QK-norm they take wide lanes, where the options kernel was the
   // slower (H100, Llama-3.1-8B: T = 512 8.29 -> 7.08 us, 2048 28.1 -> 24.5,
   // 8192 92.4 -> 89.8; heads of 512 at T = 1 3.94 -> 2.77, 1024 25.8 ->
