@@ -395,18 +395,19 @@ do_abflags() {
 }
 
 do_envs() {
-  local i set rc=0 sets
+  local i set rc=0 sets kv d
   IFS=';' read -r -a sets <<< "${ENV_SETS:--}"
   split_args "${OPTIONS_ARGS:-}"
   for i in $(seq "${ENV_RUNS:-2}"); do
     for set in "${sets[@]}"; do
-      local d="/tmp/envs-out-$i-${set//[^A-Za-z0-9_=-]/_}"
-      echo "== settings '$set' run $i"
-      # (word splitting of $set intended: its VAR=value items)
-      # shellcheck disable=SC2086
-      (cd /tmp && env ${set/#-/} timeout 300 $PY "$ROOT/bench/gpu_bench.py" --options --out "$d" \
+      read -r -a kv <<< "$set"  # (its VAR=value items, no globbing; '-': none)
+      [ "${kv[*]}" = - ] && kv=()
+      d="/tmp/envs-out-$i-${set//[^A-Za-z0-9_=-]/_}"
+      rm -rf "$d"
+      echo "== settings '${kv[*]:-none}' run $i"
+      (cd /tmp && env "${kv[@]}" timeout 300 $PY "$ROOT/bench/gpu_bench.py" --options --out "$d" \
          "${ARGS[@]}" > /dev/null) || rc=1
-      grep "^| " "$d/gpu_options.md" | cut -d'|' -f2-6
+      [ -f "$d/gpu_options.md" ] && grep "^| " "$d/gpu_options.md" | cut -d'|' -f2-6
     done
   done
   return $rc

@@ -997,6 +997,12 @@ int main(int argc, char** argv) {
                    KV::kFp8E4M3, false, false);
   run_options_case("opt f16 norm f32 pools, 600 tokens", 600, 16, 8, 256, f16, 1, false,
                    KV::kFloat32, false);
+  // The same with weights in q's dtype: the small kernel's wide lanes, whose
+  // float32-pool builds split each lane's vector in two runs (kSplitLanes).
+  run_options_case("small kernel split wide lanes f16 norm f32 pools, D=256", 600, 16, 8, 256,
+                   f16, 1, false, KV::kFloat32, false, true, false, true);
+  run_options_case("small kernel split wide lanes bf16 norm f32 pools, D=512", 1100, 8, 4, 512,
+                   bf16, 1, false, KV::kFloat32, false, true, false, true);
   // Heads of 512 with a QK-norm: narrow lanes to 192 tokens (two warps a
   // head, their sums meeting in shared memory; float32 pools 896), then wide
   // lanes, a head one warp (its sum by shuffles); their float32 pools alone:

@@ -194,9 +194,10 @@ def test_llama3_equal_factors_at_the_band_wavelength():
     ("yarn-mscale_all_dim-only", 10000.0, 128, dict(YARN_QWEN, mscale_all_dim=0.707),
      "Qwen2Config"),
     ("yarn-attention_factor", 1e6, 128, dict(YARN_QWEN, attention_factor=1.25), "Qwen2Config"),
-    # proportional away from Gemma-4's config: a fraction whose pair count
-    # floors (0.3 of 64 pairs: 19), a factor, heads of 96, the whole head
-    ("proportional-0.3-factor", 1e6, 128,
+    # proportional away from Gemma-4's config: a pair count that floors where
+    # rounding would not (0.3 of 32 pairs: 9, not 10), a factor, heads of 96,
+    # the whole head
+    ("proportional-0.3-factor", 1e6, 64,
      {"rope_type": "proportional", "partial_rotary_factor": 0.3, "factor": 4.0}, "Qwen2Config"),
     ("proportional-0.5-d96", 10000.0, 96, {"rope_type": "proportional",
                                            "partial_rotary_factor": 0.5}, "LlamaConfig"),
