@@ -272,11 +272,7 @@ void launch_small_as(const detail::SmallParams<kNorm, kPools>& prm, bool interle
   constexpr int kWide = 2 * detail::kSmallVec;
   const char* what = "launching the rope_pool small kernel";
   if (vec == kWide) {
-    // (No wide build for float32 pools without a QK-norm: small_vec keeps
-    // them narrow.)
-    if constexpr (kPools == detail::kPoolsF32 && !kNorm) {
-      throw std::logic_error("ropekv: float32 pools reached the small kernel's wide lanes");
-    } else if constexpr (!kNorm && kPools == detail::kPoolsSame) {
+    if constexpr (!kNorm && kPools == detail::kPoolsSame) {
       const auto kernel =
           interleaved ? rope_pool_small_kernel<T, false, true, false, kPools, kWide>
                       : rope_pool_small_kernel<T, false, false, false, kPools, kWide>;
@@ -457,8 +453,9 @@ bool small_weights_ok(const Weight& w, int64_t vec = detail::kSmallVec) {
 // options kernel, T = 16384 124.9 -> 108.5 us, 32768 239.4 -> 214.3 (a QK-norm alone
 // 117.5 -> 116.9 and 227.6 -> 230.3, so it keeps 8192; *Wide lanes for a
 // QK-norm with fp8 pools past 8192 tokens*). Float32 pools alone, NeoX pairs,
-// heads of 64 narrow lanes (long_narrow: head_dim 512, Gemma-4's full-attention
-// shape, the one measured; H100): 1024, where the small kernel, against the
+// heads of 64 narrow lanes that wide lanes cannot take (long_narrow: head_dim
+// 512, Gemma-4's full-attention shape, the one measured; H100; the calls that
+// can take them past 256 tokens since): 1024, where the small kernel, against the
 // options kernel (78 registers, one block of a token's 12 heads), took T = 512
 // 12.96 -> 9.99 us and 1024 19.64 -> 18.83, and was slower from 2048 (36.8
 // against 35.2; Llama's heads of 16 lanes at 512: 7.16 against 6.66;
@@ -478,7 +475,7 @@ int64_t small_tokens(bool plain, bool wide, int64_t wide_lanes, bool norm_fp8, b
 
 // Elements per lane of a small-kernel call: 2 * kSmallVec (16-byte vectors,
 // "wide lanes") for NeoX calls without a table (plain, with a QK-norm whose
-// weights are q's dtype, with fp8 pools) and plain interleaved ones of more
+// weights are q's dtype, with any pools) and plain interleaved ones of more
 // than wide_small_tokens() = 256 tokens (224 with a QK-norm) whose arrays all take them, else
 // kSmallVec (8 bytes). Wide lanes hold twice the bytes in flight per
 // thread, and a token's heads fill half the blocks (H200, cold L2, 50-call
@@ -522,35 +519,35 @@ int64_t small_threads(int64_t tokens) {
 // Heads of 64 narrow lanes (head_dim 512, Gemma-4's full-attention shape)
 // with a QK-norm: the small kernel in narrow lanes, two warps a head whose
 // sums meet in shared memory, instead of wide lanes (one warp a head), up to
-// 192 tokens, or 896 with float32 pools. Narrow lanes put twice the threads
-// on a call (its latency shorter at small T) and store float32 pools 16
-// contiguous bytes a lane, where wide lanes store 32 bytes a lane in two
-// 16-byte halves (20 of each 32-byte sector written; Nsight Compute). H100,
-// cold L2, 8 / 4 heads, narrow against wide: a QK-norm T = 1 1.94 against
-// 2.21 us, 32 2.37 against 2.70, 192 4.62 against 5.08, but 256 6.93
-// against 6.02 (six blocks a token of 128 threads of 56 registers: past
-// about 198 tokens a second wave), 1024 19.0 against 15.4 (fp8 pools and
-// yarn the same); with float32 pools T = 1 2.03 against 2.80, 512 11.9
-// against 12.9, 896 19.4 against 20.4, 1024 22.0 against 21.2
-// (docs/performance.md, *Heads of 512: a QK-norm in two warps a head*).
-// The float32 limit was measured against wide lanes that stored whole
-// 16-byte vectors; split (kSplitLanes), wide lanes take T = 1024 in 18.3 us,
-// and have not been measured below it.
-// Other pool formats also stop where the narrow grid leaves one wave: two
-// warps a head, and as many warps an SM as blocks of small_threads(T)
-// threads of kNarrowNormRegisters registers fit its 64K registers (36 in
-// blocks of 128, 32 in blocks of 256), so 2 * T * (Hq + Hk) <= warps * SMs
-// (198 tokens for those 12 heads on 132 SMs; 52 for 32 + 8 heads, in blocks
-// of 256, where 192 tokens would be 3.3 waves). Measured at 12 heads only:
-// for more heads, or fewer SMs, the limit keeps narrow lanes within the one
-// wave where they were measured to win.
-// For tuning (read once): ROPEKV_CUDA_NORM64_TOKENS=N, both limits (0: never).
+// 192 tokens. Narrow lanes put twice the threads on a call (its latency
+// shorter at small T). H100, cold L2, 8 / 4 heads, narrow against wide: a
+// QK-norm T = 1 1.94 against 2.21 us, 32 2.37 against 2.70, 192 4.62
+// against 5.08, but 256 6.93 against 6.02 (six blocks a token of 128
+// threads of 56 registers: past about 198 tokens a second wave), 1024 19.0
+// against 15.4 (fp8 pools and yarn the same); with float32 pools, against
+// the split wide lanes (kSplitLanes), T = 1 2.00 against 2.31, 192 5.10
+// against 5.81, 224 6.92 against 6.19, 512 11.4 against 10.8, 896 19.7
+// against 16.9 (docs/performance.md, *Heads of 512: a QK-norm in two warps
+// a head*, *Split wide lanes past 192 tokens*).
+// Every pool format stops where the narrow grid leaves one wave: two warps
+// a head, and as many warps an SM as blocks of small_threads(T) threads of
+// kNarrowNormRegisters registers fit its 64K registers (36 in blocks of
+// 128, 32 in blocks of 256), so 2 * T * (Hq + Hk) <= warps * SMs (198
+// tokens for those 12 heads on 132 SMs; 52 for 32 + 8 heads, in blocks of
+// 256, where 192 tokens would be 3.3 waves). Measured at 12 heads only: for
+// more heads, or fewer SMs, the limit keeps narrow lanes within the one wave
+// where they were measured to win. Calls that wide lanes cannot take
+// (wide: false; float32 weights, interleaved pairs, a table) keep narrow
+// lanes up to 896 tokens with float32 pools, where they were faster than
+// the wide lanes of that time (512 11.9 against 12.9 us, 1024 22.0 against
+// 21.2), and run the options kernel past that.
+// For tuning (read once): ROPEKV_CUDA_NORM64_TOKENS=N, every limit (0: never).
 constexpr int64_t kNarrowNormRegisters = 56;  // (ptxas -v, sm_90: the narrow QK-norm builds)
-bool narrow_norm64(const Problem& p, int sms) {
+bool narrow_norm64(const Problem& p, int sms, bool wide) {
   static const int64_t forced = env_count("ROPEKV_CUDA_NORM64_TOKENS", -1);
   if (!has_qk_norm(p) || p.rotary_dim / 2 / detail::kSmallVec != 64) return false;
-  if (forced >= 0 || p.pool_type == PoolType::kF32)
-    return p.num_tokens <= (forced >= 0 ? forced : 896);
+  if (forced >= 0) return p.num_tokens <= forced;
+  if (!wide && p.pool_type == PoolType::kF32) return p.num_tokens <= 896;
   const int64_t threads = small_threads(p.num_tokens);
   const int64_t warps = 65536 / (kNarrowNormRegisters * threads) * threads / 32;
   const int64_t one_wave = warps * sms / (2 * (p.num_qo_heads + p.num_kv_heads));
@@ -562,31 +559,37 @@ bool narrow_norm64(const Problem& p, int sms) {
 bool wide_weights_ok(const Weight& w, FloatType dtype) {
   return w.data == nullptr || (w.dtype == dtype && small_weights_ok(w, 2 * detail::kSmallVec));
 }
-int64_t small_vec(const Problem& p, int64_t esize, int sms) {
-  if (narrow_norm64(p, sms)) return detail::kSmallVec;
+// Whether a call's arrays and options allow the small kernel's wide lanes
+// (small_vec), whatever its number of tokens: cos/sin computed, NeoX pairs
+// (any options) or plain interleaved ones, heads a whole number of wide
+// lanes, every array in 16-byte vectors, QK-norm weights of q's dtype.
+bool wide_lanes_ok(const Problem& p, int64_t esize) {
+  const bool plain_pairs = p.pool_type == pool_type_of(p.dtype) && !has_qk_norm(p);
   const int64_t wide = 2 * detail::kSmallVec;
-  // (Float32 pools of 16-bit data were 2-6 % slower in wide lanes at T = 512
-  // and 2048 than on the options kernel: they stay there past 256 tokens;
-  // measured before the wide lanes' float32 stores were split, kSplitLanes.
-  // With a QK-norm they take wide lanes, where the options kernel was the
-  // slower (H100, Llama-3.1-8B: T = 512 8.29 -> 7.08 us, 2048 28.1 -> 24.5,
-  // 8192 92.4 -> 89.8; heads of 512 at T = 1 3.94 -> 2.77, 1024 25.8 ->
-  // 21.3; docs/performance.md, *A QK-norm with float32 pools in wide
-  // lanes*). Interleaved pairs take wide lanes in the plain build only.)
-  const bool same_pools = p.pool_type == pool_type_of(p.dtype);
-  const bool norm = has_qk_norm(p);
-  const bool computed =
-      p.cos_sin_cache.data == nullptr &&
-      (p.is_neox ? same_pools || is_fp8(p.pool_type) || (norm && p.pool_type == PoolType::kF32)
-                 : same_pools && !norm);
+  return p.cos_sin_cache.data == nullptr && (p.is_neox || plain_pairs) &&
+         (p.rotary_dim / 2) % wide == 0 &&
+         vector_ok(p, wide, esize, element_size(p.pool_type)) &&
+         wide_weights_ok(p.q_norm, p.dtype) && wide_weights_ok(p.k_norm, p.dtype);
+}
+int64_t small_vec(const Problem& p, int64_t esize, int sms) {
+  const bool wide_ok = wide_lanes_ok(p, esize);
+  if (narrow_norm64(p, sms, wide_ok)) return detail::kSmallVec;
+  // (Float32 pools of 16-bit data without a QK-norm, in split wide lanes
+  // (kSplitLanes) against the options kernel and, on heads of 512, narrow
+  // lanes (H100, T = 384-8192): Llama-3.1-8B T = 384 6.33 -> 5.67 us, 768
+  // 11.24 -> 10.30, 1024 13.27 -> 12.83, but 512 6.65 -> 6.86; heads of 512
+  // 384 8.25 -> 7.74, 1024 18.70 -> 17.52, 512 10.00 -> 10.22; from 2048
+  // within 1 % (docs/performance.md, *Split wide lanes past 192 tokens*).
+  // With a QK-norm the options kernel was the slower too (Llama-3.1-8B:
+  // T = 512 8.29 -> 7.08 us, 2048 28.1 -> 24.5, 8192 92.4 -> 89.8; heads of
+  // 512 at T = 1 3.94 -> 2.77, 1024 25.8 -> 21.3; *A QK-norm with float32
+  // pools in wide lanes*).)
   // (A QK-norm over heads of more than 32 narrow lanes, head_dim 512, takes
   // wide lanes past narrow_norm64's limits: its head is one warp there.)
+  const bool norm = has_qk_norm(p);
   const bool wide_norm = norm && p.rotary_dim / 2 / detail::kSmallVec > 32;
-  return computed && (p.num_tokens > wide_small_tokens(norm) || wide_norm) &&
-                 (p.rotary_dim / 2) % wide == 0 &&
-                 vector_ok(p, wide, esize, element_size(p.pool_type)) &&
-                 wide_weights_ok(p.q_norm, p.dtype) && wide_weights_ok(p.k_norm, p.dtype)
-             ? wide
+  return wide_ok && (p.num_tokens > wide_small_tokens(norm) || wide_norm)
+             ? 2 * detail::kSmallVec
              : detail::kSmallVec;
 }
 
@@ -669,7 +672,8 @@ bool small_kernel(const Problem& p, int64_t esize, int sms) {
   const int64_t vec = esize == 2 ? small_vec(p, esize, sms) : detail::kSmallVec;
   const bool wide = vec != detail::kSmallVec;
   const int64_t norm_lanes = p.rotary_dim / 2 / vec;  // (a head's lanes at that vector width)
-  const bool norm64 = !wide && narrow_norm64(p, sms);  // (two warps a head: norm_lanes 64)
+  const bool norm64 =  // (two warps a head: norm_lanes 64)
+      !wide && narrow_norm64(p, sms, wide_lanes_ok(p, esize));
   if (esize != 2 || p.rotary_dim != p.head_dim ||
       p.num_tokens > small_tokens(plain, wide, lanes / 2, norm && is_fp8(p.pool_type),
                                   cs.data == nullptr && p.is_neox && lanes == 64 &&

@@ -1003,16 +1003,20 @@ int main(int argc, char** argv) {
                    f16, 1, false, KV::kFloat32, false, true, false, true);
   run_options_case("small kernel split wide lanes bf16 norm f32 pools, D=512", 1100, 8, 4, 512,
                    bf16, 1, false, KV::kFloat32, false, true, false, true);
+  // Float32 pools alone: split wide lanes past 256 tokens too.
+  run_options_case("small kernel split wide lanes bf16 f32 pools, D=128", 700, 32, 8, 128,
+                   bf16, 1, false, KV::kFloat32, false, false);
   // Heads of 512 with a QK-norm: narrow lanes to 192 tokens (two warps a
-  // head, their sums meeting in shared memory; float32 pools 896), then wide
-  // lanes, a head one warp (its sum by shuffles); their float32 pools alone:
-  // the small kernel to 1024 tokens.
+  // head, their sums meeting in shared memory; with float32 pools and
+  // float32 weights, which wide lanes do not take, 896), then wide lanes, a
+  // head one warp (its sum by shuffles); their float32 pools alone: split
+  // wide lanes past 256 tokens.
   run_options_case("small kernel wide lanes bf16 norm, D=512, 1100 tokens", 1100, 8, 4, 512,
                    bf16, 1, false, KV::kAuto, false, true, true, true);
   run_options_case("small kernel wide lanes f16 norm fp8, D=512, 1100 tokens", 1100, 8, 4, 512,
                    f16, 1, false, KV::kFp8E4M3, false, true, false, true);
-  run_options_case("small kernel bf16 f32 pools, D=512, 700 tokens", 700, 8, 4, 512, bf16, 1,
-                   false, KV::kFloat32, false, false);
+  run_options_case("small kernel split wide lanes bf16 f32 pools, D=512, 700 tokens", 700, 8, 4,
+                   512, bf16, 1, false, KV::kFloat32, false, false);
   run_options_case("small kernel narrow bf16 norm, D=512", 3, 8, 4, 512, bf16, 1, false,
                    KV::kAuto, false, true, true, true);
   run_options_case("small kernel narrow f16 norm fp8, D=512, 190 tokens", 190, 8, 4, 512, f16,
@@ -1021,8 +1025,8 @@ int main(int argc, char** argv) {
                    false, KV::kFp8E4M3, true, true);
   run_options_case("small kernel narrow bf16 norm f32 pools, D=512", 5, 8, 3, 512, bf16, 1,
                    false, KV::kFloat32, false, true);
-  run_options_case("small kernel narrow f16 norm f32 pools, D=512, 600 tokens", 600, 8, 4, 512,
-                   f16, 1, false, KV::kFloat32, false, true, false, true);
+  run_options_case("small kernel narrow f16 norm (f32 weights) f32 pools, D=512, 600 tokens",
+                   600, 8, 4, 512, f16, 1, false, KV::kFloat32, false, true);
   // With a QK-norm (f32 weights) and float32 or fp8 pools: the small kernel's
   // options build (heads of up to 32 lanes), with or without a table.
   run_options_case("small kernel bf16 table norm fp8", 9, 32, 8, 128, bf16, 1, false,

@@ -1415,8 +1415,7 @@ def test_small_kernel_wide_lanes_qk_norm(pool, dtype):
     tolerance, pools of q's dtype, float32 and fp8 (scales that divide and
     powers of two); float32 weights of one head send the call to the options
     kernel (test_small_kernel_routing), the same results. Heads of 512 take
-    wide lanes past 192 tokens (896 with float32 pools): also at the first T
-    past it there, and at 1100."""
+    wide lanes past 192 tokens: also at the first T past it, and at 1100."""
     dt = DTYPES[dtype]
     fp8 = pool.startswith("fp8")
     norms = [(dt, dt), (None, dt), (dt, None), (torch.float32, dt)]
@@ -1429,7 +1428,7 @@ def test_small_kernel_wide_lanes_qk_norm(pool, dtype):
                         k_norm=kn, norm_eps=0.5 if j == 1 else 1e-6,
                         idx=torch.int32 if (i + j) % 2 else torch.int64,
                         what=f"wide norm {pool} {Hq}/{Hk}/{D} T={T} norms {qn} {kn}", **scales)
-    for T in (897 if pool == "float32" else 193, 1100):
+    for T in (193, 1100):
         run_options(T, 4, 2, 512, dt, seed=T, kv_cache_dtype=pool, q_norm=dt, k_norm=dt,
                     idx=torch.int32 if T % 2 else torch.int64,
                     **(dict(k_scale=0.37, v_scale=1.7) if fp8 else {}),
@@ -1439,14 +1438,19 @@ def test_small_kernel_wide_lanes_qk_norm(pool, dtype):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_small_kernel_float32_pools_heads_of_512(dtype):
     """Float32 pools alone on heads of 512 (NeoX, no table), which the small
-    kernel takes in narrow lanes up to 1024 tokens (test_small_kernel_routing):
-    at its limit, past the 256 of other float32 pools, and one token past it
-    (the options kernel); in place and with int32 indices for some."""
+    kernel takes in narrow lanes up to 256 tokens and in split wide lanes
+    (each lane's 8 elements two runs of 4) past it, up to 8192; arrays that
+    wide lanes cannot take (8-byte aligned, shift 4) narrow lanes up to 1024
+    tokens (test_small_kernel_routing): at and past each limit, in place and
+    with int32 indices for some."""
     dt = DTYPES[dtype]
-    for T in (257, 1024, 1025):
+    for T in (256, 257, 1024, 8192, 8193):
         run_options(T, 8, 4, 512, dt, seed=T, kv_cache_dtype="float32", inplace=T == 1024,
                     idx=torch.int32 if T % 2 else torch.int64,
                     what=f"float32 pools 8/4/512 T={T}")
+    for T in (1024, 1025):
+        run_options(T, 8, 4, 512, dt, seed=T, kv_cache_dtype="float32", shift=4,
+                    what=f"float32 pools 8/4/512 8-byte aligned T={T}")
 
 
 @pytest.mark.parametrize("pool", ["same", "float32", "fp8_e4m3"])
@@ -1454,18 +1458,19 @@ def test_small_kernel_float32_pools_heads_of_512(dtype):
 def test_small_kernel_qk_norm_heads_of_64_narrow_lanes(dtype, pool):
     """A QK-norm over heads of 512, which the small kernel takes in narrow
     lanes (64 a head, two warps whose sums meet in shared memory) up to 192
-    tokens, or with float32 pools 896 (256 with a cos_sin_cache or interleaved
-    pairs): every pool format, weights float32 or q's dtype, on both heads or
-    one, a norm_eps that moves r, several heads per block and blocks with an
-    idle head (Hq + Hk odd), int32 and int64 indices, in place for one, up to
-    the limits."""
+    tokens, or with float32 pools and weights that wide lanes do not take
+    (float32) 896 (256 with a cos_sin_cache or interleaved pairs): every pool
+    format, weights float32 or q's dtype, on both heads or one, a norm_eps
+    that moves r, several heads per block and blocks with an idle head
+    (Hq + Hk odd), int32 and int64 indices, in place for one, up to the
+    limits."""
     dt = DTYPES[dtype]
     fp8 = pool.startswith("fp8")
-    lim = 896 if pool == "float32" else 192
+    lim = 192
     norms = [(dt, dt), (torch.float32, dt), (None, torch.float32), (dt, None)]
     cases = ((1, 8, 4, {}), (5, 3, 2, dict(is_neox=False)), (40, 16, 8, {}),
              (lim // 2 + 1, 8, 4, {}), (lim, 5, 2, {}), (7, 4, 2, dict(table_dtype=torch.float32)),
-             (min(lim, 256), 2, 1, dict(is_neox=False)))
+             (lim, 2, 1, dict(is_neox=False)))
     for i, (T, Hq, Hk, extra) in enumerate(cases):
         qn, kn = norms[i % 4]
         run_options(T, Hq, Hk, 512, dt, seed=T + i, q_norm=qn, k_norm=kn,
@@ -1474,6 +1479,11 @@ def test_small_kernel_qk_norm_heads_of_64_narrow_lanes(dtype, pool):
                     **({} if pool == "same" else dict(kv_cache_dtype=pool)),
                     **(dict(k_scale=0.37, v_scale=1.7) if fp8 else {}), **extra,
                     what=f"narrow norm64 {pool} {Hq}/{Hk}/512 T={T} norms {qn} {kn} {extra}")
+    if pool == "float32":  # (a float32 weight on q or on k: narrow lanes to 896)
+        for T, Hq, Hk, qn, kn in ((600, 5, 2, torch.float32, dt), (896, 8, 4, None, torch.float32)):
+            run_options(T, Hq, Hk, 512, dt, seed=T, q_norm=qn, k_norm=kn, kv_cache_dtype=pool,
+                        idx=torch.int32, what=f"narrow norm64 float32 {Hq}/{Hk}/512 T={T} norms "
+                                              f"{qn} {kn}")
 
 
 @cuda_only
@@ -1484,8 +1494,8 @@ def test_small_kernel_routing():
     whose scales divide, 5 fp8 with power-of-two scales) for a QK-norm with
     any pools, float32 pools, fp8 pools with power-of-two scales and the
     plain call; the options kernel for fp8 pools alone whose scales divide,
-    for options past 256 tokens with interleaved pairs, float32 pools or
-    float32 QK-norm weights, past 8192 with NeoX pairs (at 4096 tokens its kOptSteps
+    for options past 256 tokens with interleaved pairs or float32 QK-norm
+    weights, past 8192 with NeoX pairs (at 4096 tokens its kOptSteps
     build, U = 4, for pools of q's dtype alone, kPools 3, or with float32, 1),
     and for plain interleaved pairs past 8192 tokens. NeoX calls of 257 to
     8192 tokens without a table, and plain interleaved ones: the small kernel
@@ -1494,15 +1504,17 @@ def test_small_kernel_routing():
     number of tokens; plain NeoX ones past 8192 the plain kernel.
     Heads of 6 wide lanes (D = 96): the wide lanes up to 2048 tokens only.
     Heads of 512 with a QK-norm (64 narrow lanes, two warps a head): the
-    small kernel in narrow lanes up to 192 tokens (896 with float32 pools;
-    with other pools fewer where the narrow grid would pass one wave: 52
+    small kernel in narrow lanes up to 192 tokens (896 with float32 pools
+    and float32 weights, which wide lanes do not take; fewer where the narrow grid would pass one wave: 52
     tokens for 32 + 8 heads on 132 SMs),
     then with NeoX pairs and weights of q's dtype in wide lanes up to 8192
     (fp8 pools: any T), else the options kernel. A QK-norm of q's dtype (any pools)
     takes the wide lanes past 224 tokens, the plain call past 256; with float32
     pools, NeoX pairs: wide lanes up to 8192.
-    Float32 pools alone with NeoX pairs on heads of 512 (not 256, not
-    interleaved): the small kernel up to 1024 tokens.
+    Float32 pools alone with NeoX pairs: wide lanes past 256 tokens, up to
+    8192, on heads of 128, 256 and 512 (narrow lanes on heads of 512 up to
+    1024 tokens where wide lanes cannot take the arrays:
+    test_small_kernel_float32_pools_heads_of_512).
     Every other test passes on either kernel."""
     import re
     from torch.profiler import ProfilerActivity, profile
@@ -1539,7 +1551,10 @@ def test_small_kernel_routing():
              (8193, norm16, options, None),
              (257, norm, options, None),
              (2048, dict(kv_cache_dtype="fp8_e4m3", **norm), options, None),
-             (300, dict(kv_cache_dtype="float32"), options, None),
+             (256, dict(kv_cache_dtype="float32"), small, ("false", "4", "4")),
+             (257, dict(kv_cache_dtype="float32"), small, ("false", "4", "8")),
+             (8192, dict(kv_cache_dtype="float32"), small, ("false", "4", "8")),
+             (8193, dict(kv_cache_dtype="float32"), options, None),
              (300, dict(kv_cache_dtype="fp8_e4m3", k_scale=0.37), options, None),
              (300, dict(is_neox=False, **norm), options, None),
              (2049, norm, options, None),
@@ -1555,6 +1570,10 @@ def test_small_kernel_routing():
              (8193, dict(kv_cache_dtype="float32", **norm16), options, None),
              (300, dict(kv_cache_dtype="float32", is_neox=False, **norm16), options, None),
              (1, dict(D=512, kv_cache_dtype="float32", **norm16), small, ("true", "4", "4")),
+             (192, dict(D=512, H=(8, 4), kv_cache_dtype="float32", **norm16), small,
+              ("true", "4", "4")),
+             (193, dict(D=512, H=(8, 4), kv_cache_dtype="float32", **norm16), small,
+              ("true", "4", "8")),
              (896, dict(D=512, kv_cache_dtype="float32", **norm), small, ("true", "4", "4")),
              (897, dict(D=512, kv_cache_dtype="float32", **norm), options, None),
              (897, dict(D=512, kv_cache_dtype="float32", **norm16), small, ("true", "4", "8")),
@@ -1574,10 +1593,10 @@ def test_small_kernel_routing():
              (wave40 + 1, dict(D=512, **norm), options, None),
              (192, dict(D=512, H=(8, 4), is_neox=False, **norm16), small, ("true", "3", "4")),
              (193, dict(D=512, H=(8, 4), is_neox=False, **norm16), options, None),
-             (1024, dict(D=512, kv_cache_dtype="float32"), small, ("false", "4", "4")),
-             (1025, dict(D=512, kv_cache_dtype="float32"), options, None),
+             (1024, dict(D=512, kv_cache_dtype="float32"), small, ("false", "4", "8")),
+             (8193, dict(D=512, H=(8, 4), kv_cache_dtype="float32"), options, None),
              (300, dict(D=512, kv_cache_dtype="float32", is_neox=False), options, None),
-             (300, dict(D=256, kv_cache_dtype="float32"), options, None)]
+             (300, dict(D=256, kv_cache_dtype="float32"), small, ("false", "4", "8"))]
     for T, opts, want, build in cases:
         opts = dict(opts)
         Hq, Hk = opts.pop("H", (32, 8))
