@@ -1687,8 +1687,8 @@ __device__ __forceinline__ float head_sum_serial(const float* hs, int L) {
 }
 
 // Whether a small-kernel build splits its lanes' vectors in two runs
-// (load_lane): the wide builds with float32 pools (a QK-norm's: float32 pools
-// alone stay in narrow lanes). Against whole 16-byte vectors (H100, cold L2,
+// (load_lane): the wide builds with float32 pools (with a QK-norm or
+// without). Against whole 16-byte vectors (H100, cold L2,
 // us): heads of 512 (8 + 4) with a QK-norm, T = 1024 21.85 -> 18.33, 8192
 // 137.7 -> 132.1 (float32 pools alone 130.8); Llama-3.1-8B and Qwen3-8B
 // within 2 % either way (docs/performance.md, *Split wide lanes for float32
