@@ -454,8 +454,9 @@ bool small_weights_ok(const Weight& w, int64_t vec = detail::kSmallVec) {
 // 117.5 -> 116.9 and 227.6 -> 230.3, so it keeps 8192; *Wide lanes for a
 // QK-norm with fp8 pools past 8192 tokens*). Float32 pools alone, NeoX pairs,
 // heads of 64 narrow lanes that wide lanes cannot take (long_narrow: head_dim
-// 512, Gemma-4's full-attention shape, the one measured; H100; the calls that
-// can take them past 256 tokens since): 1024, where the small kernel, against the
+// 512, Gemma-4's full-attention shape, the one measured; H100; f16 data, and
+// arrays not 16-byte aligned; bf16 data takes wide lanes past 256 tokens since):
+// 1024, where the small kernel, against the
 // options kernel (78 registers, one block of a token's 12 heads), took T = 512
 // 12.96 -> 9.99 us and 1024 19.64 -> 18.83, and was slower from 2048 (36.8
 // against 35.2; Llama's heads of 16 lanes at 512: 7.16 against 6.66;
@@ -475,7 +476,8 @@ int64_t small_tokens(bool plain, bool wide, int64_t wide_lanes, bool norm_fp8, b
 
 // Elements per lane of a small-kernel call: 2 * kSmallVec (16-byte vectors,
 // "wide lanes") for NeoX calls without a table (plain, with a QK-norm whose
-// weights are q's dtype, with any pools) and plain interleaved ones of more
+// weights are q's dtype, with any pools: float32 pools alone with bf16 data
+// only, wide_lanes_ok) and plain interleaved ones of more
 // than wide_small_tokens() = 256 tokens (224 with a QK-norm) whose arrays all take them, else
 // kSmallVec (8 bytes). Wide lanes hold twice the bytes in flight per
 // thread, and a token's heads fill half the blocks (H200, cold L2, 50-call
@@ -536,18 +538,19 @@ int64_t small_threads(int64_t tokens) {
 // tokens for those 12 heads on 132 SMs; 52 for 32 + 8 heads, in blocks of
 // 256, where 192 tokens would be 3.3 waves). Measured at 12 heads only: for
 // more heads, or fewer SMs, the limit keeps narrow lanes within the one wave
-// where they were measured to win. Calls that wide lanes cannot take
-// (wide: false; float32 weights, interleaved pairs, a table) keep narrow
-// lanes up to 896 tokens with float32 pools, where they were faster than
-// the wide lanes of that time (512 11.9 against 12.9 us, 1024 22.0 against
-// 21.2), and run the options kernel past that.
+// where they were measured to win. Calls with float32 pools that wide lanes
+// cannot take (wide_ok false: float32 weights, say) keep narrow lanes up to
+// 896 tokens (NeoX without a table; small_tokens stops interleaved pairs and
+// tables at 256), the limit set where narrow lanes were faster than the
+// wide lanes of that time (512 11.9 against 12.9 us, 1024 22.0 against
+// 21.2), and run the options kernel past it.
 // For tuning (read once): ROPEKV_CUDA_NORM64_TOKENS=N, every limit (0: never).
 constexpr int64_t kNarrowNormRegisters = 56;  // (ptxas -v, sm_90: the narrow QK-norm builds)
-bool narrow_norm64(const Problem& p, int sms, bool wide) {
+bool narrow_norm64(const Problem& p, int sms, bool wide_ok) {
   static const int64_t forced = env_count("ROPEKV_CUDA_NORM64_TOKENS", -1);
   if (!has_qk_norm(p) || p.rotary_dim / 2 / detail::kSmallVec != 64) return false;
   if (forced >= 0) return p.num_tokens <= forced;
-  if (!wide && p.pool_type == PoolType::kF32) return p.num_tokens <= 896;
+  if (!wide_ok && p.pool_type == PoolType::kF32) return p.num_tokens <= 896;
   const int64_t threads = small_threads(p.num_tokens);
   const int64_t warps = 65536 / (kNarrowNormRegisters * threads) * threads / 32;
   const int64_t one_wave = warps * sms / (2 * (p.num_qo_heads + p.num_kv_heads));
@@ -560,30 +563,38 @@ bool wide_weights_ok(const Weight& w, FloatType dtype) {
   return w.data == nullptr || (w.dtype == dtype && small_weights_ok(w, 2 * detail::kSmallVec));
 }
 // Whether a call's arrays and options allow the small kernel's wide lanes
-// (small_vec), whatever its number of tokens: cos/sin computed, NeoX pairs
-// (any options) or plain interleaved ones, heads a whole number of wide
-// lanes, every array in 16-byte vectors, QK-norm weights of q's dtype.
+// (small_vec), whatever its number of tokens: 16-bit data (esize 2), cos/sin
+// computed, NeoX pairs (any options; float32 pools without a QK-norm with
+// bf16 data only, below) or plain interleaved ones, heads a whole number of
+// wide lanes, every array in 16-byte vectors, QK-norm weights of q's dtype.
+// (Float32 pools of bf16 data without a QK-norm, in split wide lanes
+// (kSplitLanes) against the options kernel and, on heads of 512, narrow
+// lanes (H100, T = 384-8192): Llama-3.1-8B T = 384 6.33 -> 5.67 us, 768
+// 11.24 -> 10.30, 1024 13.27 -> 12.83, but 512 6.65 -> 6.86; heads of 512
+// 384 8.25 -> 7.74, 1024 18.70 -> 17.52, 512 10.00 -> 10.22; from 2048
+// within 1.6 % (docs/performance.md, *Split wide lanes past 192 tokens*).
+// With f16 data the split build was the slower (two runs of the options
+// benchmark before and after: Llama-3.1-8B T = 512 6.58 -> 7.29 us, 8192
+// 90.6 -> 93.4; heads of 512 +3.7 % and +2.2 %; its bf16 cells within 1 %
+// of their A/B), so those calls keep the routes they had. With a QK-norm
+// the options kernel was the slower for both (Llama-3.1-8B: T = 512 8.29 ->
+// 7.08 us, 2048 28.1 -> 24.5, 8192 92.4 -> 89.8; heads of 512 at T = 1 3.94
+// -> 2.77, 1024 25.8 -> 21.3; *A QK-norm with float32 pools in wide
+// lanes*).)
 bool wide_lanes_ok(const Problem& p, int64_t esize) {
-  const bool plain_pairs = p.pool_type == pool_type_of(p.dtype) && !has_qk_norm(p);
+  const bool norm = has_qk_norm(p);
+  const bool plain_pairs = p.pool_type == pool_type_of(p.dtype) && !norm;
+  const bool neox_ok =
+      p.pool_type != PoolType::kF32 || norm || p.dtype == FloatType::kBF16;
   const int64_t wide = 2 * detail::kSmallVec;
-  return p.cos_sin_cache.data == nullptr && (p.is_neox || plain_pairs) &&
-         (p.rotary_dim / 2) % wide == 0 &&
+  return esize == 2 && p.cos_sin_cache.data == nullptr &&
+         (p.is_neox ? neox_ok : plain_pairs) && (p.rotary_dim / 2) % wide == 0 &&
          vector_ok(p, wide, esize, element_size(p.pool_type)) &&
          wide_weights_ok(p.q_norm, p.dtype) && wide_weights_ok(p.k_norm, p.dtype);
 }
-int64_t small_vec(const Problem& p, int64_t esize, int sms) {
-  const bool wide_ok = wide_lanes_ok(p, esize);
+// (small_vec, above; wide_ok: wide_lanes_ok(p, esize).)
+int64_t small_vec(const Problem& p, int sms, bool wide_ok) {
   if (narrow_norm64(p, sms, wide_ok)) return detail::kSmallVec;
-  // (Float32 pools of 16-bit data without a QK-norm, in split wide lanes
-  // (kSplitLanes) against the options kernel and, on heads of 512, narrow
-  // lanes (H100, T = 384-8192): Llama-3.1-8B T = 384 6.33 -> 5.67 us, 768
-  // 11.24 -> 10.30, 1024 13.27 -> 12.83, but 512 6.65 -> 6.86; heads of 512
-  // 384 8.25 -> 7.74, 1024 18.70 -> 17.52, 512 10.00 -> 10.22; from 2048
-  // within 1 % (docs/performance.md, *Split wide lanes past 192 tokens*).
-  // With a QK-norm the options kernel was the slower too (Llama-3.1-8B:
-  // T = 512 8.29 -> 7.08 us, 2048 28.1 -> 24.5, 8192 92.4 -> 89.8; heads of
-  // 512 at T = 1 3.94 -> 2.77, 1024 25.8 -> 21.3; *A QK-norm with float32
-  // pools in wide lanes*).)
   // (A QK-norm over heads of more than 32 narrow lanes, head_dim 512, takes
   // wide lanes past narrow_norm64's limits: its head is one warp there.)
   const bool norm = has_qk_norm(p);
@@ -663,17 +674,18 @@ detail::Options options_of(const Problem& p, int steps) {
 // whose scales divide, i.e. a reciprocal that is not exact, only with a
 // QK-norm: alone they ran 0.1-0.3 us faster on the options kernel at
 // T <= 128), and a cos_sin_cache, if any, whose rows allow kSmallVec-value
-// loads (16-byte aligned for float32, 8 for 16-bit).
-bool small_kernel(const Problem& p, int64_t esize, int sms) {
+// loads (16-byte aligned for float32, 8 for 16-bit). Returns the elements
+// per lane it runs with (small_vec), 0 where it does not take the call.
+int64_t small_kernel(const Problem& p, int64_t esize, int sms) {
   const int64_t lanes = p.rotary_dim / 2 / detail::kSmallVec;
   const CosSinCache& cs = p.cos_sin_cache;
   const bool norm = has_qk_norm(p);
   const bool plain = cs.data == nullptr && !norm && p.pool_type == pool_type_of(p.dtype);
-  const int64_t vec = esize == 2 ? small_vec(p, esize, sms) : detail::kSmallVec;
+  const bool wide_ok = wide_lanes_ok(p, esize);
+  const int64_t vec = small_vec(p, sms, wide_ok);
   const bool wide = vec != detail::kSmallVec;
   const int64_t norm_lanes = p.rotary_dim / 2 / vec;  // (a head's lanes at that vector width)
-  const bool norm64 =  // (two warps a head: norm_lanes 64)
-      !wide && narrow_norm64(p, sms, wide_lanes_ok(p, esize));
+  const bool norm64 = narrow_norm64(p, sms, wide_ok);  // (two warps a head: norm_lanes 64)
   if (esize != 2 || p.rotary_dim != p.head_dim ||
       p.num_tokens > small_tokens(plain, wide, lanes / 2, norm && is_fp8(p.pool_type),
                                   cs.data == nullptr && p.is_neox && lanes == 64 &&
@@ -685,12 +697,14 @@ bool small_kernel(const Problem& p, int64_t esize, int sms) {
       (!norm && is_fp8(p.pool_type) &&
        !(exact_reciprocal(p.k_scale) && exact_reciprocal(p.v_scale))) ||
       !vector_ok(p, detail::kSmallVec, esize, element_size(p.pool_type)))
-    return false;
-  if (cs.data == nullptr) return true;
+    return 0;
+  if (cs.data == nullptr) return vec;
   const int64_t tes = cs.dtype == FloatType::kF32 ? 4 : 2;
   return cs.stride[1] == 1 &&
-         reinterpret_cast<uintptr_t>(cs.data) % (tes * detail::kSmallVec) == 0 &&
-         cs.stride[0] % detail::kSmallVec == 0;
+                 reinterpret_cast<uintptr_t>(cs.data) % (tes * detail::kSmallVec) == 0 &&
+                 cs.stride[0] % detail::kSmallVec == 0
+             ? vec
+             : 0;
 }
 
 // The small kernel's build for a call of T data that small_kernel took: its
@@ -743,10 +757,10 @@ int64_t small_heads_per_block(int64_t tokens, int64_t heads, int64_t lanes, bool
   return ceil_div(heads, ceil_div(heads * lanes, detail::kSmallThreads));
 }
 
-// The small kernel's launch: HB heads of L lanes per block
-// (small_heads_per_block), grid (T, ceil((Hq + Hk) / HB)).
-void launch_small(Params& prm, const Problem& p, const DeviceState& st, cudaStream_t stream) {
-  const int64_t vec = small_vec(p, element_size(p.dtype), st.sms);
+// The small kernel's launch in lanes of vec elements (small_kernel): HB heads
+// of L lanes per block (small_heads_per_block), grid (T, ceil((Hq + Hk) / HB)).
+void launch_small(Params& prm, const Problem& p, const DeviceState& st, int64_t vec,
+                  cudaStream_t stream) {
   const int64_t lanes = p.rotary_dim / 2 / vec;
   const int64_t heads = p.num_qo_heads + p.num_kv_heads;
   const bool norm = has_qk_norm(p);
@@ -852,7 +866,8 @@ void run(const Problem& p, const ExecOptions& options) {
 
   const int64_t esize = element_size(p.dtype);
   prm.attention_factor = p.attention_factor;
-  if (small_kernel(p, esize, st.sms)) return launch_small(prm, p, st, stream);
+  if (const int64_t lane_vec = small_kernel(p, esize, st.sms))
+    return launch_small(prm, p, st, lane_vec, stream);
   const bool table = table_kernel(p, esize);
   const bool plain_call = is_plain(p) || table;
   const bool norm = has_qk_norm(p);  // (not plain)

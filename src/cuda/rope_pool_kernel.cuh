@@ -54,7 +54,8 @@
 // QK-norm on heads of up to 256, float32 or fp8 pools, one build for each
 // QK-norm or not and pool format; NeoX calls of 257 to 8192 tokens (2048
 // where a head's wide lanes are not a power of two) without a table (plain,
-// with a QK-norm, with fp8 pools) and plain interleaved ones run its builds
+// with a QK-norm, with fp8 pools, with float32 pools of bf16 data) and plain
+// interleaved ones run its builds
 // in wide lanes (16-byte vectors). Its QK-norm sums a head's squares in
 // another order than the options kernel (4- or 8-element lane chunks, then the
 // lanes' sums in four strided runs), so a QK-norm result can differ by one

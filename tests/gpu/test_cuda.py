@@ -1438,13 +1438,13 @@ def test_small_kernel_wide_lanes_qk_norm(pool, dtype):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_small_kernel_float32_pools_heads_of_512(dtype):
     """Float32 pools alone on heads of 512 (NeoX, no table), which the small
-    kernel takes in narrow lanes up to 256 tokens and in split wide lanes
-    (each lane's 8 elements two runs of 4) past it, up to 8192; arrays that
-    wide lanes cannot take (8-byte aligned, shift 4) narrow lanes up to 1024
-    tokens (test_small_kernel_routing): at and past each limit, in place and
-    with int32 indices for some."""
+    kernel takes with bf16 data in narrow lanes up to 256 tokens and in split
+    wide lanes (each lane's 8 elements two runs of 4) past it, up to 8192;
+    with f16 data, and arrays that wide lanes cannot take (8-byte aligned,
+    shift 4), in narrow lanes up to 1024 tokens (test_small_kernel_routing):
+    at and past each limit, in place and with int32 indices for some."""
     dt = DTYPES[dtype]
-    for T in (256, 257, 1024, 8192, 8193):
+    for T in (256, 257, 1024, 1025, 8192, 8193):
         run_options(T, 8, 4, 512, dt, seed=T, kv_cache_dtype="float32", inplace=T == 1024,
                     idx=torch.int32 if T % 2 else torch.int64,
                     what=f"float32 pools 8/4/512 T={T}")
@@ -1470,7 +1470,7 @@ def test_small_kernel_qk_norm_heads_of_64_narrow_lanes(dtype, pool):
     norms = [(dt, dt), (torch.float32, dt), (None, torch.float32), (dt, None)]
     cases = ((1, 8, 4, {}), (5, 3, 2, dict(is_neox=False)), (40, 16, 8, {}),
              (lim // 2 + 1, 8, 4, {}), (lim, 5, 2, {}), (7, 4, 2, dict(table_dtype=torch.float32)),
-             (lim, 2, 1, dict(is_neox=False)))
+             (256 if pool == "float32" else lim, 2, 1, dict(is_neox=False)))
     for i, (T, Hq, Hk, extra) in enumerate(cases):
         qn, kn = norms[i % 4]
         run_options(T, Hq, Hk, 512, dt, seed=T + i, q_norm=qn, k_norm=kn,
@@ -1511,10 +1511,10 @@ def test_small_kernel_routing():
     (fp8 pools: any T), else the options kernel. A QK-norm of q's dtype (any pools)
     takes the wide lanes past 224 tokens, the plain call past 256; with float32
     pools, NeoX pairs: wide lanes up to 8192.
-    Float32 pools alone with NeoX pairs: wide lanes past 256 tokens, up to
-    8192, on heads of 128, 256 and 512 (narrow lanes on heads of 512 up to
-    1024 tokens where wide lanes cannot take the arrays:
-    test_small_kernel_float32_pools_heads_of_512).
+    Float32 pools alone with NeoX pairs: with bf16 data wide lanes past 256
+    tokens, up to 8192, on heads of 128, 256 and 512; with f16 data the
+    options kernel past 256 tokens, on heads of 512 narrow lanes up to 1024
+    (as bf16 arrays that wide lanes cannot take, 8-byte aligned).
     Every other test passes on either kernel."""
     import re
     from torch.profiler import ProfilerActivity, profile
@@ -1596,11 +1596,20 @@ def test_small_kernel_routing():
              (1024, dict(D=512, kv_cache_dtype="float32"), small, ("false", "4", "8")),
              (8193, dict(D=512, H=(8, 4), kv_cache_dtype="float32"), options, None),
              (300, dict(D=512, kv_cache_dtype="float32", is_neox=False), options, None),
-             (300, dict(D=256, kv_cache_dtype="float32"), small, ("false", "4", "8"))]
+             (300, dict(D=256, kv_cache_dtype="float32"), small, ("false", "4", "8")),
+             (300, dict(dtype=torch.float16, kv_cache_dtype="float32"), options, None),
+             (1024, dict(D=512, H=(8, 4), dtype=torch.float16, kv_cache_dtype="float32"), small,
+              ("false", "4", "4")),
+             (1025, dict(D=512, H=(8, 4), dtype=torch.float16, kv_cache_dtype="float32"), options,
+              None),
+             (1024, dict(D=512, H=(8, 4), kv_cache_dtype="float32", shift=4), small,
+              ("false", "4", "4")),
+             (1025, dict(D=512, H=(8, 4), kv_cache_dtype="float32", shift=4), options, None)]
     for T, opts, want, build in cases:
         opts = dict(opts)
         Hq, Hk = opts.pop("H", (32, 8))
-        t, kw = options_case(T, Hq, Hk, opts.pop("D", 128), torch.bfloat16, **opts)
+        dt = opts.pop("dtype", torch.bfloat16)
+        t, kw = options_case(T, Hq, Hk, opts.pop("D", 128), dt, **opts)
         options_call(t, kw)  # (the first call makes the library's tables)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
