@@ -950,12 +950,14 @@ def options_case(T, Hq, Hk, D, dtype, *, seed=0, base=10000.0, rotary_dim=None, 
     def rn(*shape, dt=dtype):
         return torch.randn(*shape, generator=g).to(dt)
 
+    # (The views are made on `device`: .to() of a view copies it to a new,
+    # aligned and contiguous, tensor.)
     if strided:  # views of one fused projection, last dimension strided by 2
-        qkv = rn(T, Hq + 2 * Hk, 2 * D)
+        qkv = rn(T, Hq + 2 * Hk, 2 * D).to(device)
         q, k, v = qkv[:, :Hq, ::2], qkv[:, Hq:Hq + Hk, ::2], qkv[:, Hq + Hk:, ::2]
     elif misaligned or shift:  # `shift` (default 1) elements in: no 16-byte vectors
         n = shift or 1
-        buf = rn(T * (Hq + 2 * Hk) * D + n)[n:]
+        buf = rn(T * (Hq + 2 * Hk) * D + n).to(device)[n:]
         q = buf[: T * Hq * D].view(T, Hq, D)
         k = buf[T * Hq * D: T * (Hq + Hk) * D].view(T, Hk, D)
         v = buf[T * (Hq + Hk) * D:].view(T, Hk, D)
@@ -994,6 +996,9 @@ def options_case(T, Hq, Hk, D, dtype, *, seed=0, base=10000.0, rotary_dim=None, 
             n = 2 * D if norm_strided else D
             t[name] = (1.0 + 0.3 * torch.randn(n, generator=g)).to(wdt)
     out = {n: x.to(device) for n, x in t.items()}
+    if strided or misaligned or shift:  # (the layout the case asks for reached the call)
+        assert all(not out[n].is_contiguous() for n in "qkv") if strided else \
+            all(out[n].data_ptr() % 16 != 0 for n in "qkv")
     if norm_strided:  # (the view is made on `device`: .to() would make it contiguous)
         out.update({n: out[n][::2] for n in ("q_norm_weight", "k_norm_weight") if n in out})
     return out, kw
