@@ -1510,8 +1510,8 @@ def test_small_kernel_routing():
     Heads of 6 wide lanes (D = 96): the wide lanes up to 2048 tokens only.
     Heads of 512 with a QK-norm (64 narrow lanes, two warps a head): the
     small kernel in narrow lanes up to 192 tokens (896 with float32 pools
-    and float32 weights, which wide lanes do not take; fewer where the narrow grid would pass one wave: 52
-    tokens for 32 + 8 heads on 132 SMs),
+    and float32 weights, which wide lanes do not take; fewer where the
+    narrow grid would pass one wave: 52 tokens for 32 + 8 heads on 132 SMs),
     then with NeoX pairs and weights of q's dtype in wide lanes up to 8192
     (fp8 pools: any T), else the options kernel. A QK-norm of q's dtype (any pools)
     takes the wide lanes past 224 tokens, the plain call past 256; with float32
