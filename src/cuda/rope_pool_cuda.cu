@@ -272,7 +272,11 @@ void launch_small_as(const detail::SmallParams<kNorm, kPools>& prm, bool interle
   constexpr int kWide = 2 * detail::kSmallVec;
   const char* what = "launching the rope_pool small kernel";
   if (vec == kWide) {
-    if constexpr (!kNorm && kPools == detail::kPoolsSame) {
+    // (No wide build for float32 pools alone of f16 data: wide_lanes_ok keeps
+    // them narrow.)
+    if constexpr (!kNorm && kPools == detail::kPoolsF32 && std::is_same_v<T, __half>) {
+      throw std::logic_error("ropekv: f16 float32 pools reached the small kernel's wide lanes");
+    } else if constexpr (!kNorm && kPools == detail::kPoolsSame) {
       const auto kernel =
           interleaved ? rope_pool_small_kernel<T, false, true, false, kPools, kWide>
                       : rope_pool_small_kernel<T, false, false, false, kPools, kWide>;

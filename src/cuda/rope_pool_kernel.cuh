@@ -650,6 +650,16 @@ __device__ __forceinline__ void smem_cos_sin_quads(const float* cs_smem, int hal
   }
 }
 
+// out = lo then hi: the two runs of a split lane (load_lane) as one array.
+template <class A, int M>
+__device__ __forceinline__ void join_runs(const A (&lo)[M], const A (&hi)[M], A (&out)[2 * M]) {
+#pragma unroll
+  for (int j = 0; j < M; ++j) {
+    out[j] = lo[j];
+    out[M + j] = hi[j];
+  }
+}
+
 // A lane's cos and sin for load_lane's layout: smem_cos_sin_quads<N> (the
 // quads of make_cos_sin<N>), or with kSplit its two runs of N / 2 in cos[i]
 // order (make_cos_sin<1>), read as quads c and c + half / N, each run's reads
@@ -664,13 +674,8 @@ __device__ __forceinline__ void smem_cos_sin_lane(const float* cs_smem, int half
     float c0[4], s0[4], c1[4], s1[4];
     smem_cos_sin_quads<4>(cs_smem, half, c, c0, s0);
     smem_cos_sin_quads<4>(cs_smem, half, c + half / N, c1, s1);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      cc[j] = c0[j];
-      ss[j] = s0[j];
-      cc[4 + j] = c1[j];
-      ss[4 + j] = s1[j];
-    }
+    join_runs(c0, c1, cc);
+    join_runs(s0, s1, ss);
   }
 }
 
@@ -979,15 +984,10 @@ __device__ __forceinline__ Vec<T, N> load_lane(const T* x, int quarter) {
   if constexpr (!kSplit) {
     return load_vec<T, N, true>(x);
   } else {
-    constexpr int W = Vec<T, N / 2>::kNumWords;
     const Vec<T, N / 2> lo = load_vec<T, N / 2, true>(x);
     const Vec<T, N / 2> hi = load_vec<T, N / 2, true>(x + quarter);
     Vec<T, N> v;
-#pragma unroll
-    for (int j = 0; j < W; ++j) {
-      v.w[j] = lo.w[j];
-      v.w[W + j] = hi.w[j];
-    }
+    join_runs(lo.w, hi.w, v.w);
     return v;
   }
 }
@@ -1552,11 +1552,7 @@ __device__ __forceinline__ void lane_weight_words(const void* w, int e, int quar
     unsigned int lo[WW / 2], hi[WW / 2];
     weight_words<N / 2, WW / 2>(w, e, wdt, lo);
     weight_words<N / 2, WW / 2>(w, e + quarter, wdt, hi);
-#pragma unroll
-    for (int j = 0; j < WW / 2; ++j) {
-      x[j] = lo[j];
-      x[WW / 2 + j] = hi[j];
-    }
+    join_runs(lo, hi, x);
   }
 }
 
