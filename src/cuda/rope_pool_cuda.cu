@@ -561,6 +561,17 @@ bool narrow_norm64(const Problem& p, int sms, bool wide_ok) {
   return p.num_tokens <= std::min<int64_t>(192, one_wave);
 }
 
+// Whether a cos_sin_cache's rows allow loads of `values` values at every
+// multiple of that many along a row (as table_load makes them: 16-byte loads
+// where they hold more): contiguous rows, the base and the row stride
+// aligned to the loads.
+bool table_rows_ok(const CosSinCache& cs, int64_t values) {
+  const int64_t tes = cs.dtype == FloatType::kF32 ? 4 : 2;
+  const int64_t bytes = std::min<int64_t>(16, tes * values);
+  return cs.stride[1] == 1 && reinterpret_cast<uintptr_t>(cs.data) % bytes == 0 &&
+         (cs.stride[0] * tes) % bytes == 0;
+}
+
 // QK-norm weights that wide lanes take: q's dtype (the wide builds hold
 // 16-bit weights only), as small_weights_ok says for their 16-byte loads.
 bool wide_weights_ok(const Weight& w, FloatType dtype) {
@@ -629,9 +640,7 @@ bool table_kernel(const Problem& p, int64_t esize) {
   if (cs.data == nullptr || !p.is_neox || p.pool_type != pool_type_of(p.dtype) ||
       has_qk_norm(p))
     return false;
-  const int64_t tes = cs.dtype == FloatType::kF32 ? 4 : 2;
-  return cs.stride[1] == 1 && reinterpret_cast<uintptr_t>(cs.data) % 16 == 0 &&
-         (cs.stride[0] * tes) % 16 == 0 && vector_ok(p, 16 / esize, esize, esize);
+  return table_rows_ok(cs, 16 / esize) && vector_ok(p, 16 / esize, esize, esize);
 }
 
 // Whether 1 / scale is an exact normal fp32 number (scale a power of two).
@@ -702,13 +711,7 @@ int64_t small_kernel(const Problem& p, int64_t esize, int sms) {
        !(exact_reciprocal(p.k_scale) && exact_reciprocal(p.v_scale))) ||
       !vector_ok(p, detail::kSmallVec, esize, element_size(p.pool_type)))
     return 0;
-  if (cs.data == nullptr) return vec;
-  const int64_t tes = cs.dtype == FloatType::kF32 ? 4 : 2;
-  return cs.stride[1] == 1 &&
-                 reinterpret_cast<uintptr_t>(cs.data) % (tes * detail::kSmallVec) == 0 &&
-                 cs.stride[0] % detail::kSmallVec == 0
-             ? vec
-             : 0;
+  return cs.data == nullptr || table_rows_ok(cs, detail::kSmallVec) ? vec : 0;
 }
 
 // The small kernel's build for a call of T data that small_kernel took: its
