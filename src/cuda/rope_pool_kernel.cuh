@@ -1696,6 +1696,21 @@ __device__ __forceinline__ float head_sum_serial(const float* hs, int L) {
 template <int kN, int kPools>
 constexpr bool kSplitLanes = kN != kSmallVec && kPools == kPoolsF32;
 
+// The small kernel's blocks an SM for __launch_bounds__ (0: the compiler's
+// choice). Five for the split builds (above) and for the wide f16 QK-norm
+// build with fp8 pools of exact reciprocal scales, which has 54 registers
+// without it (48 in bf16): four blocks an SM. With five, f16 Llama-3.1-8B
+// QK-norm + fp8 + yarn, H100, cold L2: T = 512 6.91 -> 5.96 us, 1024 12.04
+// -> 11.75, 256 4.21 -> 4.36 (docs/performance.md, *Five blocks an SM for
+// an f16 QK-norm with fp8 pools*). The builds already at 48 are left alone:
+// the bound changes their code and costs them up to 1 %.
+template <class T, int kN, bool kNorm, int kPools>
+constexpr int kSmallMinBlocks =
+    kSplitLanes<kN, kPools> ||
+            (std::is_same<T, __half>::value && kN != kSmallVec && kNorm && kPools == kPoolsFp8Mul)
+        ? 5
+        : 0;
+
 // The kernel of small calls of 16-bit data (decode), full rotary; kTable:
 // cos/sin read from a cos_sin_cache; kInterleaved: GPT-J pairs (2i, 2i+1)
 // instead of NeoX (i, i + half); kNorm: a QK-norm (heads of L = 1..32 lanes,
@@ -1733,7 +1748,7 @@ constexpr bool kSplitLanes = kN != kSmallVec && kPools == kPoolsF32;
 // has the shapes it was chosen from).
 template <class T, bool kTable, bool kInterleaved, bool kNorm = false, int kPools = kPoolsSame,
           int kN = kSmallVec, class P = SmallParams<kNorm, kPools>>
-__global__ void __launch_bounds__(kSmallThreads, kSplitLanes<kN, kPools> ? 5 : 0)
+__global__ void __launch_bounds__(kSmallThreads, kSmallMinBlocks<T, kN, kNorm, kPools>)
     rope_pool_small_kernel(
     const __grid_constant__ P p) {
   static_assert(std::is_same<P, SmallParams<kNorm, kPools>>::value, "the build's parameters");
