@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""One call of each option of bench/gpu_bench.py's options table (bf16, one of
-its shapes: --model, default Llama-3.1-8B), at each token count given: the launches Nsight Compute profiles in
+"""One call of each option of bench/gpu_bench.py's options table (--dtype bf16 or
+f16, default bf16; one of its shapes: --model, default Llama-3.1-8B), at each token count given: the launches Nsight Compute profiles in
 scripts/gpu-check.sh's `ncuopt` step, to compare each option's kernel with
 the plain one (duration, DRAM throughput, occupancy, stall reasons).
 
-Usage: gpu_options_calls.py [--model "Gemma-4 full"] [--tokens 1 8192]
+Usage: gpu_options_calls.py [--model "Gemma-4 full"] [--dtype f16] [--tokens 1 8192]
                             [--options plain "QK-norm" ...]
 Each case runs twice (the first call makes the library's tables), in the
 order the script prints; read the second launch of each.
@@ -29,15 +29,16 @@ def main():
                              "QK-norm", "fp8_e4m3 pools"])
     ap.add_argument("--model", default="Llama-3.1-8B",
                     choices=[m[0] for m in OPTION_MODELS])
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "f16"])
     args = ap.parse_args()
     _, Hq, Hk, D, base = next(m for m in OPTION_MODELS if m[0] == args.model)
-    dt = torch.bfloat16
+    dt = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     cases = option_cases(D, dt)
     g = torch.Generator(device="cuda").manual_seed(0)
     pools = {pe: (torch.zeros(POOL_ROWS // 4, Hk, D, device="cuda", dtype=pdt),
                   torch.zeros(POOL_ROWS // 4, Hk, D, device="cuda", dtype=pdt))
              for pe, pdt in ((1, torch.uint8), (2, dt), (4, torch.float32))}
-    print("cases:", [f"T={T} {n}" for T in args.tokens for n in args.options], flush=True)
+    print("cases:", [f"{args.dtype} T={T} {n}" for T in args.tokens for n in args.options], flush=True)
     for T in args.tokens:
         q = torch.randn(T, Hq, D, device="cuda", dtype=dt, generator=g)
         k = torch.randn(T, Hk, D, device="cuda", dtype=dt, generator=g)
