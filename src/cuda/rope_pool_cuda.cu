@@ -603,7 +603,7 @@ bool wide_lanes_ok(const Problem& p, int64_t esize) {
       p.pool_type != PoolType::kF32 || norm || p.dtype == FloatType::kBF16;
   const int64_t wide = 2 * detail::kSmallVec;
   return esize == 2 && p.cos_sin_cache.data == nullptr &&
-         (p.is_neox ? neox_ok : plain_pairs) && (p.rotary_dim / 2) % wide == 0 &&
+         (p.is_neox ? neox_ok : plain_pairs) &&
          vector_ok(p, wide, esize, element_size(p.pool_type)) &&
          wide_weights_ok(p.q_norm, p.dtype) && wide_weights_ok(p.k_norm, p.dtype);
 }
