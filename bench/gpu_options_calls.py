@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """One call of each option of bench/gpu_bench.py's options table (--dtype bf16 or
-f16, default bf16; one of its shapes: --model, default Llama-3.1-8B), at each token count given: the launches Nsight Compute profiles in
+f16, default bf16; one of its shapes: --model, default Llama-3.1-8B), at each
+token count given: the launches Nsight Compute profiles in
 scripts/gpu-check.sh's `ncuopt` step, to compare each option's kernel with
 the plain one (duration, DRAM throughput, occupancy, stall reasons).
 
@@ -38,7 +39,8 @@ def main():
     pools = {pe: (torch.zeros(POOL_ROWS // 4, Hk, D, device="cuda", dtype=pdt),
                   torch.zeros(POOL_ROWS // 4, Hk, D, device="cuda", dtype=pdt))
              for pe, pdt in ((1, torch.uint8), (2, dt), (4, torch.float32))}
-    print("cases:", [f"{args.dtype} T={T} {n}" for T in args.tokens for n in args.options], flush=True)
+    print("cases:", [f"{args.dtype} T={T} {n}" for T in args.tokens for n in args.options],
+          flush=True)
     for T in args.tokens:
         q = torch.randn(T, Hq, D, device="cuda", dtype=dt, generator=g)
         k = torch.randn(T, Hk, D, device="cuda", dtype=dt, generator=g)
