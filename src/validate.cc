@@ -467,6 +467,13 @@ void check_positive(double x, const char* name, const char* what) {
 
 // rope_scaling's fields, the way transformers' config validation reads them.
 void check_rope_scaling(const RopeScaling& s) {
+  // Of any type but proportional, transformers reads a partial_rotary_factor
+  // as the rotary dimension, which only RopeConfig::rotary_dim sets here:
+  // ignored, it would rotate the whole head of a partial-rotary model.
+  if (s.type != RopeScalingType::kProportional && s.partial_rotary_factor != 1.0)
+    fail("rope_scaling partial_rotary_factor is read by the proportional type only, got " +
+         num_str(s.partial_rotary_factor) + ": for another type set rotary_dim to " +
+         "int(head_dim * partial_rotary_factor), as transformers does");
   switch (s.type) {
     case RopeScalingType::kNone: return;
     case RopeScalingType::kLinear:

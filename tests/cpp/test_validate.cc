@@ -432,6 +432,31 @@ TEST(Validate, ProportionalScaling) {
   }
 }
 
+// partial_rotary_factor of any other type is transformers' rotary_dim, which
+// RopeConfig::rotary_dim gives: a value other than 1 there is refused, not
+// ignored (it would rotate the whole head of a partial-rotary model).
+TEST(Validate, PartialRotaryFactorOfOtherTypes) {
+  std::mt19937_64 rng(test_seed());
+  using ropekv::RopeScalingType;
+  for (RopeScalingType type : {RopeScalingType::kNone, RopeScalingType::kLinear,
+                               RopeScalingType::kLlama3, RopeScalingType::kYarn}) {
+    VSpec s = valid_spec();
+    s.cfg.rope_scaling.type = type;
+    s.cfg.rope_scaling.factor = 4.0;
+    s.cfg.rope_scaling.low_freq_factor = 1.0;
+    s.cfg.rope_scaling.high_freq_factor = 4.0;
+    s.cfg.rope_scaling.original_max_position_embeddings = 8192;
+    EXPECT_NO_THROW(ropekv::validate(build(s, rng).tensors(), s.cfg)) << static_cast<int>(type);
+    for (const auto& [p, text] : {std::pair{0.5, "0.5"}, {0.0, "0"}, {1.5, "1.5"}}) {
+      s.cfg.rope_scaling.partial_rotary_factor = p;
+      EXPECT_PREFIX(error_of(s), std::string("rope_scaling partial_rotary_factor is read by the "
+                                             "proportional type only, got ") +
+                                     text + ": for another type set rotary_dim to "
+                                            "int(head_dim * partial_rotary_factor)");
+    }
+  }
+}
+
 // Factors the kernels apply in fp32 must be finite there, not only as doubles
 // (else Inf and NaN reach the outputs and the pools).
 TEST(Validate, FactorsFiniteInFloat32) {
