@@ -96,7 +96,7 @@ struct RopeScaling {
   double mscale_all_dim = 0.0;  ///< yarn (DeepSeek form), 0 = absent
   bool truncate = true;         ///< yarn: floor/ceil the correction range
   /// proportional: the fraction p of the pairs that rotate, in [0, 1]; read
-  /// by that type only, any other value than 1 with another type is an
+  /// by that type only, and any other type with a p other than 1 is an
   /// error (for those, where a Hugging Face dict holds a
   /// partial_rotary_factor, set RopeConfig::rotary_dim to int(head_dim * p),
   /// as transformers and ropekv's Python layer do). The
