@@ -57,6 +57,11 @@
 #   ncuopt    Nsight Compute on each option's kernel next to the plain one
 #             (bench/gpu_options_calls.py; not a default step; NCUOPT_ARGS adds
 #             its arguments, quoted as in a shell: '--model "Gemma-4 full"')
+#   ncusrc    Nsight Compute's warp-stall samples per SASS instruction of the
+#             calls of bench/gpu_options_calls.py (NCUSRC_ARGS, quoted as in a
+#             shell), once per dtype in NCUSRC_DTYPES (default "bf16 f16"):
+#             $OUT/ncusrc_<dtype>.csv and the lines with the most samples
+#             (bench/ncu_source_stalls.py; not a default step)
 #   ab        alternating runs of two carried drivers built elsewhere against two
 #             versions of the library (scripts/driver-build.sh): AB_DRIVERS (paths,
 #             default build/ab/base/driver build/ab/new/driver), AB_RUNS
@@ -341,6 +346,25 @@ do_ncuopt() {
   return $rc
 }
 
+do_ncusrc() {
+  local dt rc=0
+  split_args "${NCUSRC_ARGS:-}"
+  ncu --version | tail -1
+  for dt in ${NCUSRC_DTYPES:-bf16 f16}; do
+    echo "== $dt"
+    (cd /tmp && timeout 200 ncu --clock-control none -k regex:rope_pool -f -o "/tmp/ncusrc_$dt" \
+       --section SourceCounters --section WarpStateStats --warp-sampling-interval 0 \
+       $PY "$ROOT/bench/gpu_options_calls.py" --dtype "$dt" "${ARGS[@]}" > "/tmp/ncusrc_$dt.txt" 2>&1) ||
+      { tail -5 "/tmp/ncusrc_$dt.txt"; rc=1; continue; }
+    grep -E "^cases:" "/tmp/ncusrc_$dt.txt"
+    ncu -i "/tmp/ncusrc_$dt.ncu-rep" --page details | grep -E "Warp Cycles Per Issued" | head -20
+    ncu -i "/tmp/ncusrc_$dt.ncu-rep" --page source --print-source sass --csv \
+      > "$OUT/ncusrc_$dt.csv" 2> "/tmp/ncusrc_${dt}_err.txt" || { cat "/tmp/ncusrc_${dt}_err.txt"; rc=1; }
+    $PY "$ROOT/bench/ncu_source_stalls.py" "$OUT/ncusrc_$dt.csv" || rc=1
+  done
+  return $rc
+}
+
 do_options() {
   split_args "${OPTIONS_ARGS:-}"
   (cd /tmp && timeout "${BENCH_TIMEOUT:-560}" $PY "$ROOT/bench/gpu_bench.py" --options --out "$OUT" \
@@ -455,6 +479,7 @@ for s in "${STEPS[@]}"; do
     bench) step bench do_bench ;;
     options) step options do_options ;;
     ncuopt) step ncuopt do_ncuopt ;;
+    ncusrc) step ncusrc do_ncusrc ;;
     ab) step ab do_ab ;;
     abflags) step abflags do_abflags ;;
     envs) step envs do_envs ;;
