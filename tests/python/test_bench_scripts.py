@@ -1,6 +1,7 @@
 """The CPU benchmark scripts that docs/performance.md cites still run against
 the current binding (a smoke test with tiny settings: no timing is checked),
-and the GPU step's Nsight Compute reader sums what it reads."""
+the GPU step's Nsight Compute reader sums what it reads, and the SASS
+load-order check finds data loads issued behind an index's widening."""
 
 from __future__ import annotations
 
@@ -47,3 +48,30 @@ def test_ncu_source_stalls_sums_launches(tmp_path):
     assert f"{100 * (a + c) / total:5.1f}%" in lines["0x10"], out
     assert f"{100 * b / total:5.1f}%" in lines["0x20"], out
     assert f"stall_long_sb {b}" in lines["0x20"], out
+
+
+def _sass(order):
+    # A listing in nvdisasm -c's form of one build, its body in `order`.
+    head = [".text._ZN6ropekv4cuda6detail22rope_pool_small_kernelI13__nv_bfloat16Lb0ELb0ELb0ELi4ELi4ENS1_9OptParamsEEEvT5_:"]
+    body = {
+        "idx": ["@!P4 LDG.E.CONSTANT R19, desc[UR10][R8.64]",
+                "@P4 LDG.E.64.CONSTANT R16, desc[UR10][R8.64]"],
+        "data": ["LDG.E.64.CONSTANT R20, desc[UR10][R6.64]",
+                 "LDG.E.64.CONSTANT R14, desc[UR10][R14.64]"],
+        "widen": ["@!P4 SHF.R.S32.HI R17, RZ, 0x1f, R19"],
+    }
+    lines = [t for part in order for t in body[part]] + ["BAR.SYNC.DEFER_BLOCKING 0x0"]
+    return "\n".join(head + [f"        /*{16 * i:04x}*/                   {t} ;"
+                             for i, t in enumerate(lines)]) + "\n"
+
+
+@pytest.mark.parametrize("order,late", [(("idx", "data", "widen"), 0),
+                                        (("idx", "widen", "data"), 2),
+                                        (("data", "idx", "widen"), 0)])
+def test_sass_load_order_finds_late_data_loads(tmp_path, order, late):
+    path = tmp_path / "k.sass"
+    path.write_text(_sass(order))
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_load_order.py"), str(path)],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == (1 if late else 0), out.stdout + out.stderr
+    assert out.stdout.split()[:2] == ["LATE" if late else "ok", f"{late}/2"], out.stdout
