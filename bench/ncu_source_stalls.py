@@ -17,18 +17,23 @@ import csv
 import sys
 
 
-def rows(path):
-    """Yields (header, row) for each data row of every table in the file."""
-    header = None
+def tables(path):
+    """Yields (header, rows) for each table in the file, a table the same as
+    the one before it skipped (ncu's CSV prints each launch's table twice)."""
+    header, rows, last = None, None, None
     with open(path, newline="") as f:
         for row in csv.reader(f):
             if not row:
                 continue
             if any(c.strip() == "Source" for c in row) and any("Address" in c for c in row):
-                header = [c.strip() for c in row]
-                continue
-            if header is not None and len(row) == len(header):
-                yield header, row
+                if rows is not None and (header, rows) != last:
+                    last = (header, rows)
+                    yield last
+                header, rows = [c.strip() for c in row], []
+            elif header is not None and len(row) == len(header):
+                rows.append(row)
+    if rows is not None and (header, rows) != last:
+        yield header, rows
 
 
 def number(s):
@@ -46,31 +51,29 @@ def main():
     total = collections.Counter()    # samples per (address, source)
     reasons = collections.defaultdict(collections.Counter)
     launches = 0
-    header_seen = None
-    for header, row in rows(args.csv):
-        if header is not header_seen:
-            header_seen = header
-            launches += 1
-            all_col = next((i for i, c in enumerate(header)
-                            if c.startswith("Warp Stall Sampling (All")), None)
-            if all_col is None:
-                print("no 'Warp Stall Sampling (All ...)' column; columns:", header)
-                return 1
-            addr_col = next(i for i, c in enumerate(header) if "Address" in c)
-            src_col = header.index("Source")
-            stall_cols = [(i, c) for i, c in enumerate(header)
-                          if c.startswith("stall_") or c.startswith("Stall")]
-        key = (row[addr_col].strip(), row[src_col].strip())
-        total[key] += number(row[all_col])
-        for i, c in stall_cols:
-            v = number(row[i])
-            if v:
-                reasons[key][c] += v
+    for header, rows in tables(args.csv):
+        launches += 1
+        all_col = next((i for i, c in enumerate(header)
+                        if c.startswith("Warp Stall Sampling (All")), None)
+        if all_col is None:
+            print("no 'Warp Stall Sampling (All ...)' column; columns:", header)
+            return 1
+        addr_col = next(i for i, c in enumerate(header) if "Address" in c)
+        src_col = header.index("Source")
+        stall_cols = [(i, c) for i, c in enumerate(header)
+                      if c.startswith("stall_") and "(Not Issued)" not in c]
+        for row in rows:
+            key = (row[addr_col].strip(), row[src_col].strip())
+            total[key] += number(row[all_col])
+            for i, c in stall_cols:
+                v = number(row[i])
+                if v:
+                    reasons[key][c] += v
     if not total:
         print("no rows read from", args.csv)
         return 1
     s = sum(total.values())
-    print(f"{launches} table(s), {s:.0f} samples; the {args.top} lines with the most:")
+    print(f"{launches} launch(es), {s:.0f} samples; the {args.top} lines with the most:")
     print(f"{'address':>8} {'share':>6}  {'instruction':<48} largest stall reasons")
     for key, v in total.most_common(args.top):
         top = ", ".join(f"{c} {n:.0f}" for c, n in reasons[key].most_common(3))

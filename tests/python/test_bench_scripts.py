@@ -30,20 +30,21 @@ def test_cpu_peers_runs():
 
 def test_ncu_source_stalls_sums_launches(tmp_path):
     # Two launches' source tables (ncu --page source --csv): samples are
-    # summed per SASS line over both, shares are of the total.
+    # summed per SASS line over the launches, shares are of the total.
     rng = random.Random()
     a, b, c = (rng.randint(1, 500) for _ in range(3))
     head = '"# Address","Source","Warp Stall Sampling (All Samples)","stall_wait","stall_long_sb"\n'
-    text = ('"Kernel Name","rope_pool_small_kernel"\n' + head +
-            f'"0x10","HADD2.F32 R1, -RZ, R2.H0_H0","{a}","{a}","0"\n'
-            f'"0x20","STG.E.128 desc[UR4][R2.64], R4","{b}","0","{b}"\n\n' + head +
-            f'"0x10","HADD2.F32 R1, -RZ, R2.H0_H0","{c}","0","{c}"\n')
+    first = (head + f'"0x10","HADD2.F32 R1, -RZ, R2.H0_H0","{a}","{a}","0"\n'
+             f'"0x20","STG.E.128 desc[UR4][R2.64], R4","{b}","0","{b}"\n\n')
+    second = head + f'"0x10","HADD2.F32 R1, -RZ, R2.H0_H0","{c}","0","{c}"\n\n'
+    # (ncu prints each launch's table twice, one after the other.)
+    text = '"Kernel Name","rope_pool_small_kernel"\n' + first + first + second + second
     path = tmp_path / "src.csv"
     path.write_text(text)
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "ncu_source_stalls.py"), str(path)],
                          capture_output=True, text=True, timeout=60, check=True).stdout
     total = a + b + c
-    assert f"2 table(s), {total} samples" in out, out
+    assert f"2 launch(es), {total} samples" in out, out
     lines = {line.split()[0]: line for line in out.splitlines() if line.strip().startswith("0x")}
     assert f"{100 * (a + c) / total:5.1f}%" in lines["0x10"], out
     assert f"{100 * b / total:5.1f}%" in lines["0x20"], out
