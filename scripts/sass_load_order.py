@@ -25,7 +25,8 @@ CUDA toolkit (or pip's nvidia-cuda-nvdisasm).
 import re
 import sys
 
-LOAD = re.compile(r"(@!?P\d\s+)?LDG\.E(\.64|\.128)?\.CONSTANT\s+(R\d+),\s*desc\[\w+\]\[(R\d+)\.64\]")
+LOAD = re.compile(r"(@!?P\d\s+)?LDG\.E(\.64|\.128)?\.CONSTANT\s+(R\d+),\s*"
+                  r"desc\[\w+\]\[(R\d+)\.64(\+0x4)?\]")
 
 
 def functions(path):
@@ -51,15 +52,25 @@ def late_loads(ins):
             break
         m = LOAD.match(t)
         if m:
-            loads.append((i, m.group(1), m.group(2), m.group(3), m.group(4)))
-    # An index load: a predicated 32-bit load whose address a 64-bit load
-    # under the opposite predicate also reads (int32 or int64 indices).
+            loads.append((i, m.group(1), m.group(2), m.group(3), m.group(4) + (m.group(5) or "")))
+    # An index load, in either of two forms: a predicated 32-bit load whose
+    # address a 64-bit load under the opposite predicate also reads (int32
+    # or int64 indices), or a 32-bit load of the low word next to a 32-bit
+    # load of the word after it (an int64's high word).
+    # (Within four instructions: a register that held an address is reused.)
+    def opposite(p):
+        p = p.strip()
+        return p.replace("@!", "@") if p.startswith("@!") else p.replace("@", "@!")
+
     idx_regs, idx_at = set(), set()
     for i, p, w, dst, a in loads:
-        pair = [j for j, p2, w2, _, a2 in loads if a2 == a and w2 == ".64" and p2 and p2 != p]
-        if p and w is None and pair:
+        near = [(j, p2, w2, a2) for j, p2, w2, _, a2 in loads if 0 < abs(j - i) <= 4]
+        pair = [j for j, p2, w2, a2 in near
+                if a2 == a and w2 == ".64" and p and p2 and p2.strip() == opposite(p)]
+        high = [(j, None) for j, _, w2, a2 in near if a2 == a + "+0x4" and w2 is None]
+        if (p and w is None and pair) or (w is None and high):
             idx_regs.add(dst)
-            idx_at.update([i] + pair)
+            idx_at.update([i] + pair + [j for j, _ in high])
     vec = [i for i, _, w, _, _ in loads if w and i not in idx_at]
     if not idx_at:
         return 0, len(vec)

@@ -55,9 +55,14 @@ def _sass(order):
     # A listing in nvdisasm -c's form of one build, its body in `order`.
     head = [".text._ZN6ropekv4cuda6detail22rope_pool_small_kernelI13__nv_bfloat16Lb0ELb0ELb0ELi4ELi4ENS1_9OptParamsEEEvT5_:"]
     body = {
+        # A load before the index loads whose address register a data load
+        # reuses later: not an index load.
+        "early": ["@!P0 LDG.E.CONSTANT R3, desc[UR10][R6.64]",
+                  "IADD3 R9, R3, 0x1, RZ", "IMAD.MOV.U32 R6, RZ, RZ, R30",
+                  "IMAD.MOV.U32 R7, RZ, RZ, R31"],
         "idx": ["@!P4 LDG.E.CONSTANT R19, desc[UR10][R8.64]",
                 "@P4 LDG.E.64.CONSTANT R16, desc[UR10][R8.64]"],
-        "data": ["LDG.E.64.CONSTANT R20, desc[UR10][R6.64]",
+        "data": ["@P0 LDG.E.64.CONSTANT R20, desc[UR10][R6.64]",
                  "LDG.E.64.CONSTANT R14, desc[UR10][R14.64]"],
         "widen": ["@!P4 SHF.R.S32.HI R17, RZ, 0x1f, R19"],
     }
@@ -68,7 +73,9 @@ def _sass(order):
 
 @pytest.mark.parametrize("order,late", [(("idx", "data", "widen"), 0),
                                         (("idx", "widen", "data"), 2),
-                                        (("data", "idx", "widen"), 0)])
+                                        (("data", "idx", "widen"), 0),
+                                        (("early", "idx", "data", "widen"), 0),
+                                        (("early", "idx", "widen", "data"), 2)])
 def test_sass_load_order_finds_late_data_loads(tmp_path, order, late):
     path = tmp_path / "k.sass"
     path.write_text(_sass(order))
