@@ -2,7 +2,7 @@
 """Warp-stall samples per SASS instruction from Nsight Compute's source page.
 
 Reads the CSV that `ncu -i REPORT --page source --print-source sass --csv`
-prints (one table per profiled launch), sums each SASS line's samples over
+prints (each profiled launch's table, printed twice), sums each SASS line's samples over
 the launches and prints the instructions that hold the most, with their
 share of the kernel's samples and their largest stall reasons: where a
 kernel's cycles go, instruction by instruction (scripts/gpu-check.sh's

@@ -32,15 +32,16 @@ LOAD = re.compile(r"(@!?P\d\s+)?LDG\.E(\.64|\.128)?\.CONSTANT\s+(R\d+),\s*"
 def functions(path):
     """{mangled name: [instruction text, ...]} of nvdisasm -c output."""
     out, cur = {}, None
-    for line in open(path):
-        m = re.match(r"\s*\.text\.(\S+):", line)
-        if m:
-            cur = m.group(1)
-            out[cur] = []
-            continue
-        m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
-        if cur and m:
-            out[cur].append(m.group(1))
+    with open(path) as f:
+        for line in f:
+            m = re.match(r"\s*\.text\.(\S+):", line)
+            if m:
+                cur = m.group(1)
+                out[cur] = []
+                continue
+            m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+            if cur and m:
+                out[cur].append(m.group(1))
     return out
 
 
@@ -67,10 +68,10 @@ def late_loads(ins):
         near = [(j, p2, w2, a2) for j, p2, w2, _, a2 in loads if 0 < abs(j - i) <= 4]
         pair = [j for j, p2, w2, a2 in near
                 if a2 == a and w2 == ".64" and p and p2 and p2.strip() == opposite(p)]
-        high = [(j, None) for j, _, w2, a2 in near if a2 == a + "+0x4" and w2 is None]
+        high = [j for j, _, w2, a2 in near if a2 == a + "+0x4" and w2 is None]
         if (p and w is None and pair) or (w is None and high):
             idx_regs.add(dst)
-            idx_at.update([i] + pair + [j for j, _ in high])
+            idx_at.update([i] + pair + high)
     vec = [i for i, _, w, _, _ in loads if w and i not in idx_at]
     if not idx_at:
         return 0, len(vec)

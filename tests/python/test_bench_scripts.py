@@ -64,6 +64,9 @@ def _sass(order):
                 "@P4 LDG.E.64.CONSTANT R16, desc[UR10][R8.64]"],
         "data": ["@P0 LDG.E.64.CONSTANT R20, desc[UR10][R6.64]",
                  "LDG.E.64.CONSTANT R14, desc[UR10][R14.64]"],
+        # The other form: the low word always, an int64's high word beside it.
+        "idx_lohi": ["LDG.E.CONSTANT R19, desc[UR10][R8.64]",
+                     "@P4 LDG.E.CONSTANT R17, desc[UR10][R8.64+0x4]"],
         "widen": ["@!P4 SHF.R.S32.HI R17, RZ, 0x1f, R19"],
     }
     lines = [t for part in order for t in body[part]] + ["BAR.SYNC.DEFER_BLOCKING 0x0"]
@@ -75,7 +78,9 @@ def _sass(order):
                                         (("idx", "widen", "data"), 2),
                                         (("data", "idx", "widen"), 0),
                                         (("early", "idx", "data", "widen"), 0),
-                                        (("early", "idx", "widen", "data"), 2)])
+                                        (("early", "idx", "widen", "data"), 2),
+                                        (("idx_lohi", "data", "widen"), 0),
+                                        (("idx_lohi", "widen", "data"), 2)])
 def test_sass_load_order_finds_late_data_loads(tmp_path, order, late):
     path = tmp_path / "k.sass"
     path.write_text(_sass(order))
