@@ -2,7 +2,9 @@
 # The GPU check, on a machine with an NVIDIA GPU, nvcc, PyTorch with CUDA,
 # CuPy, nanobind and scikit-build-core (no network needed):
 #
-#   build     the Python package with the CUDA backend (pip, no build isolation)
+#   build     the Python package with the CUDA backend (pip, no build isolation),
+#             and the sanitizer's driver; BUILD_DIR (default build/gpu-python)
+#             names CMake's folder: /tmp/ab-build-B reuses abflags' build B
 #   test      tests/gpu (pytest, CUDA; TEST_ARGS adds pytest arguments, quoted as
 #             in a shell: TEST_ARGS='-k "small_kernel or options"')
 #   sanitize  compute-sanitizer memcheck, racecheck, initcheck and synccheck on
@@ -99,7 +101,7 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(build test sanitize sansuite ncu latency cputest bench options)
-BUILD_DIR=$ROOT/build/gpu-python
+BUILD_DIR=${BUILD_DIR:-$ROOT/build/gpu-python}
 DRIVER=$ROOT/build/gpu-driver
 declare -A RESULT
 ORDER=()
@@ -182,6 +184,7 @@ do_build() {
                       print('ropekv', ropekv.__version__, 'CUDA', ropekv.has_cuda())") || return 1
   local lib
   lib=$(ls "$BUILD_DIR"/libropekv.a) || return 1
+  mkdir -p "$(dirname "$DRIVER")"
   timeout 120 nvcc -O2 -std=c++17 -arch=sm_"$ARCH" -Iinclude "${INC_DEPS[@]}" tests/gpu/sanitize_driver.cu \
     "$lib" "${HWY_LINK[@]}" -Xcompiler -fopenmp -o "$DRIVER"
 }

@@ -1767,7 +1767,21 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallMinBlocks<T, kN, kNorm, k
   const long long t = blockIdx.x;
   const int Hq = p.num_qo_heads, hh = blockIdx.y * blockDim.y + threadIdx.y;
   const bool active = hh < Hq + p.num_kv_heads, is_q = hh < Hq;
-  const int h = is_q ? hh : hh - Hq;
+  // The options builds load without a branch on `active`: a thread past the
+  // last head loads kv head 0 of its token (in bounds, unused). With the
+  // branch, ptxas put the widening of a 32-bit index ahead of the loads of
+  // the f16 builds with float32 or fp8 pools (scripts/sass_load_order.py),
+  // one memory round trip late: without it, f16 Llama-3.1-8B float32 pools
+  // T = 32 2.26 -> 2.02 us, as bf16. The plain build (0.01-0.02 us slower
+  // at T = 32 without it) and the wide QK-norm build (Llama-3.1-8B T = 512
+  // 6.07 -> 6.74, bf16) keep the branch (docs/performance.md, *f16 pool
+  // builds wait for the index*).
+#ifdef ROPEKV_AB_OLD
+  constexpr bool kAllLoad = false;
+#else
+  constexpr bool kAllLoad = (kNorm || kPools != kPoolsSame) && !(kNorm && kN == 2 * kSmallVec);
+#endif
+  const int h = is_q ? hh : (active || !kAllLoad ? hh - Hq : 0);
   constexpr bool kSplit = kSplitLanes<kN, kPools>;
   constexpr int kRun = kSplit ? N / 2 : N;  // (a lane's first element: kRun * lane)
   const int quarter = p.half / 2;
@@ -1792,7 +1806,7 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallMinBlocks<T, kN, kNorm, k
   // measured 0.15-0.25 us faster than the other for its build (cold T = 1,
   // four shapes; docs/performance.md, *Small calls*).
   Vec<T, N> a, b, va, vb;
-  if (active) {
+  if (kAllLoad || active) {
     a = load_lane<T, N, kSplit>(src, quarter);
     b = load_lane<T, N, kSplit>(src + p.half, quarter);
     if (!is_q) {
