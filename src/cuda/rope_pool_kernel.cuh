@@ -1767,20 +1767,19 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallMinBlocks<T, kN, kNorm, k
   const long long t = blockIdx.x;
   const int Hq = p.num_qo_heads, hh = blockIdx.y * blockDim.y + threadIdx.y;
   const bool active = hh < Hq + p.num_kv_heads, is_q = hh < Hq;
-  // The options builds load without a branch on `active`: a thread past the
-  // last head loads kv head 0 of its token (in bounds, unused). With the
-  // branch, ptxas put the widening of a 32-bit index ahead of the loads of
-  // the f16 builds with float32 or fp8 pools (scripts/sass_load_order.py),
-  // one memory round trip late: without it, f16 Llama-3.1-8B float32 pools
-  // T = 32 2.26 -> 2.02 us, as bf16. The plain build (0.01-0.02 us slower
-  // at T = 32 without it) and the wide QK-norm build (Llama-3.1-8B T = 512
-  // 6.07 -> 6.74, bf16) keep the branch (docs/performance.md, *f16 pool
-  // builds wait for the index*).
-#ifdef ROPEKV_AB_OLD
-  constexpr bool kAllLoad = false;
-#else
-  constexpr bool kAllLoad = (kNorm || kPools != kPoolsSame) && !(kNorm && kN == 2 * kSmallVec);
-#endif
+  // Narrow builds of a QK-norm, and of f16 data with float32 or fp8 pools,
+  // load without a branch on `active`: a thread past the last head loads kv
+  // head 0 of its token (in bounds, unused). With the branch, ptxas put the
+  // widening of a 32-bit index ahead of the f16 pool builds' loads
+  // (scripts/sass_load_order.py), one memory round trip late: without it,
+  // f16 Llama-3.1-8B float32 pools T = 32 2.26 -> 2.01 us, as bf16; QK-norm
+  // calls at T = 1 0.01-0.06 us faster in both dtypes. The plain builds
+  // (0.01-0.02 us slower at T = 32 without it), the wide ones (the QK-norm's
+  // Llama-3.1-8B T = 512 6.07 -> 6.74, bf16) and bf16's pool builds (in
+  // order with it, within 0.03 us without) keep it (docs/performance.md,
+  // *The q/k/v loads without a branch*).
+  constexpr bool kAllLoad =
+      kN == kSmallVec && (kNorm || (kPools != kPoolsSame && std::is_same<T, __half>::value));
   const int h = is_q ? hh : (active || !kAllLoad ? hh - Hq : 0);
   constexpr bool kSplit = kSplitLanes<kN, kPools>;
   constexpr int kRun = kSplit ? N / 2 : N;  // (a lane's first element: kRun * lane)
