@@ -612,7 +612,7 @@ def _rope_parameters(rope_scaling: Any, warn: bool = True) -> _RopeParameters:
         # (transformers 5 reads it as the default type and warns that the
         # fields are unrecognized: a factor dropped that way changes every
         # angle, so it is an error here, as in the replay tool's reader)
-        fields = [key for key in rope_scaling if key not in ("rope_type", "type")]
+        fields = [key for key in rope_scaling if key not in _BASE_KEYS]
         raise ValueError(f"rope_scaling has no 'rope_type' (or 'type'), so its fields "
                          f"{', '.join(map(repr, fields))} would mean nothing: give the "
                          f"type (linear, llama3, yarn, proportional), or pass None for no scaling")
@@ -877,8 +877,10 @@ def rope_pool_fused(
             there) may also hold ``rope_theta``, which must equal rope_base,
             and ``partial_rotary_factor``, which (but for proportional) sets
             rotary_dim to ``int(head_dim * factor)`` where rotary_dim is not
-            given and must agree with it where it is. Unknown types, missing
-            fields, a dict of fields without a type, text that is not JSON,
+            given and must agree with it where it is (a dict of those two keys
+            alone, without a type, is the default type). Unknown types,
+            missing fields, a dict of scaling fields without a type, text
+            that is not JSON,
             a rope_theta or partial_rotary_factor that disagrees,
             per-layer-type dicts and mrope_section (multimodal RoPE) raise
             ValueError; a key ropekv does not read is a UserWarning.
@@ -899,7 +901,8 @@ def rope_pool_fused(
             pools (uint8 arrays, torch float8 tensors or ml_dtypes float8
             arrays) holding ``fp8(k_rot / k_scale)`` and ``fp8(v / v_scale)``,
             divided in fp32, rounded to nearest even and saturated to the
-            format's finite range, as vLLM stores them.
+            format's finite range (±448 E4M3, ±57344 E5M2), as vLLM stores
+            them; NaN is stored as 0x7F.
         k_scale: per-tensor key scale of fp8 pools (finite, > 0).
         v_scale: per-tensor value scale of fp8 pools (finite, > 0).
         q_norm_weight: ``[head_dim]`` float32 or q's dtype: QK-norm (Qwen3,
@@ -909,7 +912,9 @@ def rope_pool_fused(
             passes ``1 + w``).
         k_norm_weight: the same for each key head (k_rot and k_pool get the
             normed, rotated keys; v is not normed).
-        norm_eps: the RMSNorm epsilon (finite, >= 0).
+        norm_eps: the RMSNorm epsilon (finite, >= 0; checked, and unused
+            without a norm weight, so a caller may pass its config's eps on
+            every call).
         stream: CUDA stream for GPU arrays (a ``torch.cuda.Stream``,
             ``cupy.cuda.Stream`` or a raw ``cudaStream_t`` as int); default
             the framework's current stream (PyTorch, CuPy).
@@ -940,8 +945,8 @@ def rope_pool_fused(
             in-place call), a slot ``>= P``), and for bad options (an unknown
             rope_scaling type or missing field, a cos_sin_cache or norm
             weight of the wrong shape or dtype, a pool that does not match
-            kv_cache_dtype, scales that are not finite and > 0, a yarn factor
-            or norm_eps beyond float32), for an array that is None (its rank
+            kv_cache_dtype, scales that are not finite and > 0, a yarn
+            attention factor, a scale or norm_eps beyond float32), for an array that is None (its rank
             rule) or that cannot be imported, for a PyTorch tensor the call
             writes that requires grad while grad mode is on (autograd could
             not record the write), and for a negative num_threads (the last

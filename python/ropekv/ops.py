@@ -17,7 +17,9 @@ Arguments, dtypes, errors and math are those of :func:`ropekv.rope_pool_fused`,
 options included, except that ``rope_scaling`` is given as JSON text
 (``json.dumps(config.rope_scaling)``: an operator schema has no dict type),
 and ``inplace`` / ``q_out`` / ``k_out`` do not exist (a custom op returns new
-tensors). CUDA tensors run on the current stream.
+tensors). CUDA tensors run on the current stream. PyTorch converts each
+argument to its schema type before ropekv sees it, so the function's type
+errors do not apply: ``is_neox=2`` arrives as True, ``rope_base=True`` as 1.0.
 """
 
 from __future__ import annotations

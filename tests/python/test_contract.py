@@ -643,6 +643,9 @@ def test_writable_memory_of_any_kind(rng):
      "fields 'factor' would mean nothing"),
     ("rope_scaling", {"rope_type": None, "factor": 8.0}, "rope_scaling has no 'rope_type' (or "
      "'type'), so its fields 'factor' would mean nothing"),
+    # (partial_rotary_factor and rope_theta are read without a type: not named)
+    ("rope_scaling", {"factor": 8.0, "partial_rotary_factor": 0.5}, "rope_scaling has no "
+     "'rope_type' (or 'type'), so its fields 'factor' would mean nothing"),
     ("inplace", "False", "inplace must be a bool, got 'False'"),
     ("inplace", 1, "inplace must be a bool, got 1"),
     ("inplace", np.array([True, True]), "inplace must be a bool, got "),
