@@ -828,7 +828,10 @@ def rope_pool_fused(
     ``slots[t] >= 0``: ``k_pool[slots[t]] = k_rot[t]`` and
     ``v_pool[slots[t]] = v[t]``; pool rows no token names are never touched.
     Every keyword after ``rope_base`` is optional and off by default; with
-    the defaults the call is exactly the original one.
+    the defaults the call is exactly the original one. See also
+    :func:`rope_inv_freq` (the frequencies and yarn attention factor a call
+    uses) and :mod:`ropekv.ops` (this call as the PyTorch operator
+    ``torch.ops.ropekv.rope_pool_fused``, for ``torch.compile``).
 
     Args:
         q: ``[T, num_qo_heads, head_dim]`` float16, bfloat16 or float32: the
@@ -946,14 +949,15 @@ def rope_pool_fused(
             rope_scaling type or missing field, a cos_sin_cache or norm
             weight of the wrong shape or dtype, a pool that does not match
             kv_cache_dtype, scales that are not finite and > 0, a yarn
-            attention factor, a scale or norm_eps beyond float32), for an array that is None (its rank
-            rule) or that cannot be imported, for a PyTorch tensor the call
-            writes that requires grad while grad mode is on (autograd could
-            not record the write), and for a negative num_threads (the last
-            check). A message names an output as it was passed: q_out /
-            k_out, or q / k with inplace=True (q_rot / k_rot for one ropekv
-            makes). Everything
-            is checked before the first write: a call that raises leaves
+            attention factor, a scale or norm_eps beyond float32), for an
+            array that is None (its rank rule) or that cannot be imported,
+            for a PyTorch tensor the call writes that requires grad while
+            grad mode is on (autograd could not record the write) or is an
+            inference tensor outside inference mode (as PyTorch's in-place
+            ops refuse it), and for a negative num_threads (the last check).
+            A message names an output as it was passed: q_out / k_out, or
+            q / k with inplace=True (q_rot / k_rot for one ropekv makes).
+            Everything is checked before the first write: a call that raises leaves
             every array as it was. On a GPU, an out-of-range slot (or a
             position outside cos_sin_cache) is skipped and raised only in
             checked mode (:func:`set_checked`).
