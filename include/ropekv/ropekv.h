@@ -29,7 +29,7 @@
 // of the named pool rows is written; nothing else is.
 //
 // Options, all off by default (RopeConfig and the optional tensors):
-//   is_neox = false     pairs (2i, 2i+1) instead of (i, i+half)
+//   is_neox             true by default; false: pairs (2i, 2i+1) instead of (i, i+half)
 //   rope_scaling        inv_freq of Hugging Face's linear / llama3 / yarn /
 //                       proportional scaling; yarn multiplies c and s by its
 //                       attention factor m: c = fp32(c * m), s = fp32(s * m)
@@ -75,7 +75,10 @@ enum class RopeScalingType {
 
 /// A `rope_scaling` entry of a Hugging Face config. The inverse frequencies
 /// are those of transformers' `_compute_{linear,llama3,yarn,proportional}_parameters`,
-/// evaluated in double and rounded once to fp32.
+/// evaluated in double and rounded once to fp32. With type kNone every field
+/// must keep its default: one set without a type is an Error (a factor so
+/// dropped would change every angle). A type ignores the fields it does not
+/// read, as transformers does.
 struct RopeScaling {
   RopeScalingType type = RopeScalingType::kNone;
   double factor = 1.0;           ///< linear, llama3, yarn, proportional: finite, > 0
@@ -124,12 +127,14 @@ inline constexpr uint8_t kDLCodeFloat8E4M3fn = 10;
 inline constexpr uint8_t kDLCodeFloat8E5M2 = 12;
 
 /// What the op computes. Defaults are the original call's: NeoX pairs over
-/// the whole head, frequencies from rope_base, pools of q's dtype.
+/// the whole head, frequencies from rope_base, pools of q's dtype. (The
+/// original has no default rope_base: set the model's rope_theta; 10000 is
+/// RoFormer's.)
 struct RopeConfig {
   int64_t head_dim = 0;      ///< D, elements per head; even, >= 2
   int64_t num_qo_heads = 0;  ///< Hq, query heads per token; >= 1
   int64_t num_kv_heads = 0;  ///< Hk, key/value heads per token; >= 1
-  double rope_base = 10000.0;  ///< RoPE theta; finite, > 0
+  double rope_base = 10000.0;  ///< RoPE theta; finite, > 0 (checked with a cos_sin_cache too)
   /// R, the leading dimensions of each head that rotate (partial rotary:
   /// Phi-2 rotates 32 of 80, GPT-NeoX 24 of 96); the rest are copied. Even,
   /// 2 <= R <= head_dim; 0 means head_dim.
@@ -186,7 +191,8 @@ struct RopePoolTensors {
   DLTensor k_rot;      ///< [T, Hk, D] same dtype as q, output (may be k itself)
   /// Optional [max_position, R] f32 or q's dtype, vLLM's layout: row p holds
   /// cos(p * inv_freq[i]) in columns [0, R/2) and the sines in [R/2, R).
-  /// Replaces rope_base; every position must be in [0, max_position).
+  /// Replaces the frequencies from rope_base (still checked); every position
+  /// must be in [0, max_position).
   /// (The optional members start zeroed, absent, so that `{q, k, ..., k_rot}`
   /// leaves them so without -Wmissing-field-initializers warnings.)
   DLTensor cos_sin_cache{};

@@ -442,10 +442,12 @@ TEST(Validate, PartialRotaryFactorOfOtherTypes) {
                                RopeScalingType::kLlama3, RopeScalingType::kYarn}) {
     VSpec s = valid_spec();
     s.cfg.rope_scaling.type = type;
-    s.cfg.rope_scaling.factor = 4.0;
-    s.cfg.rope_scaling.low_freq_factor = 1.0;
-    s.cfg.rope_scaling.high_freq_factor = 4.0;
-    s.cfg.rope_scaling.original_max_position_embeddings = 8192;
+    if (type != RopeScalingType::kNone) {  // (kNone: every field at its default)
+      s.cfg.rope_scaling.factor = 4.0;
+      s.cfg.rope_scaling.low_freq_factor = 1.0;
+      s.cfg.rope_scaling.high_freq_factor = 4.0;
+      s.cfg.rope_scaling.original_max_position_embeddings = 8192;
+    }
     EXPECT_NO_THROW(ropekv::validate(build(s, rng).tensors(), s.cfg)) << static_cast<int>(type);
     for (const auto& [p, text] : {std::pair{0.5, "0.5"}, {0.0, "0"}, {1.5, "1.5"}}) {
       s.cfg.rope_scaling.partial_rotary_factor = p;
@@ -455,6 +457,40 @@ TEST(Validate, PartialRotaryFactorOfOtherTypes) {
                                             "int(head_dim * partial_rotary_factor)");
     }
   }
+}
+
+// A field set while the type is kNone would be dropped (a factor so dropped
+// changes every angle): an Error naming the fields, as a typeless dict is in
+// Python. Each field alone, a NaN factor, and several at once.
+TEST(Validate, ScalingFieldsWithoutAType) {
+  std::mt19937_64 rng(test_seed());
+  VSpec s = valid_spec();
+  EXPECT_NO_THROW(ropekv::validate(build(s, rng).tensors(), s.cfg));
+  using Field = std::pair<const char*, void (*)(ropekv::RopeScaling&)>;
+  const Field fields[] = {
+      {"factor", [](ropekv::RopeScaling& r) { r.factor = 8.0; }},
+      {"factor", [](ropekv::RopeScaling& r) { r.factor = std::nan(""); }},
+      {"low_freq_factor", [](ropekv::RopeScaling& r) { r.low_freq_factor = 1.0; }},
+      {"high_freq_factor", [](ropekv::RopeScaling& r) { r.high_freq_factor = 4.0; }},
+      {"original_max_position_embeddings",
+       [](ropekv::RopeScaling& r) { r.original_max_position_embeddings = 8192; }},
+      {"beta_fast", [](ropekv::RopeScaling& r) { r.beta_fast = 0.0; }},
+      {"beta_slow", [](ropekv::RopeScaling& r) { r.beta_slow = 2.0; }},
+      {"attention_factor", [](ropekv::RopeScaling& r) { r.attention_factor = 1.0; }},
+      {"mscale", [](ropekv::RopeScaling& r) { r.mscale = 1.0; }},
+      {"mscale_all_dim", [](ropekv::RopeScaling& r) { r.mscale_all_dim = 1.0; }},
+      {"truncate", [](ropekv::RopeScaling& r) { r.truncate = false; }},
+  };
+  for (const auto& [name, set] : fields) {
+    s = valid_spec();
+    set(s.cfg.rope_scaling);
+    EXPECT_PREFIX(error_of(s), std::string("rope_scaling type is kNone, so its fields ") + name +
+                                   " would mean nothing: set rope_scaling.type");
+  }
+  s = valid_spec();
+  s.cfg.rope_scaling.factor = 8.0;
+  s.cfg.rope_scaling.mscale = 1.0;
+  EXPECT_PREFIX(error_of(s), "rope_scaling type is kNone, so its fields factor, mscale would");
 }
 
 // Factors the kernels apply in fp32 must be finite there, not only as doubles

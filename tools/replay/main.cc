@@ -1,7 +1,8 @@
 // ropekv-replay: replays an LLM serving workload through ropekv's fused
 // RoPE + KV-cache scatter, layer by layer, as an engine would, verifies every
-// result against ropekv::reference and reports the op's effective bandwidth
-// next to a memcpy of the same bytes. See tools/replay/README.md.
+// result against a float64 rotation of its own (and ropekv::reference),
+// reports the op's effective bandwidth next to a memcpy of the same bytes.
+// See tools/replay/README.md.
 #include <ropekv/ropekv.h>
 #include <unistd.h>
 
@@ -249,7 +250,7 @@ int main(int argc, char** argv) {
   CLI::App app{
       "ropekv-replay: replays an LLM serving workload through ropekv::rope_pool_fused, one call per "
       "layer per step, with continuous batching over a KV pool and chunked prefill; verifies every "
-      "result against ropekv::reference and reports the op's effective bandwidth (SPEC section 7) "
+      "result against a float64 rotation of its own (and ropekv::reference) and reports the op's effective bandwidth (SPEC section 7) "
       "next to a memcpy of the same bytes.\nWith no arguments: configs/llama-3.1-8b.json, a seeded "
       "synthetic run, bf16.",
       "ropekv-replay"};
@@ -278,7 +279,7 @@ int main(int argc, char** argv) {
                  "QK-norm (RMSNorm of each q and k head before RoPE, fused into the call): auto = as the "
                  "model's attention has it (Qwen3 and Qwen3.5 families, Gemma-3, LFM2, EXAONE-4 and more; "
                  "GLM-4.5 and Llama-4 with use_qk_norm: README), on = "
-                 "for any model, off = never; weights random per layer, eps the config's rms_norm_eps")
+                 "for any model, off = never; weights random per layer, eps the config's rms_norm_eps (else a per-model default: README)")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "on", "off"}));
   app.add_option("--k-scale", opt.k_scale, "fp8 pools: the per-tensor key scale (k_pool = encode(k_rot / "
@@ -316,7 +317,8 @@ int main(int argc, char** argv) {
   app.add_flag("--pad-decode", opt.pad_decode, "pad decode-only steps to CUDA-graph batch sizes "
                "(1, 2, 4, 8k) with tokens whose slot is -1 (not written)");
   app.add_option("--spot-checks", opt.spot_checks,
-                 "(layer, token, head) samples of q_rot and of k_rot checked against ropekv::reference::rope_head per step")
+                 "(layer, token, head) samples of q_rot and of k_rot checked per step against ropekv::reference::rope_head (unscaled frequencies) or the "
+                 "tool's float64 rotation")
       ->capture_default_str()
       ->check(CLI::Range(0, 1 << 20));
   app.add_flag("--check-all", opt.check_all, "check every element of q_rot and k_rot of every call");
