@@ -478,22 +478,12 @@ void check_rope_scaling(const RopeScaling& s) {
     case RopeScalingType::kNone: {
       // A field set without a type would be dropped, and a dropped factor
       // changes every angle: an error, as a typeless dict is in Python.
-      const RopeScaling d;
+      // (partial_rotary_factor: checked above, with its own message.)
       std::string set;
-      const auto note = [&set](bool differs, const char* name) {
-        if (differs) set += (set.empty() ? "" : ", ") + std::string(name);
-      };
-      note(!(s.factor == d.factor), "factor");  // (NaN differs too)
-      note(!(s.low_freq_factor == d.low_freq_factor), "low_freq_factor");
-      note(!(s.high_freq_factor == d.high_freq_factor), "high_freq_factor");
-      note(!(s.original_max_position_embeddings == d.original_max_position_embeddings),
-           "original_max_position_embeddings");
-      note(!(s.beta_fast == d.beta_fast), "beta_fast");
-      note(!(s.beta_slow == d.beta_slow), "beta_slow");
-      note(s.attention_factor.has_value(), "attention_factor");
-      note(!(s.mscale == d.mscale), "mscale");
-      note(!(s.mscale_all_dim == d.mscale_all_dim), "mscale_all_dim");
-      note(s.truncate != d.truncate, "truncate");
+      for_each_scaling_field(s, RopeScaling{}, [&set](const char* name, const auto& v,
+                                                      const auto& dflt) {
+        if (!(v == dflt)) set += (set.empty() ? "" : ", ") + std::string(name);  // (NaN differs)
+      });
       if (!set.empty())
         fail("rope_scaling type is kNone, so its fields " + set + " would mean nothing: set " +
              "rope_scaling.type (linear, llama3, yarn, proportional) or leave them at their " +

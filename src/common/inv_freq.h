@@ -11,6 +11,28 @@
 
 namespace ropekv {
 
+/// Calls f(name, field of a, field of b) for each field of RopeScaling but
+/// its type, in declaration order: the one list of them that FreqSpec's
+/// equality and validation's check of a typeless RopeScaling both read.
+template <class F>
+void for_each_scaling_field(const RopeScaling& a, const RopeScaling& b, F&& f) {
+  // (Twelve names, RopeScaling's fields: this stops compiling when one is
+  // added or removed, until the list below is brought in line.)
+  [[maybe_unused]] const auto& [type, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11] = a;
+  f("factor", a.factor, b.factor);
+  f("low_freq_factor", a.low_freq_factor, b.low_freq_factor);
+  f("high_freq_factor", a.high_freq_factor, b.high_freq_factor);
+  f("original_max_position_embeddings", a.original_max_position_embeddings,
+    b.original_max_position_embeddings);
+  f("beta_fast", a.beta_fast, b.beta_fast);
+  f("beta_slow", a.beta_slow, b.beta_slow);
+  f("attention_factor", a.attention_factor, b.attention_factor);
+  f("mscale", a.mscale, b.mscale);
+  f("mscale_all_dim", a.mscale_all_dim, b.mscale_all_dim);
+  f("truncate", a.truncate, b.truncate);
+  f("partial_rotary_factor", a.partial_rotary_factor, b.partial_rotary_factor);
+}
+
 /// Everything the frequency table depends on; equal specs give equal tables
 /// (the backends cache tables by it).
 struct FreqSpec {
@@ -19,15 +41,11 @@ struct FreqSpec {
   RopeScaling scaling;
 
   bool operator==(const FreqSpec& o) const {
-    const RopeScaling &a = scaling, &b = o.scaling;
-    return rope_base == o.rope_base && rotary_dim == o.rotary_dim && a.type == b.type &&
-           a.factor == b.factor && a.low_freq_factor == b.low_freq_factor &&
-           a.high_freq_factor == b.high_freq_factor &&
-           a.original_max_position_embeddings == b.original_max_position_embeddings &&
-           a.beta_fast == b.beta_fast && a.beta_slow == b.beta_slow &&
-           a.attention_factor == b.attention_factor && a.mscale == b.mscale &&
-           a.mscale_all_dim == b.mscale_all_dim && a.truncate == b.truncate &&
-           a.partial_rotary_factor == b.partial_rotary_factor;
+    bool same = rope_base == o.rope_base && rotary_dim == o.rotary_dim &&
+                scaling.type == o.scaling.type;
+    for_each_scaling_field(scaling, o.scaling,
+                           [&same](const char*, const auto& a, const auto& b) { same &= a == b; });
+    return same;
   }
   bool operator!=(const FreqSpec& o) const { return !(*this == o); }
 };
