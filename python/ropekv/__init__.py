@@ -883,8 +883,7 @@ def rope_pool_fused(
             given and must agree with it where it is (a dict of those two keys
             alone, without a type, is the default type). Unknown types,
             missing fields, a dict of scaling fields without a type, text
-            that is not JSON,
-            a rope_theta or partial_rotary_factor that disagrees,
+            that is not JSON, a rope_theta or partial_rotary_factor that disagrees,
             per-layer-type dicts and mrope_section (multimodal RoPE) raise
             ValueError; a key ropekv does not read is a UserWarning.
         cos_sin_cache: ``[max_position, R]`` float32 or q's dtype, vLLM's

@@ -250,7 +250,8 @@ int main(int argc, char** argv) {
   CLI::App app{
       "ropekv-replay: replays an LLM serving workload through ropekv::rope_pool_fused, one call per "
       "layer per step, with continuous batching over a KV pool and chunked prefill; verifies every "
-      "result against a float64 rotation of its own (and ropekv::reference) and reports the op's effective bandwidth (SPEC section 7) "
+      "result against a float64 rotation of its own (and ropekv::reference) and reports the op's "
+      "effective bandwidth (SPEC section 7) "
       "next to a memcpy of the same bytes.\nWith no arguments: configs/llama-3.1-8b.json, a seeded "
       "synthetic run, bf16.",
       "ropekv-replay"};
