@@ -10,6 +10,7 @@
 //   sanitize_driver --cold-options  the same for Llama with QK-norm and fp8 pools
 //                              (ROPEKV_DRIVER_OPTIONS: other options, any --cold*)
 //                              (ROPEKV_DRIVER_TOKENS: other T, e.g. 1,8,64)
+//                              (ROPEKV_DRIVER_SHAPES: other shapes, e.g. Gemma-4-full)
 //   sanitize_driver --cold-inplace  the same in place (q_rot, k_rot = q, k)
 //   sanitize_driver --cold-table    the same with a float32 cos_sin_cache (2^17 rows;
 //                              ROPEKV_DRIVER_TABLE=bf16: a bf16 one, q's dtype)
@@ -369,6 +370,9 @@ struct Shape {
 constexpr Shape kLlama{"Llama-3.1-8B", 32, 8, 128};
 constexpr Shape kShapes[] = {kLlama, {"Qwen2.5-7B", 28, 4, 128}, {"Gemma-2-9B", 16, 8, 256},
                              {"Phi-3-mini", 32, 32, 96}};
+// Shapes of --cold* only when named in ROPEKV_DRIVER_SHAPES: heads of 512
+// (Gemma-4's full-attention layers, 8 + 4; and 32 + 8).
+constexpr Shape kExtraShapes[] = {{"Gemma-4-full", 8, 4, 512}, {"heads-of-512-32/8", 32, 8, 512}};
 
 struct ModelCall {
   static constexpr int64_t P = 1 << 19;
@@ -552,7 +556,8 @@ void latency() {
 // positions and slots (fewer sets, cycled, where 50 would not fit in about
 // 1 GB), random positions and distinct random slots, the L2 flushed before
 // each replay. Every shape of kShapes at T = 1..8192 (with `options`: the
-// Llama shape with QK-norm and fp8 pools; with `inplace`: q_rot and k_rot are
+// Llama shape with QK-norm and fp8 pools; ROPEKV_DRIVER_SHAPES names others:
+// driver_shapes; with `inplace`: q_rot and k_rot are
 // q and k, as with inplace=True); run it with ROPEKV_CUDA_UNROLL=1|2|4|8 to
 // compare the kernel's steps per team.
 // ROPEKV_DRIVER_OPTIONS picks the options of --cold* calls (with any mode,
@@ -584,6 +589,30 @@ std::vector<int> driver_tokens() {
     c = *end == ',' ? end + 1 : end;
   }
   return ts;
+}
+
+// The shapes of --cold*: ROPEKV_DRIVER_SHAPES (a comma list of names of
+// kShapes and kExtraShapes), default kShapes, or Llama alone with options.
+std::vector<Shape> driver_shapes(int options) {
+  const char* e = std::getenv("ROPEKV_DRIVER_SHAPES");
+  if (e == nullptr)
+    return options ? std::vector<Shape>{kLlama} : std::vector<Shape>(std::begin(kShapes), std::end(kShapes));
+  std::vector<Shape> all(std::begin(kShapes), std::end(kShapes));
+  all.insert(all.end(), std::begin(kExtraShapes), std::end(kExtraShapes));
+  std::vector<Shape> out;
+  std::string list(e);
+  for (size_t at = 0; at <= list.size();) {
+    const size_t end = std::min(list.find(',', at), list.size());
+    const std::string name = list.substr(at, end - at);
+    const auto m = std::find_if(all.begin(), all.end(), [&](const Shape& s) { return name == s.name; });
+    if (m == all.end()) {
+      std::fprintf(stderr, "ROPEKV_DRIVER_SHAPES: unknown shape '%s'\n", name.c_str());
+      std::exit(2);
+    }
+    out.push_back(*m);
+    at = end + 1;
+  }
+  return out;
 }
 
 const char* options_name(int o) {
@@ -651,8 +680,7 @@ void cold(int options, bool inplace, bool table, bool interleaved) {
   const char* td = std::getenv("ROPEKV_DRIVER_TABLE");
   const bool table16 = table && td != nullptr && std::strcmp(td, "bf16") == 0;
   const DLDataType table_dt = table16 ? DLDataType{kDLBfloat, 16, 1} : DLDataType{kDLFloat, 32, 1};
-  for (const Shape& m : kShapes) {
-    if (options && m.name != kLlama.name) continue;
+  for (const Shape& m : driver_shapes(options)) {
     const char* sg = std::getenv("ROPEKV_CUDA_SPLIT_GRID");
     const char* st = std::getenv("ROPEKV_CUDA_SPLIT_TEAMS");
     const char* sm = std::getenv("ROPEKV_CUDA_SMALL_TOKENS");
