@@ -11,6 +11,8 @@
 # architecture, default 90. The library is built with the AVX2 CPU baseline
 # (scripts/cpu-baseline.sh); the driver links libhwy and OpenMP dynamically
 # (gpu-check.sh unpacks .gpudeps/ for libhwy where the GPU machine lacks it).
+# CUDA_FLAGS, if set, is the library's CMAKE_CUDA_FLAGS (a compile-time
+# choice to time, e.g. CUDA_FLAGS=-DROPEKV_X=0).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 SRC=$(cd "$1" && pwd)
@@ -18,7 +20,7 @@ OUT=$2
 ARCH=${3:-90}
 mkdir -p "$OUT"
 cmake -S "$SRC" -B "$OUT/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DCMAKE_CXX_FLAGS="$("$ROOT"/scripts/cpu-baseline.sh)" \
+  -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DCMAKE_CUDA_FLAGS="${CUDA_FLAGS:-}" -DCMAKE_CXX_FLAGS="$("$ROOT"/scripts/cpu-baseline.sh)" \
   -DROPEKV_BUILD_TESTS=OFF -DROPEKV_BUILD_TOOLS=OFF -DROPEKV_BUILD_BENCH=OFF \
   -DROPEKV_BUILD_PYTHON=OFF >/dev/null
 cmake --build "$OUT/build" --target ropekv -j"$(nproc)"

@@ -68,7 +68,10 @@
 #             versions of the library (scripts/driver-build.sh): AB_DRIVERS (paths,
 #             default build/ab/base/driver build/ab/new/driver), AB_RUNS
 #             alternations (2), AB_CASES (driver arguments, "ENV=VALUE+...:mode"
-#             items; not a default step)
+#             items; not a default step); then each cell's least time per
+#             driver and setting of the library's variables, side by side
+#             (bench/ab_summary.py). One driver with cases that differ only in
+#             such a variable times a run-time choice of one build
 #   abflags   two builds of this tree that differ only in CMAKE_CUDA_FLAGS
 #             (AB_FLAGS_A, AB_FLAGS_B, e.g. -DROPEKV_X=0), each installed in a
 #             folder of its own (/tmp/ab-A, /tmp/ab-B), then bench/gpu_bench.py
@@ -378,7 +381,7 @@ do_bench() {
   (cd /tmp && timeout "${BENCH_TIMEOUT:-560}" $PY "$ROOT/bench/gpu_bench.py" --out "$OUT" ${BENCH_ARGS:-})
 }
 
-do_ab() {
+ab_runs() {
   local i d case envs mode rc=0
   for i in $(seq "${AB_RUNS:-2}"); do
     for case in ${AB_CASES:---cold}; do
@@ -390,6 +393,13 @@ do_ab() {
       done
     done
   done
+  return $rc
+}
+
+do_ab() {  # (the runs, then their cells side by side: bench/ab_summary.py)
+  ab_runs | tee "$OUT/ab_runs.txt"
+  local rc=${PIPESTATUS[0]}
+  $PY "$ROOT/bench/ab_summary.py" "$OUT/ab_runs.txt" || rc=1
   return $rc
 }
 

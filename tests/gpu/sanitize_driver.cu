@@ -10,7 +10,8 @@
 //   sanitize_driver --cold-options  the same for Llama with QK-norm and fp8 pools
 //                              (ROPEKV_DRIVER_OPTIONS: other options, any --cold*)
 //                              (ROPEKV_DRIVER_TOKENS: other T, e.g. 1,8,64)
-//                              (ROPEKV_DRIVER_SHAPES: other shapes, e.g. Gemma-4-full)
+//                              (ROPEKV_DRIVER_SHAPES: other shapes, e.g. Gemma-4-full;
+//                              ROPEKV_DRIVER_DTYPE=f16: f16 data, else bf16)
 //   sanitize_driver --cold-inplace  the same in place (q_rot, k_rot = q, k)
 //   sanitize_driver --cold-table    the same with a float32 cos_sin_cache (2^17 rows;
 //                              ROPEKV_DRIVER_TABLE=bf16: a bf16 one, q's dtype)
@@ -374,6 +375,13 @@ constexpr Shape kShapes[] = {kLlama, {"Qwen2.5-7B", 28, 4, 128}, {"Gemma-2-9B", 
 // (Gemma-4's full-attention layers, 8 + 4; and 32 + 8).
 constexpr Shape kExtraShapes[] = {{"Gemma-4-full", 8, 4, 512}, {"heads-of-512-32/8", 32, 8, 512}};
 
+// The dtype of ModelCall's data: ROPEKV_DRIVER_DTYPE=f16, else bf16.
+DLDataType driver_dtype() {
+  const char* e = std::getenv("ROPEKV_DRIVER_DTYPE");
+  return e != nullptr && std::strcmp(e, "f16") == 0 ? DLDataType{kDLFloat, 16, 1}
+                                                    : DLDataType{kDLBfloat, 16, 1};
+}
+
 struct ModelCall {
   static constexpr int64_t P = 1 << 19;
   int T, Hq, Hk, D, pool_esize;
@@ -397,7 +405,7 @@ struct ModelCall {
     }
     CK(cudaMemcpy(dpos.ptr, pos.data(), dpos.bytes, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(dslot.ptr, slot.data(), dslot.bytes, cudaMemcpyHostToDevice));
-    const DLDataType dt{kDLBfloat, 16, 1}, it{kDLInt, 32, 1};
+    const DLDataType dt = driver_dtype(), it{kDLInt, 32, 1};
     t = ropekv::RopePoolTensors{view(q.ptr, dt, 3, sq, nullptr),  view(k.ptr, dt, 3, sk, nullptr),
                                 view(v.ptr, dt, 3, sk, nullptr),  view(dpos.ptr, it, 1, s1, nullptr),
                                 view(dslot.ptr, it, 1, s1, nullptr), view(kp.ptr, dt, 3, sp, nullptr),
@@ -685,8 +693,9 @@ void cold(int options, bool inplace, bool table, bool interleaved) {
     const char* st = std::getenv("ROPEKV_CUDA_SPLIT_TEAMS");
     const char* sm = std::getenv("ROPEKV_CUDA_SMALL_TOKENS");
     const char* sb = std::getenv("ROPEKV_CUDA_SMALL_THREADS");
-    std::printf("U=%s S=%s/%s small=%s/%s cold %-12s%s%s%s%s", u ? u : "auto",
-                sg ? sg : "auto", st ? st : "auto", sm ? sm : "auto", sb ? sb : "auto", m.name,
+    std::printf("U=%s S=%s/%s small=%s/%s cold%s %-12s%s%s%s%s", u ? u : "auto",
+                sg ? sg : "auto", st ? st : "auto", sm ? sm : "auto", sb ? sb : "auto",
+                driver_dtype().code == kDLFloat ? " f16" : "", m.name,
                 options_name(options), inplace ? " in place" : "",
                 table ? (table16 ? " cos_sin_cache bf16" : " cos_sin_cache f32") : "",
                 interleaved ? " interleaved" : "");

@@ -1,7 +1,8 @@
 """The CPU benchmark scripts that docs/performance.md cites still run against
 the current binding (a smoke test with tiny settings: no timing is checked),
-the GPU step's Nsight Compute reader sums what it reads, and the SASS
-load-order check finds data loads issued behind an index's widening."""
+the GPU step's Nsight Compute reader sums what it reads, the SASS
+load-order check finds data loads issued behind an index's widening, and the
+A/B step's summary takes each variant's least time."""
 
 from __future__ import annotations
 
@@ -88,3 +89,36 @@ def test_sass_load_order_finds_late_data_loads(tmp_path, order, late):
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == (1 if late else 0), out.stdout + out.stderr
     assert out.stdout.split()[:2] == ["LATE" if late else "ok", f"{late}/2"], out.stdout
+
+
+@pytest.mark.parametrize("drivers", [1, 2])
+def test_ab_summary_takes_each_variants_least_time(tmp_path, drivers):
+    # The ab step's log: two runs of two variants (a library variable with one
+    # driver, or two drivers), each timing two cells; a cell's row has each
+    # variant's least time over the runs and the ratio to the first variant.
+    rng = random.Random()
+    us = {(v, r, t): round(rng.uniform(1.0, 20.0), 2) for v in (0, 1) for r in (1, 2)
+          for t in (448, 496)}
+    cell = "ROPEKV_DRIVER_SHAPES=Gemma-4-full+ROPEKV_DRIVER_OPTIONS=norm+ROPEKV_DRIVER_TOKENS=448,496"
+    lines = []
+    for r in (1, 2):
+        for v in (0, 1):
+            driver, envs = (f"build/ab/v{v}/driver", cell) if drivers == 2 else \
+                ("build/ab/ow/driver", ("ROPEKV_CUDA_ONE_WAVE=0+" if v else "") + cell)
+            lines.append(f"== {driver} run {r} {envs} --cold-options")
+            lines.append("U=auto S=auto/auto small=auto/auto cold Gemma-4-full QK-norm" +
+                         "".join(f" | T={t} {us[(v, r, t)]:.2f} us 1000 GB/s" for t in (448, 496)))
+    path = tmp_path / "ab_runs.txt"
+    path.write_text("\n".join(lines) + "\n")
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "ab_summary.py"), str(path)],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    head = out.splitlines()[1].split(" | ")
+    want = ["build/ab/v0/driver", "build/ab/v1/driver"] if drivers == 2 else \
+        ["(none)", "ROPEKV_CUDA_ONE_WAVE=0"]
+    assert head[2:4] == want, out
+    rows = [line.split(" | ") for line in out.splitlines()[2:]]
+    assert [row[:2] for row in rows] == [["cold Gemma-4-full QK-norm", "448"],
+                                          ["cold Gemma-4-full QK-norm", "496"]], out
+    for row, t in zip(rows, (448, 496)):
+        a, b = (min(us[(v, 1, t)], us[(v, 2, t)]) for v in (0, 1))
+        assert row[2:] == [f"{a:.2f}", f"{b:.2f}", f"{b / a:.3f}"], out
