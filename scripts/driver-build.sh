@@ -20,7 +20,8 @@ OUT=$2
 ARCH=${3:-90}
 mkdir -p "$OUT"
 cmake -S "$SRC" -B "$OUT/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DCMAKE_CUDA_FLAGS="${CUDA_FLAGS:-}" -DCMAKE_CXX_FLAGS="$("$ROOT"/scripts/cpu-baseline.sh)" \
+  -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DCMAKE_CUDA_FLAGS="${CUDA_FLAGS:-}" \
+  -DCMAKE_CXX_FLAGS="$("$ROOT"/scripts/cpu-baseline.sh)" \
   -DROPEKV_BUILD_TESTS=OFF -DROPEKV_BUILD_TOOLS=OFF -DROPEKV_BUILD_BENCH=OFF \
   -DROPEKV_BUILD_PYTHON=OFF >/dev/null
 cmake --build "$OUT/build" --target ropekv -j"$(nproc)"

@@ -375,11 +375,11 @@ constexpr Shape kShapes[] = {kLlama, {"Qwen2.5-7B", 28, 4, 128}, {"Gemma-2-9B", 
 // (Gemma-4's full-attention layers, 8 + 4; and 32 + 8).
 constexpr Shape kExtraShapes[] = {{"Gemma-4-full", 8, 4, 512}, {"heads-of-512-32/8", 32, 8, 512}};
 
-// The dtype of ModelCall's data: ROPEKV_DRIVER_DTYPE=f16, else bf16.
+constexpr DLDataType kBf16{kDLBfloat, 16, 1};
+// The dtype of --cold*'s data: ROPEKV_DRIVER_DTYPE=f16, else bf16.
 DLDataType driver_dtype() {
   const char* e = std::getenv("ROPEKV_DRIVER_DTYPE");
-  return e != nullptr && std::strcmp(e, "f16") == 0 ? DLDataType{kDLFloat, 16, 1}
-                                                    : DLDataType{kDLBfloat, 16, 1};
+  return e != nullptr && std::strcmp(e, "f16") == 0 ? DLDataType{kDLFloat, 16, 1} : kBf16;
 }
 
 struct ModelCall {
@@ -389,8 +389,9 @@ struct ModelCall {
   int64_t sq[3], sk[3], sp[3], s1[1], sw[1];
   ropekv::RopePoolTensors t;
   ropekv::RopeConfig cfg;
-  // pool_rows: P, or fewer for a call whose pools are never used.
-  ModelCall(int T_, Shape m, int options = 0, int64_t pool_rows = P)
+  // pool_rows: P, or fewer for a call whose pools are never used; dt: the
+  // 16-bit dtype of q, k, v, q_rot, k_rot, the weights and pools of q's dtype.
+  ModelCall(int T_, Shape m, int options = 0, int64_t pool_rows = P, DLDataType dt = kBf16)
       : T(T_), Hq(m.Hq), Hk(m.Hk), D(m.D), pool_esize(pool_esize_of(options)), q(size_t(T_) * Hq * D * 2), k(size_t(T_) * Hk * D * 2),
         v(k.bytes), qr(q.bytes), kr(k.bytes), kp(size_t(pool_rows) * Hk * D * pool_esize),
         vp(kp.bytes), dpos(T_ * 4), dslot(T_ * 4), w(D * 2), sq{T_, Hq, D}, sk{T_, Hk, D},
@@ -405,7 +406,7 @@ struct ModelCall {
     }
     CK(cudaMemcpy(dpos.ptr, pos.data(), dpos.bytes, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(dslot.ptr, slot.data(), dslot.bytes, cudaMemcpyHostToDevice));
-    const DLDataType dt = driver_dtype(), it{kDLInt, 32, 1};
+    const DLDataType it{kDLInt, 32, 1};
     t = ropekv::RopePoolTensors{view(q.ptr, dt, 3, sq, nullptr),  view(k.ptr, dt, 3, sk, nullptr),
                                 view(v.ptr, dt, 3, sk, nullptr),  view(dpos.ptr, it, 1, s1, nullptr),
                                 view(dslot.ptr, it, 1, s1, nullptr), view(kp.ptr, dt, 3, sp, nullptr),
@@ -564,8 +565,8 @@ void latency() {
 // positions and slots (fewer sets, cycled, where 50 would not fit in about
 // 1 GB), random positions and distinct random slots, the L2 flushed before
 // each replay. Every shape of kShapes at T = 1..8192 (with `options`: the
-// Llama shape with QK-norm and fp8 pools; ROPEKV_DRIVER_SHAPES names others:
-// driver_shapes; with `inplace`: q_rot and k_rot are
+// Llama shape with QK-norm and fp8 pools; others: driver_shapes, tokens:
+// driver_tokens, f16 data: driver_dtype; with `inplace`: q_rot and k_rot are
 // q and k, as with inplace=True); run it with ROPEKV_CUDA_UNROLL=1|2|4|8 to
 // compare the kernel's steps per team.
 // ROPEKV_DRIVER_OPTIONS picks the options of --cold* calls (with any mode,
@@ -604,7 +605,8 @@ std::vector<int> driver_tokens() {
 std::vector<Shape> driver_shapes(int options) {
   const char* e = std::getenv("ROPEKV_DRIVER_SHAPES");
   if (e == nullptr)
-    return options ? std::vector<Shape>{kLlama} : std::vector<Shape>(std::begin(kShapes), std::end(kShapes));
+    return options ? std::vector<Shape>{kLlama}
+                   : std::vector<Shape>(std::begin(kShapes), std::end(kShapes));
   std::vector<Shape> all(std::begin(kShapes), std::end(kShapes));
   all.insert(all.end(), std::begin(kExtraShapes), std::end(kExtraShapes));
   std::vector<Shape> out;
@@ -612,7 +614,8 @@ std::vector<Shape> driver_shapes(int options) {
   for (size_t at = 0; at <= list.size();) {
     const size_t end = std::min(list.find(',', at), list.size());
     const std::string name = list.substr(at, end - at);
-    const auto m = std::find_if(all.begin(), all.end(), [&](const Shape& s) { return name == s.name; });
+    const auto m =
+        std::find_if(all.begin(), all.end(), [&](const Shape& s) { return name == s.name; });
     if (m == all.end()) {
       std::fprintf(stderr, "ROPEKV_DRIVER_SHAPES: unknown shape '%s'\n", name.c_str());
       std::exit(2);
@@ -704,7 +707,7 @@ void cold(int options, bool inplace, bool table, bool interleaved) {
     int64_t tab_shape[2] = {kRows, m.D};
     CK(cudaMemset(tab.ptr, 0x3c, tab.bytes));
     for (int T : driver_tokens()) {
-      ModelCall c(T, m, options);
+      ModelCall c(T, m, options, ModelCall::P, driver_dtype());
       c.cfg.is_neox = !interleaved;
       const auto sets = cold_sets(c, m, rng);  // inputs and outputs of each call
       const int n = static_cast<int>(sets.size());
