@@ -198,9 +198,10 @@ do_test() {
   # The whole suite took ~100 s on 2026-11-30 and 302 s on 2026-12-04 (the
   # small kernel's shape tests 14-18 s each, its wide QK-norm tests 9-10 s);
   # a run of the same day passed every test and was cut at 480 s in its
-  # summary: run this step in a call of its own.
+  # summary: run this step in a call of its own. One line a test (-v), so
+  # that a run cut by the call's limit names the test it was in.
   split_args "${TEST_ARGS:-}"
-  (cd /tmp && timeout 570 $PY -m pytest -q -p no:cacheprovider -rs --durations=12 "${ARGS[@]}" "$ROOT/tests/gpu")
+  (cd /tmp && timeout 570 $PY -m pytest -v -p no:cacheprovider -rs --durations=12 "${ARGS[@]}" "$ROOT/tests/gpu")
 }
 
 do_sanitize() {
