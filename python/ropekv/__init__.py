@@ -711,6 +711,18 @@ def _rope_base_field(rope_scaling: dict, key: str, proportional: bool = False) -
     return x
 
 
+def _rotary_dim_arg(rotary_dim: Any, head_dim: int) -> int:
+    """rotary_dim as the core takes it: None is 0, the core's "head_dim";
+    a 0 given is an error (the contract's range is [2, head_dim])."""
+    if rotary_dim is None:
+        return 0
+    r = _int_arg(rotary_dim, "rotary_dim")
+    if r == 0:
+        raise ValueError(f"rotary_dim must be even and in [2, head_dim], got 0 for head_dim "
+                         f"{head_dim}")
+    return r
+
+
 def _rotary_dim_for(theta: Optional[float], factor: Optional[float], rope_base: Any,
                     rotary_dim: Any, head_dim: Any) -> Any:
     """The rotary_dim a call uses, given the rope_theta and
@@ -888,10 +900,12 @@ def rope_pool_fused(
             ValueError; a key ropekv does not read is a UserWarning.
         cos_sin_cache: ``[max_position, R]`` float32 or q's dtype, vLLM's
             layout: row p is ``cos(p * inv_freq)`` in columns ``[0, R/2)``
-            and ``sin`` in ``[R/2, R)``. Used instead of rope_base (so any
-            scaling an engine computes works); excludes rope_scaling. Every
-            position must be in ``[0, max_position)``: ValueError on the CPU;
-            on a GPU the token is skipped and reported like a bad slot.
+            and ``sin`` in ``[R/2, R)``. Used instead of the frequencies
+            rope_base gives (so any scaling an engine computes works);
+            rope_base is still required and checked. Excludes rope_scaling.
+            Every position must be in ``[0, max_position)``: ValueError on
+            the CPU; on a GPU the token is skipped and reported like a bad
+            slot.
         inplace: a bool: rotate q and k in their own buffers and return
             them (q_out and k_out must then be None).
         q_out: optional preallocated ``[T, num_qo_heads, head_dim]`` output
@@ -900,13 +914,15 @@ def rope_pool_fused(
         kv_cache_dtype: pool format. ``"auto"`` (default): q's dtype.
             ``"float32"``: float32 pools for any input dtype (the exact value
             k_rot holds, widened). ``"fp8_e4m3"`` / ``"fp8_e5m2"``: 8-bit
-            pools (uint8 arrays, torch float8 tensors or ml_dtypes float8
-            arrays) holding ``fp8(k_rot / k_scale)`` and ``fp8(v / v_scale)``,
-            divided in fp32, rounded to nearest even and saturated to the
-            format's finite range (±448 E4M3, ±57344 E5M2), as vLLM stores
-            them; NaN is stored as 0x7F.
-        k_scale: per-tensor key scale of fp8 pools (finite, > 0).
-        v_scale: per-tensor value scale of fp8 pools (finite, > 0).
+            pools (uint8 arrays, torch or ml_dtypes ``float8_e4m3fn`` /
+            ``float8_e5m2`` arrays) holding ``fp8(k_rot / k_scale)`` and
+            ``fp8(v / v_scale)``, divided in fp32, rounded to nearest even
+            and saturated to the format's finite range (±448 E4M3, ±57344
+            E5M2), as vLLM stores them; NaN is stored as 0x7F.
+        k_scale: per-tensor key scale of fp8 pools (finite, > 0); any other
+            kv_cache_dtype takes only 1.0 (ValueError: ``k_scale/v_scale
+            apply to fp8 pools only``).
+        v_scale: per-tensor value scale of fp8 pools (the same rules).
         q_norm_weight: ``[head_dim]`` float32 or q's dtype: QK-norm (Qwen3,
             Gemma-3): RMSNorm over each query head, in fp32, before the
             rotation: ``x * w / sqrt(mean(x**2) + norm_eps)``. The weight
@@ -1096,16 +1112,14 @@ def rope_pool_fused(
 
     handle = (_stream_handle(stream) if stream is not None
               else 0 if type(q) is _np.ndarray else _default_stream(q))
+    head_dim = _int_arg(head_dim, "head_dim")
     common = (
-        _int_arg(head_dim, "head_dim"),
+        head_dim,
         _int_arg(num_qo_heads, "num_qo_heads"),
         _int_arg(num_kv_heads, "num_kv_heads"),
         _float_arg(rope_base, "rope_base"),
-        0 if rotary_dim is None else _int_arg(rotary_dim, "rotary_dim"),
+        _rotary_dim_arg(rotary_dim, head_dim),
     )
-    if rotary_dim is not None and common[4] == 0:  # (0 is the core's "head_dim")
-        raise ValueError(f"rotary_dim must be even and in [2, head_dim], got 0 for head_dim "
-                         f"{common[0]}")
     if is_neox is not True and is_neox is not False and not isinstance(is_neox, _np.bool_):
         raise ValueError(f"is_neox must be a bool, got {is_neox!r}")
     scaling = None
@@ -1173,7 +1187,9 @@ def rope_inv_freq(head_dim: int, rope_base: float, rotary_dim: Optional[int] = N
     Args:
         head_dim: D (even, >= 2).
         rope_base: RoPE theta, finite and > 0.
-        rotary_dim: R (even, <= head_dim); default head_dim.
+        rotary_dim: R (even, 2..head_dim); default head_dim, or
+            ``int(head_dim * partial_rotary_factor)`` of a rope_scaling that
+            holds one (but proportional), as in :func:`rope_pool_fused`.
         rope_scaling: a Hugging Face rope_scaling dict, as in
             :func:`rope_pool_fused`.
 
@@ -1189,7 +1205,7 @@ def rope_inv_freq(head_dim: int, rope_base: float, rotary_dim: Optional[int] = N
     """
     scaling, theta, partial = _rope_parameters(rope_scaling)
     rotary_dim = _rotary_dim_for(theta, partial, rope_base, rotary_dim, head_dim)
-    freq, factor = _ext.inv_freq(_int_arg(head_dim, "head_dim"), _float_arg(rope_base, "rope_base"),
-                                 0 if rotary_dim is None else _int_arg(rotary_dim, "rotary_dim"),
-                                 scaling)
+    head_dim = _int_arg(head_dim, "head_dim")
+    freq, factor = _ext.inv_freq(head_dim, _float_arg(rope_base, "rope_base"),
+                                 _rotary_dim_arg(rotary_dim, head_dim), scaling)
     return _np.asarray(freq, dtype=_np.float32), factor

@@ -416,6 +416,21 @@ def test_rope_parameters_inv_freq():
     assert bits(got) == bits(want)
 
 
+@pytest.mark.parametrize("rotary_dim", [0, 15, 18])
+def test_rope_inv_freq_takes_rotary_dim_as_the_call_does(rotary_dim):
+    """A rotary_dim the call rejects, 0 among them (not the core's "head_dim"
+    there), is the call's error in rope_inv_freq too; None is head_dim."""
+    D = 16
+    r = int(RNG.integers(1, D // 2 + 1)) * 2
+    got, _ = ropekv.rope_inv_freq(D, 1e4, r)
+    assert got.shape == (r // 2,)
+    assert bits(ropekv.rope_inv_freq(D, 1e4)[0]) == bits(ropekv.rope_inv_freq(D, 1e4, D)[0])
+    match = rf"^rotary_dim must be even and in \[2, head_dim\], got {rotary_dim} for head_dim {D}$"
+    with pytest.raises(ValueError, match=match):
+        ropekv.rope_inv_freq(D, 1e4, rotary_dim)
+    assert_rejected(match, rotary_dim=rotary_dim)
+
+
 @pytest.mark.parametrize("options,match", [
     (dict(rope_scaling={"rope_type": "default", "rope_theta": 1e6}),
      r"^rope_scaling has rope_theta 1000000.0 but rope_base is 10000.0: ropekv takes the base "
