@@ -26,7 +26,9 @@
 //   out[i+half] = x[i + half] * c + x[i] * s            (round to nearest even)
 //
 // Dimensions R..D-1 are copied unchanged. Every element of q_rot, k_rot and
-// of the named pool rows is written; nothing else is.
+// of the named pool rows is written; nothing else is. (On CUDA a token whose
+// slot is >= P loses its pool writes, one whose position is outside
+// cos_sin_cache all its writes; checked mode reports both: ExecOptions.)
 //
 // Options, all off by default (RopeConfig and the optional tensors):
 //   is_neox             true by default; false: pairs (2i, 2i+1) instead of (i, i+half)
@@ -36,12 +38,17 @@
 //   cos_sin_cache       c, s read from a [max_position, R] table at row pos
 //   q/k_norm_weight     x -> fp32(fp32(x * r) * w), r = 1/sqrt(mean(x^2) + eps)
 //                       over the whole head, in fp32, before the rotation
+//                       (RMSNorm, Zhang & Sennrich 2019, as transformers'
+//                       Qwen3 q_norm / k_norm apply it)
 //   kv_cache_dtype      pool rows hold encode(k_rot) and encode(v): exact
 //                       widening to float32, or fp8 of fp32(x / scale)
 //
-// Arrays are DLPack DLTensor views (any strides, in elements; strides == NULL
-// means compact row-major). Every check of the contract runs before the first
-// write: a call that throws ropekv::Error has changed nothing.
+// Arrays are DLPack DLTensor views (strides in elements, strides == NULL
+// meaning compact row-major; rejected: null data, misaligned bases, written
+// arrays that overlap themselves or another array). Every check of the
+// contract runs before the first write: a call whose checks throw
+// ropekv::Error has changed nothing. CUDA's checked mode and
+// check_device_errors throw it after the kernel ran, for what it skipped.
 #pragma once
 
 #include <dlpack/dlpack.h>
@@ -56,7 +63,9 @@ namespace ropekv {
 
 /// Thrown for every input that breaks the contract (bad shape, dtype, device,
 /// argument value or slot). The message starts with the exact text of the
-/// contract's error table. Nothing has been written when it is thrown.
+/// contract's error table. Nothing has been written when a call's checks
+/// throw it; CUDA's checked mode and check_device_errors throw it after the
+/// kernel ran, for the tokens it skipped.
 class Error : public std::invalid_argument {
  public:
   using std::invalid_argument::invalid_argument;
@@ -95,8 +104,8 @@ struct RopeScaling {
   /// else 1. Given or made, the factor must be finite and > 0 as a float32
   /// (the kernels apply it in fp32): a given 0 is an error.
   std::optional<double> attention_factor;
-  double mscale = 0.0;          ///< yarn (DeepSeek form), 0 = absent
-  double mscale_all_dim = 0.0;  ///< yarn (DeepSeek form), 0 = absent
+  double mscale = 0.0;          ///< yarn (DeepSeek form), finite; 0 = absent
+  double mscale_all_dim = 0.0;  ///< yarn (DeepSeek form), finite; 0 = absent
   bool truncate = true;         ///< yarn: floor/ceil the correction range
   /// proportional: the fraction p of the pairs that rotate, in [0, 1]; read
   /// by that type only, and any other type with a p other than 1 is an
@@ -150,8 +159,10 @@ struct RopeConfig {
   /// even and saturated to the format's largest finite value (NaN stays NaN),
   /// as vLLM's reshape_and_cache_flash stores it.
   KvCacheDtype kv_cache_dtype = KvCacheDtype::kAuto;
-  double k_scale = 1.0;  ///< fp8 pools only: per-tensor key scale, finite, > 0
-  double v_scale = 1.0;  ///< fp8 pools only: per-tensor value scale, finite, > 0
+  /// fp8 pools: per-tensor key scale, finite and > 0, as a float32 too (the
+  /// kernels divide in fp32); any other kv_cache_dtype takes only 1.0.
+  double k_scale = 1.0;
+  double v_scale = 1.0;  ///< fp8 pools: per-tensor value scale, as k_scale
   /// QK-norm (RMSNorm over each head, before the rotation) epsilon, used
   /// when q_norm_weight or k_norm_weight is given; finite (as a float32 too),
   /// >= 0.
@@ -209,15 +220,22 @@ struct RopePoolTensors {
 ///
 /// Throws ropekv::Error (a std::invalid_argument) with the contract's message
 /// for the first broken rule, before anything is written: shapes, dtypes,
-/// config values, devices, and on the CPU any slot >= P. On a GPU an
-/// out-of-range slot is skipped and reported by the checked mode instead.
+/// config values, devices, layouts, and on the CPU any slot >= P or position
+/// outside cos_sin_cache. On a GPU such a token is skipped and reported by
+/// the checked mode (after the launch) instead. A failing CUDA API call
+/// throws std::runtime_error, an allocation of the CPU backend's scratch
+/// std::bad_alloc.
 void rope_pool_fused(const RopePoolTensors& tensors, const RopeConfig& config,
                      const ExecOptions& options = {});
 
 /// Runs every check rope_pool_fused runs on the tensors and the config, and
 /// nothing else. Throws the same ropekv::Error; returns normally for a call
 /// that would succeed with the default ExecOptions. Not checked here: what
-/// ExecOptions add (num_threads >= 0; checked mode's repeated slots).
+/// ExecOptions add (num_threads >= 0; checked mode's repeated slots), and
+/// the CUDA backend's own checks at launch, before any write (the memory
+/// behind each pointer on its device; rotary_dim up to 12288, and for a
+/// QK-norm 2 * head_dim + rotary_dim below about 12000; heads and head_dim
+/// within 29 bits; the blocks of one launch).
 void validate(const RopePoolTensors& tensors, const RopeConfig& config);
 
 /// Checked mode of the CUDA backend. A kernel never writes outside the pool:

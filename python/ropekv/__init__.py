@@ -9,12 +9,13 @@ SIMD, OpenMP) and on NVIDIA GPUs (one CUDA launch).
 The math is NeoX / rotate-half RoPE (Su et al. 2021, "RoFormer"; as in
 GPT-NeoX, Hugging Face transformers and vLLM), with the angle an fp32 number::
 
-    inv_freq[i] = fp32(rope_base ** (-2 i / D))      (double, rounded once)
+    inv_freq[i] = fp32(rope_base ** (-2 i / R))      (double, rounded once)
     theta       = fp32(fp32(position) * inv_freq[i])
-    out[i]        = x[i] * cos(theta) - x[i + D/2] * sin(theta)
-    out[i + D/2]  = x[i + D/2] * cos(theta) + x[i] * sin(theta)
+    out[i]        = x[i] * cos(theta) - x[i + R/2] * sin(theta)
+    out[i + R/2]  = x[i + R/2] * cos(theta) + x[i] * sin(theta)
 
-computed in fp32 and rounded once to the output dtype.
+for i in [0, R/2), R the rotary_dim (default head_dim; dimensions R.. are
+copied), computed in fp32 and rounded once to the output dtype.
 """
 
 from __future__ import annotations
@@ -102,14 +103,25 @@ def is_checked() -> bool:
 
 
 def check_device_errors(device: int = 0, stream: Optional[Any] = None) -> None:
-    """Raises for out-of-range slots that CUDA calls on ``device`` skipped.
+    """Raises for the tokens that CUDA calls on ``device`` skipped.
 
     For unchecked CUDA calls (see :func:`set_checked`): synchronises
-    ``stream`` (a ``torch.cuda.Stream``, ``cupy.cuda.Stream`` or raw
-    ``cudaStream_t``; default the legacy default stream), reads and clears
-    the device's error flag, and raises the CPU's ``ValueError``
-    (``slots[i] = s is out of range for a pool of P rows ...``) if a call
-    since the last check skipped a token. A no-op in a build without CUDA.
+    ``stream``, reads and clears the device's error flag, and raises if a
+    call since the last check skipped a token. A no-op in a build without
+    CUDA, for a device no call has run on, and while ``stream`` is being
+    captured into a CUDA graph.
+
+    Args:
+        device: the CUDA device ordinal (an int, >= 0).
+        stream: a ``torch.cuda.Stream``, ``cupy.cuda.Stream`` or raw
+            ``cudaStream_t`` (int); default the legacy default stream.
+
+    Raises:
+        ValueError: the CPU's message for a skipped token (``slots[i] = s is
+            out of range for a pool of P rows ...``, or ``positions[i] = p is
+            outside cos_sin_cache ...``), or a device or stream that is not
+            an int or a stream.
+        RuntimeError: a CUDA API call failed.
     """
     _ext.check_device_errors(_int_arg(device, "device"), _stream_handle(stream))
 
@@ -860,8 +872,8 @@ def rope_pool_fused(
         v_pool: ``[P, num_kv_heads, head_dim]``, like k_pool: one layer's
             value cache, updated in place.
         head_dim: D, elements per head (even, >= 2).
-        num_qo_heads: number of query heads.
-        num_kv_heads: number of key/value heads.
+        num_qo_heads: number of query heads, >= 1.
+        num_kv_heads: number of key/value heads, >= 1.
         rope_base: RoPE theta (10000, 500000, 1e6, ...), finite and > 0.
         rotary_dim: R, the leading dimensions of each head that rotate
             (partial rotary: Phi-2 32 of 80, GPT-NeoX 24 of 96, GPT-J 64 of
@@ -909,8 +921,10 @@ def rope_pool_fused(
         inplace: a bool: rotate q and k in their own buffers and return
             them (q_out and k_out must then be None).
         q_out: optional preallocated ``[T, num_qo_heads, head_dim]`` output
-            for the rotated queries (else a new array is made); may be q.
-        k_out: optional preallocated output for the rotated keys; may be k.
+            of q's dtype for the rotated queries (else a new array is made);
+            may be q.
+        k_out: optional preallocated ``[T, num_kv_heads, head_dim]`` output
+            of q's dtype for the rotated keys; may be k.
         kv_cache_dtype: pool format. ``"auto"`` (default): q's dtype.
             ``"float32"``: float32 pools for any input dtype (the exact value
             k_rot holds, widened). ``"fp8_e4m3"`` / ``"fp8_e5m2"``: 8-bit
@@ -964,7 +978,10 @@ def rope_pool_fused(
             rope_scaling type or missing field, a cos_sin_cache or norm
             weight of the wrong shape or dtype, a pool that does not match
             kv_cache_dtype, scales that are not finite and > 0, a yarn
-            attention factor, a scale or norm_eps beyond float32), for an
+            attention factor, a scale or norm_eps beyond float32), for a
+            scalar argument of the wrong type (head_dim not an int, is_neox
+            or inplace not a bool, a kv_cache_dtype that is not one of its
+            names, a stream that is not a stream or an int), for an
             array that is None (its rank rule) or that cannot be imported,
             for a PyTorch tensor the call writes that requires grad while
             grad mode is on (autograd could not record the write) or is an
@@ -972,10 +989,14 @@ def rope_pool_fused(
             ops refuse it), and for a negative num_threads (the last check).
             A message names an output as it was passed: q_out / k_out, or
             q / k with inplace=True (q_rot / k_rot for one ropekv makes).
-            Everything is checked before the first write: a call that raises leaves
-            every array as it was. On a GPU, an out-of-range slot (or a
-            position outside cos_sin_cache) is skipped and raised only in
-            checked mode (:func:`set_checked`).
+            Everything is checked before the first write: a call whose
+            checks raise leaves every array as it was. On a GPU, an
+            out-of-range slot (or a position outside cos_sin_cache) is
+            skipped, and raised only in checked mode (:func:`set_checked`),
+            after the kernel ran.
+        RuntimeError: a CUDA API call failed.
+        MemoryError: q_rot / k_rot or the CPU backend's scratch could not be
+            allocated (PyTorch's out-of-memory error for a CUDA q_rot).
     """
     # Any option at all: the general path then runs the options' binding (which
     # also checks a norm_eps other than the default, as the fast path does).

@@ -17,7 +17,8 @@ Arguments, dtypes, errors and math are those of :func:`ropekv.rope_pool_fused`,
 options included, except that ``rope_scaling`` is given as JSON text
 (``json.dumps(config.rope_scaling)``: an operator schema has no dict type),
 and ``inplace`` / ``q_out`` / ``k_out`` do not exist (a custom op returns new
-tensors). CUDA tensors run on the current stream. PyTorch converts each
+tensors), nor do ``stream`` and ``num_threads``: CUDA tensors run on the
+current stream, the CPU on OpenMP's default threads. PyTorch converts each
 argument to its schema type before ropekv sees it, so the function's type
 errors do not apply: ``is_neox=2`` arrives as True, ``rope_base=True`` as 1.0.
 """
@@ -75,7 +76,8 @@ def rope_pool_fused(
     ``rope_scaling`` as JSON text (the optional tensors cos_sin_cache,
     q_norm_weight and k_norm_weight may also be passed by keyword). Returns ``(q_rot, k_rot)``; k_pool and
     v_pool are updated in place. Raises ValueError as
-    :func:`ropekv.rope_pool_fused` does.
+    :func:`ropekv.rope_pool_fused` does (and PyTorch's NotImplementedError
+    for tensors on a device other than the CPU or CUDA).
     """
     return torch.ops.ropekv.rope_pool_fused(
         q, k, v, positions, slots, k_pool, v_pool, cos_sin_cache, q_norm_weight,
