@@ -405,7 +405,8 @@ def _register_fast_torch(torch: Any, exchange_api: bool = True) -> bool:
     exchange_api is False: the tests run both ways) the type's DLPack C
     exchange API where torch has one (2.10 and later). Returns whether the
     fast path reads tensors through that API."""
-    fp8 = [(getattr(torch, name), code, 8) for name, code in _DL_FP8.items() if hasattr(torch, name)]
+    fp8 = [(getattr(torch, name), code, 8) for name, code in _DL_FP8.items()
+           if hasattr(torch, name)]
     table = [(torch.float32, _DL_FLOAT, 32), (torch.float16, _DL_FLOAT, 16),
              (torch.bfloat16, _DL_BFLOAT, 16), (torch.int32, _DL_INT, 32),
              (torch.int64, _DL_INT, 64), (torch.uint8, _DL_UINT, 8)] + fp8
@@ -668,7 +669,8 @@ def _rope_parameters(rope_scaling: Any, warn: bool = True) -> _RopeParameters:
         try:
             float(val)
         except OverflowError:  # an int beyond a double's range
-            raise ValueError(f"rope_scaling {key!r} is too large for a float, got {val!r}") from None
+            raise ValueError(f"rope_scaling {key!r} is too large for a float, "
+                             f"got {val!r}") from None
     g = values.get
     return ((float(_SCALING_TYPES[kind]), float(g("factor", 1.0)),
              float(g("low_freq_factor", 0.0)), float(g("high_freq_factor", 0.0)),
@@ -1066,8 +1068,8 @@ def rope_pool_fused(
                                  f"strided (dense) memory; pass {name}.to_dense()")
     if options:
         if kv_code is None:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, _KV_CACHE_DTYPES))}"
-                             f", got {kv_cache_dtype!r}")
+            names = ", ".join(map(repr, _KV_CACHE_DTYPES))
+            raise ValueError(f"kv_cache_dtype must be one of {names}, got {kv_cache_dtype!r}")
 
     # Outputs: made here (in the caller's framework) once q and k are 3-D;
     # otherwise passed as None and the core reports the rank error.

@@ -74,10 +74,10 @@ def rope_pool_fused(
     num_kv_heads, head_dim]`` of q's dtype (or of ``kv_cache_dtype``), all
     on one device; the options as in :func:`ropekv.rope_pool_fused`, with
     ``rope_scaling`` as JSON text (the optional tensors cos_sin_cache,
-    q_norm_weight and k_norm_weight may also be passed by keyword). Returns ``(q_rot, k_rot)``; k_pool and
-    v_pool are updated in place. Raises ValueError as
-    :func:`ropekv.rope_pool_fused` does (and PyTorch's NotImplementedError
-    for tensors on a device other than the CPU or CUDA).
+    q_norm_weight and k_norm_weight may also be passed by keyword). Returns
+    ``(q_rot, k_rot)``; k_pool and v_pool are updated in place. Raises
+    ValueError as :func:`ropekv.rope_pool_fused` does (and PyTorch's
+    NotImplementedError for tensors on a device other than the CPU or CUDA).
     """
     return torch.ops.ropekv.rope_pool_fused(
         q, k, v, positions, slots, k_pool, v_pool, cos_sin_cache, q_norm_weight,
