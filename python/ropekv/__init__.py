@@ -108,11 +108,12 @@ def check_device_errors(device: int = 0, stream: Optional[Any] = None) -> None:
     For unchecked CUDA calls (see :func:`set_checked`): synchronises
     ``stream``, reads and clears the device's error flag, and raises if a
     call since the last check skipped a token. A no-op in a build without
-    CUDA, for a device no call has run on, and while ``stream`` is being
-    captured into a CUDA graph.
+    CUDA, for a device no call has run on (or no device: a negative id, or
+    one beyond any), and while ``stream`` is being captured into a CUDA
+    graph.
 
     Args:
-        device: the CUDA device ordinal (an int, >= 0).
+        device: the CUDA device ordinal (an int).
         stream: a ``torch.cuda.Stream``, ``cupy.cuda.Stream`` or raw
             ``cudaStream_t`` (int); default the legacy default stream.
 
@@ -123,7 +124,10 @@ def check_device_errors(device: int = 0, stream: Optional[Any] = None) -> None:
             an int or a stream.
         RuntimeError: a CUDA API call failed.
     """
-    _ext.check_device_errors(_int_arg(device, "device"), _stream_handle(stream))
+    device = _int_arg(device, "device")
+    if not 0 <= device < 2 ** 31:  # (no such device: a no-op, as in C++)
+        return
+    _ext.check_device_errors(device, _stream_handle(stream))
 
 
 def has_cuda() -> bool:

@@ -97,3 +97,13 @@ def test_cuda_array_without_usable_cuda_raises_value_error():
     msg = str(info.value)
     assert msg.startswith("q ") or "CUDA backend" in msg, msg
     assert np.all(kp.host == 1) and np.all(qo.host == 1)
+
+
+@pytest.mark.parametrize("device", [0, -1, 2**31, 2**40])
+def test_check_device_errors_of_no_call_is_a_no_op(device):
+    """No CUDA call has run in this process (or the device does not exist):
+    nothing to report, whatever the id; a non-integer id is the ValueError
+    of every integer argument."""
+    assert ropekv.check_device_errors(device) is None
+    with pytest.raises(ValueError, match="device"):
+        ropekv.check_device_errors(float(device) + 0.5)
