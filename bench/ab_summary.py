@@ -31,7 +31,8 @@ def read(path):
             if m:
                 driver, rest = m.groups()
                 envs = rest.split()[:-1]  # (the last word is the mode)
-                knobs = [e for e in "+".join(envs).split("+") if e and not e.startswith("ROPEKV_DRIVER_")]
+                knobs = [e for e in "+".join(envs).split("+")
+                         if e and not e.startswith("ROPEKV_DRIVER_")]
                 variant = (driver, " ".join(knobs))
                 drivers.add(driver)
                 if variant not in variants:

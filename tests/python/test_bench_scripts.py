@@ -99,7 +99,8 @@ def test_ab_summary_takes_each_variants_least_time(tmp_path, drivers):
     rng = random.Random()
     us = {(v, r, t): round(rng.uniform(1.0, 20.0), 2) for v in (0, 1) for r in (1, 2)
           for t in (448, 496)}
-    cell = "ROPEKV_DRIVER_SHAPES=Gemma-4-full+ROPEKV_DRIVER_OPTIONS=norm+ROPEKV_DRIVER_TOKENS=448,496"
+    cell = ("ROPEKV_DRIVER_SHAPES=Gemma-4-full+ROPEKV_DRIVER_OPTIONS=norm"
+            "+ROPEKV_DRIVER_TOKENS=448,496")
     lines = []
     for r in (1, 2):
         for v in (0, 1):
