@@ -1711,6 +1711,18 @@ constexpr int kSmallMinBlocks =
         ? 5
         : 0;
 
+// Blocks of kSmallThreads an SM for the one-wave builds (kOneWave): 1536
+// threads, at most 42 registers each, which ptxas makes 40 (sm_90): 48 warps
+// an SM in blocks of 4 warps, against 40 for the builds of 48 registers. The
+// split float32-pool builds need no spills at 40; the QK-norm builds spill
+// 16-32 bytes a thread (ptxas -v).
+constexpr int kOneWaveMinBlocks = 6;
+// Whether a small-kernel build has a one-wave build (kOneWave): the wide
+// lanes of a QK-norm or of float32 pools, the builds of more than 40
+// registers (48-63; the plain and fp8 wide builds hold 40).
+template <int kN, bool kNorm, int kPools>
+constexpr bool kHasOneWave = kN != kSmallVec && (kNorm || kPools == kPoolsF32);
+
 // The kernel of small calls of 16-bit data (decode), full rotary; kTable:
 // cos/sin read from a cos_sin_cache; kInterleaved: GPT-J pairs (2i, 2i+1)
 // instead of NeoX (i, i + half); kNorm: a QK-norm (heads of L = 1..32 lanes,
@@ -1746,9 +1758,13 @@ constexpr int kSmallMinBlocks =
 // float32 table, Llama-3.1-8B T = 1 2.11 -> 1.99, T = 32 2.52 -> 2.15
 // (docs/performance.md, *Small calls*; bench/cuda_decode_probe.cu headpar
 // has the shapes it was chosen from).
+// kOneWave: the same code held to 40 registers (kOneWaveMinBlocks), a
+// second build of the wide lanes' QK-norm and float32-pool builds for the
+// grids that fit one wave only so (the launcher's one_wave_small).
 template <class T, bool kTable, bool kInterleaved, bool kNorm = false, int kPools = kPoolsSame,
-          int kN = kSmallVec, class P = SmallParams<kNorm, kPools>>
-__global__ void __launch_bounds__(kSmallThreads, kSmallMinBlocks<T, kN, kNorm, kPools>)
+          int kN = kSmallVec, class P = SmallParams<kNorm, kPools>, bool kOneWave = false>
+__global__ void __launch_bounds__(kSmallThreads, kOneWave ? kOneWaveMinBlocks
+                                                          : kSmallMinBlocks<T, kN, kNorm, kPools>)
     rope_pool_small_kernel(
     const __grid_constant__ P p) {
   static_assert(std::is_same<P, SmallParams<kNorm, kPools>>::value, "the build's parameters");
