@@ -227,7 +227,7 @@ struct Launch {
   bool pdl;  // launch with programmatic stream serialization
   unsigned int blocks_y = 1;  // the small kernel's 2-D grid and block
   unsigned int threads_y = 1;
-  long long work_warps = 0;  // the small kernel's warps with a head to take
+  bool full_blocks = false;  // the small kernel: every block holds threads_y heads
   int sms = 0;               // the device's SMs (the small kernel)
 };
 
@@ -285,23 +285,26 @@ int resident_blocks(const void* kernel, int threads, size_t smem) {
 }
 
 // Whether a wide-lane small-kernel call runs its build's one-wave build
-// (kOneWave, 40 registers) instead of `build` (48-63): when its warps with
-// a head to take need more than one wave of `build`'s blocks and fit one of
-// the one-wave build's. There the last blocks no longer wait for the first
-// to end; elsewhere the spills and the fewer registers cost (H100, cold L2,
-// the builds compiled so for every call: heads of 512 (8 + 4), T = 512,
-// 6144 warps, 40 / 48 an SM: float32 pools 10.24 -> 9.40 us, a QK-norm
-// with them 10.99 -> 10.18, a QK-norm 9.38 -> 9.02; at 1024 5-12 % slower,
-// Llama-3.1-8B's QK-norm at 256-8192 3-10 % slower; docs/performance.md,
-// *One wave for the wide lanes at 40 registers*). For tuning (read once):
-// ROPEKV_CUDA_ONE_WAVE=0 never, 1 always.
+// (kOneWave, 40 registers) instead of `build` (48): when its blocks, each
+// holding as many heads (a token's last block with fewer heads keeps its
+// block slot as long as a full one), need more than one wave of `build`'s
+// and fit one of the one-wave build's. There the last blocks no longer wait
+// for the first to end; elsewhere the spills and the smaller register budget
+// cost (H100, cold L2, the builds compiled so for every call: heads of 512
+// (8 + 4), T = 512, 1536 blocks of 4 warps, 10 / 12 an SM: float32 pools
+// 10.24 -> 9.40 us, a QK-norm with them 10.99 -> 10.18, a QK-norm 9.38 ->
+// 9.02; at 1024 5-12 % slower, Llama-3.1-8B's QK-norm at 256-8192 3-10 %
+// slower; docs/performance.md, *One wave for the wide lanes at 40
+// registers*). For tuning (read once): ROPEKV_CUDA_ONE_WAVE=0 never, 1
+// always.
 bool one_wave_small(const void* build, const void* one_wave, const Launch& l) {
   static const int64_t forced = env_count("ROPEKV_CUDA_ONE_WAVE", -1);
   if (forced >= 0) return forced != 0;
+  if (!l.full_blocks) return false;
   const int threads = l.threads * static_cast<int>(l.threads_y);
-  const long long warps = (threads + 31) / 32 * static_cast<long long>(l.sms);
-  return l.work_warps > resident_blocks(build, threads, l.smem) * warps &&
-         l.work_warps <= resident_blocks(one_wave, threads, l.smem) * warps;
+  const long long blocks = l.blocks * static_cast<long long>(l.blocks_y);
+  return blocks > static_cast<long long>(resident_blocks(build, threads, l.smem)) * l.sms &&
+         blocks <= static_cast<long long>(resident_blocks(one_wave, threads, l.smem)) * l.sms;
 }
 
 // The small kernel's build for a QK-norm or not (kNorm) and a pool format
@@ -827,10 +830,8 @@ void launch_small(Params& prm, const Problem& p, const DeviceState& st, int64_t 
   l.blocks_y = static_cast<unsigned int>(ceil_div(heads, per_block));
   l.threads = static_cast<int>(lanes);
   l.threads_y = static_cast<unsigned int>(per_block);
+  l.full_blocks = heads % per_block == 0;
   l.sms = st.sms;
-  // (The last block of a token may hold fewer heads; its empty warps end at once.)
-  const int64_t full = heads / per_block, rest = heads % per_block;
-  l.work_warps = p.num_tokens * (full * ceil_div(per_block * lanes, 32) + ceil_div(rest * lanes, 32));
   // The cos/sin of the token (not with a table), then with a QK-norm each
   // thread's sum of squares.
   l.smem = ((prm.cos_sin != nullptr ? 0 : p.rotary_dim) + (norm ? per_block * lanes : 0)) *

@@ -1715,13 +1715,16 @@ constexpr int kSmallMinBlocks =
 // threads, at most 42 registers each, which ptxas makes 40 (sm_90): 48 warps
 // an SM in blocks of 4 warps, against 40 for the builds of 48 registers. The
 // split float32-pool builds need no spills at 40; the QK-norm builds spill
-// 16-32 bytes a thread (ptxas -v).
+// 16-24 bytes a thread (ptxas -v).
 constexpr int kOneWaveMinBlocks = 6;
 // Whether a small-kernel build has a one-wave build (kOneWave): the wide
-// lanes of a QK-norm or of float32 pools, the builds of more than 40
-// registers (48-63; the plain and fp8 wide builds hold 40).
+// lanes of a QK-norm (pools of q's dtype, float32, fp8 of exact reciprocal
+// scales) or of float32 pools, the builds of 48 registers. Not the QK-norm
+// with dividing fp8 scales (63-64 registers, 32 bytes spilled at 40: not
+// measured), nor the plain and fp8 builds (40-42 registers).
 template <int kN, bool kNorm, int kPools>
-constexpr bool kHasOneWave = kN != kSmallVec && (kNorm || kPools == kPoolsF32);
+constexpr bool kHasOneWave =
+    kN != kSmallVec && (kNorm ? kPools != kPoolsFp8 : kPools == kPoolsF32);
 
 // The kernel of small calls of 16-bit data (decode), full rotary; kTable:
 // cos/sin read from a cos_sin_cache; kInterleaved: GPT-J pairs (2i, 2i+1)
