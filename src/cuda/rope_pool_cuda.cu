@@ -278,6 +278,7 @@ int resident_blocks(const void* kernel, int threads, size_t smem) {
   for (const auto& [k, n] : seen)
     if (k == key) return n;
   int n = 0;
+  RelaxedCapture relaxed;  // (the query may load the kernel: not stream work)
   check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem),
         "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   seen.emplace_back(key, n);
