@@ -573,15 +573,41 @@ void latency() {
 // e.g. a table with a QK-norm: --cold-table): a comma list of norm, fp8,
 // fp8div (fp8 pools with scales of inexact reciprocal) and f32 (float32
 // pools); --cold-options without it: norm,fp8.
+// The items of a comma list (an empty one for an empty string).
+std::vector<std::string> comma_items(const char* list) {
+  std::vector<std::string> out;
+  std::string item;
+  for (const char* c = list; *c != 0; ++c) {
+    if (*c != ',') {
+      item += *c;
+    } else {
+      out.push_back(item);
+      item.clear();
+    }
+  }
+  if (*list != 0) out.push_back(item);
+  return out;
+}
+
+// An unknown name in a ROPEKV_DRIVER_* list: the driver would time
+// something else than asked.
+[[noreturn]] void unknown_item(const char* variable, const std::string& item) {
+  std::fprintf(stderr, "%s: unknown item '%s'\n", variable, item.c_str());
+  std::exit(2);
+}
+
 int driver_options() {
   const char* e = std::getenv("ROPEKV_DRIVER_OPTIONS");
   if (e == nullptr) return kNormFp8;
-  const std::string list = std::string(",") + e + ",";
+  const std::pair<std::string, int> names[] = {
+      {"norm", kOptNorm}, {"fp8", kOptFp8}, {"fp8div", kOptFp8Div}, {"f32", kOptF32Pools}};
   int o = 0;
-  const std::pair<const char*, int> names[] = {
-      {",norm,", kOptNorm}, {",fp8,", kOptFp8}, {",fp8div,", kOptFp8Div}, {",f32,", kOptF32Pools}};
-  for (const auto& [name, bit] : names)
-    if (list.find(name) != std::string::npos) o |= bit;
+  for (const std::string& item : comma_items(e)) {
+    const auto n = std::find_if(std::begin(names), std::end(names),
+                                [&](const auto& x) { return x.first == item; });
+    if (n == std::end(names)) unknown_item("ROPEKV_DRIVER_OPTIONS", item);
+    o |= n->second;
+  }
   return o;
 }
 
@@ -590,12 +616,12 @@ std::vector<int> driver_tokens() {
   const char* e = std::getenv("ROPEKV_DRIVER_TOKENS");
   if (e == nullptr) return {1, 8, 16, 32, 64, 128, 256, 512, 2048, 8192};
   std::vector<int> ts;
-  for (const char* c = e; *c != 0;) {
+  for (const std::string& item : comma_items(e)) {
     char* end = nullptr;
-    const long t = std::strtol(c, &end, 10);
-    if (end == c) break;
-    if (t > 0) ts.push_back(static_cast<int>(t));
-    c = *end == ',' ? end + 1 : end;
+    const long t = std::strtol(item.c_str(), &end, 10);
+    if (item.empty() || *end != 0 || t <= 0 || t > INT32_MAX)
+      unknown_item("ROPEKV_DRIVER_TOKENS", item);
+    ts.push_back(static_cast<int>(t));
   }
   return ts;
 }
@@ -610,18 +636,11 @@ std::vector<Shape> driver_shapes(int options) {
   std::vector<Shape> all(std::begin(kShapes), std::end(kShapes));
   all.insert(all.end(), std::begin(kExtraShapes), std::end(kExtraShapes));
   std::vector<Shape> out;
-  std::string list(e);
-  for (size_t at = 0; at <= list.size();) {
-    const size_t end = std::min(list.find(',', at), list.size());
-    const std::string name = list.substr(at, end - at);
+  for (const std::string& item : comma_items(e)) {
     const auto m =
-        std::find_if(all.begin(), all.end(), [&](const Shape& s) { return name == s.name; });
-    if (m == all.end()) {
-      std::fprintf(stderr, "ROPEKV_DRIVER_SHAPES: unknown shape '%s'\n", name.c_str());
-      std::exit(2);
-    }
+        std::find_if(all.begin(), all.end(), [&](const Shape& s) { return item == s.name; });
+    if (m == all.end()) unknown_item("ROPEKV_DRIVER_SHAPES", item);
     out.push_back(*m);
-    at = end + 1;
   }
   return out;
 }
@@ -690,7 +709,7 @@ void cold(int options, bool inplace, bool table, bool interleaved) {
   constexpr int64_t kRows = 1 << 17;  // cos_sin_cache rows (positions are below)
   const char* td = std::getenv("ROPEKV_DRIVER_TABLE");
   const bool table16 = table && td != nullptr && std::strcmp(td, "bf16") == 0;
-  const DLDataType table_dt = table16 ? DLDataType{kDLBfloat, 16, 1} : DLDataType{kDLFloat, 32, 1};
+  const DLDataType table_dt = table16 ? kBf16 : DLDataType{kDLFloat, 32, 1};
   for (const Shape& m : driver_shapes(options)) {
     const char* sg = std::getenv("ROPEKV_CUDA_SPLIT_GRID");
     const char* st = std::getenv("ROPEKV_CUDA_SPLIT_TEAMS");
