@@ -288,14 +288,20 @@ int resident_blocks(const void* kernel, int threads, size_t smem) {
 // Whether a wide-lane small-kernel call runs its build's one-wave build
 // (kOneWave, 40 registers) instead of `build` (48): when its blocks, each
 // holding as many heads (a token's last block with fewer heads keeps its
-// block slot as long as a full one), need more than one wave of `build`'s
-// and fit one of the one-wave build's. There the last blocks no longer wait
-// for the first to end; elsewhere the spills and the smaller register budget
-// cost (H100, cold L2, the builds compiled so for every call: heads of 512
-// (8 + 4), T = 512, 1536 blocks of 4 warps, 10 / 12 an SM: float32 pools
-// 10.24 -> 9.40 us, a QK-norm with them 10.99 -> 10.18, a QK-norm 9.38 ->
-// 9.02; at 1024 5-12 % slower, Llama-3.1-8B's QK-norm at 256-8192 3-10 %
-// slower; docs/performance.md, *One wave for the wide lanes at 40
+// block slot as long as a full one), need more than 17/16 of a wave of
+// `build`'s and fit one wave of the one-wave build's. There the last blocks
+// no longer wait for the first to end; elsewhere the spills and the smaller
+// register budget cost (H100, cold L2, the builds compiled so for every
+// call: heads of 512 (8 + 4), T = 512, 1536 blocks of 4 warps, 10 / 12 an
+// SM: float32 pools 10.24 -> 9.40 us, a QK-norm with them 10.99 -> 10.18, a
+// QK-norm 9.38 -> 9.02; at 1024 5-12 % slower, Llama-3.1-8B's QK-norm at
+// 256-8192 3-10 % slower). Against ROPEKV_CUDA_ONE_WAVE=0 in the windows
+// (H100, cold L2): heads of 512 (8 + 4) at T = 496 and 528 (tails of 13 and
+// 20 % of a wave) 2-8 % faster with each option, heads of 512 (32 + 8) at
+// 148 and 158 5-7 %, Llama-3.1-8B's QK-norm at 600 and 656 within 0.4 %;
+// but just past a wave, T = 448 for 8 + 4 (a tail of 2 %: 2.5-6 % slower)
+// and 544 for Llama (3 %: 2 % slower), the one-wave build lost, hence the
+// 1/16 (docs/performance.md, *One wave for the wide lanes at 40
 // registers*). For tuning (read once): ROPEKV_CUDA_ONE_WAVE=0 never, 1
 // always.
 bool one_wave_small(const void* build, const void* one_wave, const Launch& l) {
@@ -304,7 +310,8 @@ bool one_wave_small(const void* build, const void* one_wave, const Launch& l) {
   if (!l.full_blocks) return false;
   const int threads = l.threads * static_cast<int>(l.threads_y);
   const long long blocks = l.blocks * static_cast<long long>(l.blocks_y);
-  return blocks > static_cast<long long>(resident_blocks(build, threads, l.smem)) * l.sms &&
+  const long long wave = static_cast<long long>(resident_blocks(build, threads, l.smem)) * l.sms;
+  return 16 * blocks > 17 * wave &&
          blocks <= static_cast<long long>(resident_blocks(one_wave, threads, l.smem)) * l.sms;
 }
 

@@ -1703,12 +1703,20 @@ constexpr bool kSplitLanes = kN != kSmallVec && kPools == kPoolsF32;
 // QK-norm + fp8 + yarn, H100, cold L2: T = 512 6.91 -> 5.96 us, 1024 12.04
 // -> 11.75, 256 4.21 -> 4.36 (docs/performance.md, *Five blocks an SM for
 // an f16 QK-norm with fp8 pools*). The builds already at 48 are left alone:
-// the bound changes their code and costs them up to 1 %.
+// the bound changes their code and costs them up to 1 %. Six for the wide
+// f16 build of fp8 pools alone (exact reciprocal scales): 42 registers
+// without it (40 warps an SM), 40 with it as in bf16 (48), no spills (ptxas
+// -v, sm_90). H100, cold L2, f16, fp8_e4m3 pools: T = 512 Llama-3.1-8B 6.22
+// -> 5.99 us, heads of 512 (8 + 4) 8.12 -> 7.37; at 1024 10.37 -> 10.23 and
+// 13.40 -> 13.68; 256 and 8192 within 0.3 % (docs/performance.md, *Six
+// blocks an SM for f16 fp8 pools*).
 template <class T, int kN, bool kNorm, int kPools>
 constexpr int kSmallMinBlocks =
     kSplitLanes<kN, kPools> ||
             (std::is_same<T, __half>::value && kN != kSmallVec && kNorm && kPools == kPoolsFp8Mul)
         ? 5
+    : std::is_same<T, __half>::value && kN != kSmallVec && !kNorm && kPools == kPoolsFp8Mul
+        ? 6
         : 0;
 
 // Blocks of kSmallThreads an SM for the one-wave builds (kOneWave): 1536

@@ -1742,15 +1742,16 @@ def one_wave_build(name):
 @cuda_only
 def test_small_kernel_one_wave_rule():
     """The wide lanes' one-wave builds (40 registers) where a call's blocks, all
-    holding as many heads, fit one wave only so: heads of 512 (8 + 4, three
-    blocks of 4 warps a token) with float32 pools, a QK-norm or both at
-    10 * SMs / 3 < T <= 12 * SMs / 3 (the builds of 48 registers hold 10 such
-    blocks an SM, the one-wave ones 12), checked against the float64
-    reference and the CPU; Llama-3.1-8B's QK-norm (two blocks of 20 heads, 5
-    warps: 8 against 10 an SM) at 4 * SMs < T <= 5 * SMs. The usual builds
-    below and above those windows, for the plain call (no one-wave build) and
-    for Llama-3.1-8B's float32 pools (blocks of 16 + 16 + 8 heads: not all
-    full)."""
+    holding as many heads, fit one wave only so and need more than 17/16 of
+    the usual build's: heads of 512 (8 + 4, three blocks of 4 warps a token)
+    with float32 pools, a QK-norm or both at 170 * SMs / 48 < T <= 12 * SMs / 3
+    (the builds of 48 registers hold 10 such blocks an SM, the one-wave ones
+    12), checked against the float64 reference and the CPU; Llama-3.1-8B's
+    QK-norm (two blocks of 20 heads, 5 warps: 8 against 10 an SM) at
+    68 * SMs / 16 < T <= 5 * SMs. The usual builds below and above those
+    windows (just past a wave of them, too), for the plain call (no one-wave
+    build) and for Llama-3.1-8B's float32 pools (blocks of 16 + 16 + 8 heads:
+    not all full)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("register counts measured for sm_90 (ptxas -v)")
     tuning = [v for v in ("ROPEKV_CUDA_ONE_WAVE", "ROPEKV_CUDA_SMALL_TOKENS",
@@ -1766,8 +1767,10 @@ def test_small_kernel_one_wave_rule():
     norm = dict(q_norm=torch.bfloat16, k_norm=torch.bfloat16)
     cases = [(inside, 8, 4, 512, f32, True), (inside, 8, 4, 512, dict(f32, **norm), True),
              (inside, 8, 4, 512, norm, True), (10 * sms // 3, 8, 4, 512, f32, False),
+             (10 * sms // 3 + 1, 8, 4, 512, f32, False),
              (12 * sms // 3 + 1, 8, 4, 512, f32, False), (inside, 8, 4, 512, {}, False),
              (9 * sms // 2, 32, 8, 128, norm, True), (4 * sms, 32, 8, 128, norm, False),
+             (4 * sms + 1, 32, 8, 128, norm, False),
              (5 * sms + 1, 32, 8, 128, norm, False), (9 * sms // 2, 32, 8, 128, f32, False)]
     for T, Hq, Hk, D, opts, want in cases:
         name = ran_kernel(T, Hq, Hk, D, torch.bfloat16, seed=T, **opts)
