@@ -6,7 +6,9 @@
 #  1. new against ow where the rules differ (a tail of 2-3 % of a wave) and
 #     where they agree, and f16 fp8 pools at T = 256..8192;
 #  2. heads of 512 with a cos_sin_cache: the table kernel against the small
-#     kernel (ROPEKV_CUDA_SMALL_TOKENS) at T = 256..4096, to place a limit;
+#     kernel (ROPEKV_CUDA_SMALL_TOKENS) at T = 256..4096, to place a limit,
+#     and against the table kernel's U = 2 build held to four blocks an SM
+#     (build/ab/tb: CUDA_FLAGS=-DROPEKV_AB_TABLE_U2_FOUR);
 #  3. then (TESTS=1) this tree built and its one-wave and options tests run.
 # Output: $OUT/{rule,table}/ab_runs.txt, the summaries printed.
 export PYTHONUNBUFFERED=1
@@ -25,7 +27,7 @@ OUT=$O/rule AB_DRIVERS="build/ab/ow/driver build/ab/new/driver" AB_RUNS=3 AB_CAS
   scripts/gpu-check.sh ab > /dev/null 2>&1
 echo "rule rc=$?"
 t="ROPEKV_DRIVER_SHAPES=$G,$W+ROPEKV_DRIVER_TOKENS=256,320,384,416,448,512,640,768,1024,1536,2048,4096"
-OUT=$O/table AB_DRIVERS=build/ab/new/driver AB_RUNS=2 AB_CASES="$t:--cold $t:--cold-table \
+OUT=$O/table AB_DRIVERS="build/ab/new/driver build/ab/tb/driver" AB_RUNS=2 AB_CASES="$t:--cold $t:--cold-table \
   ROPEKV_CUDA_SMALL_TOKENS=8192+$t:--cold-table" scripts/gpu-check.sh ab > /dev/null 2>&1
 echo "table rc=$?"
 python3 bench/ab_summary.py $O/rule/ab_runs.txt
