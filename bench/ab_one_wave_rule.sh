@@ -8,7 +8,8 @@
 #  2. heads of 512 with a cos_sin_cache: the table kernel against the small
 #     kernel (ROPEKV_CUDA_SMALL_TOKENS) at T = 256..4096, to place a limit,
 #     and against the table kernel's U = 2 build held to four blocks an SM
-#     (build/ab/tb: CUDA_FLAGS=-DROPEKV_AB_TABLE_U2_FOUR);
+#     (build/ab/tb: CUDA_FLAGS=-DROPEKV_AB_TABLE_U2_FOUR, a timing-only #ifdef
+#     not kept: docs/performance.md, *Heads of 512 with a cos_sin_cache*);
 #  3. then (TESTS=1) this tree built and its one-wave and options tests run.
 # Output: $OUT/{rule,table}/ab_runs.txt, the summaries printed.
 export PYTHONUNBUFFERED=1
