@@ -8,7 +8,8 @@
 #   test      tests/gpu (pytest, CUDA; TEST_ARGS adds pytest arguments, quoted as
 #             in a shell: TEST_ARGS='-k "small_kernel or options"')
 #   sanitize  compute-sanitizer memcheck, racecheck, initcheck and synccheck on
-#             small cases of every kernel variant (tests/gpu/sanitize_driver.cu)
+#             small cases of every kernel variant (tests/gpu/sanitize_driver.cu),
+#             then memcheck and racecheck with the one-wave builds forced
 #   sansuite  compute-sanitizer memcheck over the GPU pytest suite, racecheck and
 #             initcheck over its core tests (about 100 s on an H200)
 #   ncu       Nsight Compute on Llama-3.1-8B bf16 calls of T = 1, 64 and 8192
@@ -209,6 +210,12 @@ do_sanitize() {
   for tool in memcheck racecheck initcheck synccheck; do
     echo "--- compute-sanitizer --tool $tool"
     timeout 120 compute-sanitizer --tool "$tool" --error-exitcode 9 "$DRIVER" || rc=1
+  done
+  # The wide lanes' one-wave builds, which the rule gives few of the cases.
+  for tool in memcheck racecheck; do
+    echo "--- compute-sanitizer --tool $tool, ROPEKV_CUDA_ONE_WAVE=1"
+    ROPEKV_CUDA_ONE_WAVE=1 timeout 120 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      "$DRIVER" || rc=1
   done
   return $rc
 }

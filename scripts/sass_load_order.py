@@ -18,8 +18,11 @@ come after the first instruction that reads a 32-bit index register.
   nvdisasm -c /tmp/k.cubin > /tmp/k.sass
   scripts/sass_load_order.py /tmp/k.sass
 
-Exit status 1 when any build has a late vector load. nvdisasm comes with the
-CUDA toolkit (or pip's nvidia-cuda-nvdisasm).
+Exit status 1 when any build has a late vector load, but a one-wave build
+(kOneWave, 40 registers: ptxas holds some loads back for the registers, and
+these builds were timed so, docs/performance.md, *One wave for the wide lanes
+at 40 registers*), whose late loads are printed and not counted. nvdisasm
+comes with the CUDA toolkit (or pip's nvidia-cuda-nvdisasm).
 """
 
 import re
@@ -96,10 +99,12 @@ def main():
         if not m or m.group(2) == "1":
             continue
         late, n = late_loads(ins)
-        bad += late > 0
+        one_wave = "ParamsELb1E" in name
+        bad += late > 0 and not one_wave
         dtype = {"6__half": "f16", "13__nv_bfloat16": "bf16", "f": "f32"}.get(m.group(1), m.group(1))
         print(f"{'LATE' if late else 'ok  '} {late}/{n}  {dtype:4} interleaved={m.group(3)} "
-              f"norm={m.group(4)} pools={m.group(5)} N={m.group(6)}")
+              f"norm={m.group(4)} pools={m.group(5)} N={m.group(6)}"
+              f"{' one-wave (not counted)' if one_wave else ''}")
     return 1 if bad else 0
 
 

@@ -227,6 +227,8 @@ struct Launch {
   bool pdl;  // launch with programmatic stream serialization
   unsigned int blocks_y = 1;  // the small kernel's 2-D grid and block
   unsigned int threads_y = 1;
+  bool full_blocks = false;  // the small kernel: every block holds threads_y heads
+  int sms = 0;               // the device's SMs (the small kernel)
 };
 
 // The launch configuration of `l`. With l.pdl (Hopper and later), the kernel
@@ -260,6 +262,59 @@ void launch_as(const Params& prm, const Launch& l, cudaStream_t stream) {
         "launching the rope_pool kernel");
 }
 
+int64_t env_count(const char* name, int64_t fallback);
+
+// Blocks of `threads` threads and `smem` bytes of shared memory that an SM of
+// the current device holds of `kernel` (the occupancy API, once per such
+// kernel, block and device).
+int resident_blocks(const void* kernel, int threads, size_t smem) {
+  static std::mutex mutex;
+  static std::vector<std::pair<std::array<long long, 4>, int>> seen;
+  int device = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  const std::array<long long, 4> key{reinterpret_cast<long long>(kernel), threads,
+                                     static_cast<long long>(smem), device};
+  std::lock_guard<std::mutex> lock(mutex);
+  for (const auto& [k, n] : seen)
+    if (k == key) return n;
+  int n = 0;
+  RelaxedCapture relaxed;  // (the query may load the kernel: not stream work)
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem),
+        "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  seen.emplace_back(key, n);
+  return n;
+}
+
+// Whether a wide-lane small-kernel call runs its build's one-wave build
+// (kOneWave, 40 registers) instead of `build` (48): when its blocks, each
+// holding as many heads (a token's last block with fewer heads keeps its
+// block slot as long as a full one), need more than 17/16 of a wave of
+// `build`'s and fit one wave of the one-wave build's. There the last blocks
+// no longer wait for the first to end; elsewhere the spills and the smaller
+// register budget cost (H100, cold L2, the builds compiled so for every
+// call: heads of 512 (8 + 4), T = 512, 1536 blocks of 4 warps, 10 / 12 an
+// SM: float32 pools 10.24 -> 9.40 us, a QK-norm with them 10.99 -> 10.18, a
+// QK-norm 9.38 -> 9.02; at 1024 5-12 % slower, Llama-3.1-8B's QK-norm at
+// 256-8192 3-10 % slower). Against ROPEKV_CUDA_ONE_WAVE=0 in the windows
+// (H100, cold L2): heads of 512 (8 + 4) at T = 496 and 528 (tails of 13 and
+// 20 % of a wave) 2-8 % faster with each option, heads of 512 (32 + 8) at
+// 148 and 158 5-7 %, Llama-3.1-8B's QK-norm at 600 and 656 within 0.4 %;
+// but just past a wave, T = 448 for 8 + 4 (a tail of 2 %: 2.5-6 % slower)
+// and 544 for Llama (3 %: 2 % slower), the one-wave build lost, hence the
+// 1/16 (docs/performance.md, *One wave for the wide lanes at 40
+// registers*). For tuning (read once): ROPEKV_CUDA_ONE_WAVE=0 never, 1
+// always.
+bool one_wave_small(const void* build, const void* one_wave, const Launch& l) {
+  static const int64_t forced = env_count("ROPEKV_CUDA_ONE_WAVE", -1);
+  if (forced >= 0) return forced != 0;
+  if (!l.full_blocks) return false;
+  const int threads = l.threads * static_cast<int>(l.threads_y);
+  const long long blocks = l.blocks * static_cast<long long>(l.blocks_y);
+  const long long wave = static_cast<long long>(resident_blocks(build, threads, l.smem)) * l.sms;
+  return 16 * blocks > 17 * wave &&
+         blocks <= static_cast<long long>(resident_blocks(one_wave, threads, l.smem)) * l.sms;
+}
+
 // The small kernel's build for a QK-norm or not (kNorm) and a pool format
 // (kPools); prm: detail::SmallParams<kNorm, kPools>. Wide lanes (vec =
 // 2 * kSmallVec) have cos/sin computed, NeoX pairs or plain interleaved ones
@@ -285,10 +340,15 @@ void launch_small_as(const detail::SmallParams<kNorm, kPools>& prm, bool interle
       if (interleaved)  // (small_vec keeps interleaved pairs with options narrow)
         throw std::logic_error(
             "ropekv: interleaved options reached the small kernel's wide lanes");
-      return check(cudaLaunchKernelEx(
-                       &lc.cfg, rope_pool_small_kernel<T, false, false, kNorm, kPools, kWide>,
-                       prm),
-                   what);
+      using P = detail::SmallParams<kNorm, kPools>;
+      auto kernel = rope_pool_small_kernel<T, false, false, kNorm, kPools, kWide, P>;
+      if constexpr (detail::kHasOneWave<kWide, kNorm, kPools>) {
+        const auto one_wave = rope_pool_small_kernel<T, false, false, kNorm, kPools, kWide, P, true>;
+        if (one_wave_small(reinterpret_cast<const void*>(kernel),
+                           reinterpret_cast<const void*>(one_wave), l))
+          kernel = one_wave;
+      }
+      return check(cudaLaunchKernelEx(&lc.cfg, kernel, prm), what);
     }
   }
   const bool table = prm.cos_sin != nullptr;
@@ -778,6 +838,8 @@ void launch_small(Params& prm, const Problem& p, const DeviceState& st, int64_t 
   l.blocks_y = static_cast<unsigned int>(ceil_div(heads, per_block));
   l.threads = static_cast<int>(lanes);
   l.threads_y = static_cast<unsigned int>(per_block);
+  l.full_blocks = heads % per_block == 0;
+  l.sms = st.sms;
   // The cos/sin of the token (not with a table), then with a QK-norm each
   // thread's sum of squares.
   l.smem = ((prm.cos_sin != nullptr ? 0 : p.rotary_dim) + (norm ? per_block * lanes : 0)) *

@@ -1703,13 +1703,36 @@ constexpr bool kSplitLanes = kN != kSmallVec && kPools == kPoolsF32;
 // QK-norm + fp8 + yarn, H100, cold L2: T = 512 6.91 -> 5.96 us, 1024 12.04
 // -> 11.75, 256 4.21 -> 4.36 (docs/performance.md, *Five blocks an SM for
 // an f16 QK-norm with fp8 pools*). The builds already at 48 are left alone:
-// the bound changes their code and costs them up to 1 %.
+// the bound changes their code and costs them up to 1 %. Six for the wide
+// f16 build of fp8 pools alone (exact reciprocal scales): 42 registers
+// without it (40 warps an SM), 40 with it as in bf16 (48), no spills (ptxas
+// -v, sm_90). H100, cold L2, f16, fp8_e4m3 pools: T = 512 Llama-3.1-8B 6.22
+// -> 5.99 us, heads of 512 (8 + 4) 8.12 -> 7.37; at 1024 10.37 -> 10.23 and
+// 13.40 -> 13.68; 256 and 8192 within 0.3 % (docs/performance.md, *Six
+// blocks an SM for f16 fp8 pools*).
 template <class T, int kN, bool kNorm, int kPools>
 constexpr int kSmallMinBlocks =
     kSplitLanes<kN, kPools> ||
             (std::is_same<T, __half>::value && kN != kSmallVec && kNorm && kPools == kPoolsFp8Mul)
         ? 5
+    : std::is_same<T, __half>::value && kN != kSmallVec && !kNorm && kPools == kPoolsFp8Mul
+        ? 6
         : 0;
+
+// Blocks of kSmallThreads an SM for the one-wave builds (kOneWave): 1536
+// threads, at most 42 registers each, which ptxas makes 40 (sm_90): 48 warps
+// an SM in blocks of 4 warps, against 40 for the builds of 48 registers. The
+// split float32-pool builds need no spills at 40; the QK-norm builds spill
+// 16-24 bytes a thread (ptxas -v).
+constexpr int kOneWaveMinBlocks = 6;
+// Whether a small-kernel build has a one-wave build (kOneWave): the wide
+// lanes of a QK-norm (pools of q's dtype, float32, fp8 of exact reciprocal
+// scales) or of float32 pools, the builds of 48 registers. Not the QK-norm
+// with dividing fp8 scales (63-64 registers, 32 bytes spilled at 40: not
+// measured), nor the plain and fp8 builds (40-42 registers).
+template <int kN, bool kNorm, int kPools>
+constexpr bool kHasOneWave =
+    kN != kSmallVec && (kNorm ? kPools != kPoolsFp8 : kPools == kPoolsF32);
 
 // The kernel of small calls of 16-bit data (decode), full rotary; kTable:
 // cos/sin read from a cos_sin_cache; kInterleaved: GPT-J pairs (2i, 2i+1)
@@ -1746,9 +1769,13 @@ constexpr int kSmallMinBlocks =
 // float32 table, Llama-3.1-8B T = 1 2.11 -> 1.99, T = 32 2.52 -> 2.15
 // (docs/performance.md, *Small calls*; bench/cuda_decode_probe.cu headpar
 // has the shapes it was chosen from).
+// kOneWave: the same code held to 40 registers (kOneWaveMinBlocks), a
+// second build of the wide lanes' QK-norm and float32-pool builds for the
+// grids that fit one wave only so (the launcher's one_wave_small).
 template <class T, bool kTable, bool kInterleaved, bool kNorm = false, int kPools = kPoolsSame,
-          int kN = kSmallVec, class P = SmallParams<kNorm, kPools>>
-__global__ void __launch_bounds__(kSmallThreads, kSmallMinBlocks<T, kN, kNorm, kPools>)
+          int kN = kSmallVec, class P = SmallParams<kNorm, kPools>, bool kOneWave = false>
+__global__ void __launch_bounds__(kSmallThreads, kOneWave ? kOneWaveMinBlocks
+                                                          : kSmallMinBlocks<T, kN, kNorm, kPools>)
     rope_pool_small_kernel(
     const __grid_constant__ P p) {
   static_assert(std::is_same<P, SmallParams<kNorm, kPools>>::value, "the build's parameters");

@@ -1714,6 +1714,105 @@ def test_small_kernel_tuning_variables(env):
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
 
 
+def ran_kernel(T, Hq, Hk, D, dtype, **opts):
+    """The name of the one ropekv kernel that an options call runs (torch's
+    profiler)."""
+    import re
+    from torch.profiler import ProfilerActivity, profile
+    t, kw = options_case(T, Hq, Hk, D, dtype, **opts)
+    options_call(t, kw)  # (the first call makes the library's tables)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        options_call(t, kw)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if re.search(r"rope_pool_\w*kernel", e.name)]
+    assert len(names) == 1, f"T={T} {opts}: ropekv kernels seen: {names}"
+    return names[0]
+
+
+def one_wave_build(name):
+    """Whether a small-kernel name (ran_kernel) is of a one-wave build (its
+    last template argument, kOneWave, after the parameters' type)."""
+    import re
+    m = re.search(r"Params, (true|false)>", name)
+    assert m, f"not a small-kernel name: {name}"
+    return m.group(1) == "true"
+
+
+@cuda_only
+def test_small_kernel_one_wave_rule():
+    """The wide lanes' one-wave builds (40 registers) where a call's blocks, all
+    holding as many heads, fit one wave only so and need more than 17/16 of
+    the usual build's: heads of 512 (8 + 4, three blocks of 4 warps a token)
+    with float32 pools, a QK-norm or both at 170 * SMs / 48 < T <= 12 * SMs / 3
+    (the builds of 48 registers hold 10 such blocks an SM, the one-wave ones
+    12), checked against the float64 reference and the CPU; Llama-3.1-8B's
+    QK-norm (two blocks of 20 heads, 5 warps: 8 against 10 an SM) at
+    68 * SMs / 16 < T <= 5 * SMs. The usual builds below and above those
+    windows (just past a wave of them, too), for the plain call (no one-wave
+    build) and for Llama-3.1-8B's float32 pools (blocks of 16 + 16 + 8 heads:
+    not all full)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("register counts measured for sm_90 (ptxas -v)")
+    tuning = [v for v in ("ROPEKV_CUDA_ONE_WAVE", "ROPEKV_CUDA_SMALL_TOKENS",
+                          "ROPEKV_CUDA_SMALL_WIDE", "ROPEKV_CUDA_SMALL_THREADS",
+                          "ROPEKV_CUDA_NORM64_TOKENS") if v in os.environ]
+    if tuning:
+        pytest.skip(f"the library's rule is changed by {tuning}")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if 10 * sms // 3 <= 256:
+        pytest.skip(f"{sms} SMs: the window is below the wide lanes of float32 pools")
+    inside = 11 * sms // 3
+    f32 = dict(kv_cache_dtype="float32")
+    norm = dict(q_norm=torch.bfloat16, k_norm=torch.bfloat16)
+    cases = [(inside, 8, 4, 512, f32, True), (inside, 8, 4, 512, dict(f32, **norm), True),
+             (inside, 8, 4, 512, norm, True), (10 * sms // 3, 8, 4, 512, f32, False),
+             (10 * sms // 3 + 1, 8, 4, 512, f32, False),
+             (12 * sms // 3 + 1, 8, 4, 512, f32, False), (inside, 8, 4, 512, {}, False),
+             (9 * sms // 2, 32, 8, 128, norm, True), (4 * sms, 32, 8, 128, norm, False),
+             (4 * sms + 1, 32, 8, 128, norm, False),
+             (5 * sms + 1, 32, 8, 128, norm, False), (9 * sms // 2, 32, 8, 128, f32, False)]
+    for T, Hq, Hk, D, opts, want in cases:
+        name = ran_kernel(T, Hq, Hk, D, torch.bfloat16, seed=T, **opts)
+        assert "rope_pool_small_kernel" in name and one_wave_build(name) == want, \
+            f"T={T} ({Hq}, {Hk}, {D}) {opts}: ran {name}, one wave wanted: {want}"
+        if want:
+            run_options(T, Hq, Hk, D, torch.bfloat16, seed=T + 1, what=f"one wave T={T}", **opts)
+
+
+@cuda_only
+def test_small_kernel_one_wave_builds():
+    """Every one-wave build (ROPEKV_CUDA_ONE_WAVE=1: wherever the wide lanes of
+    a QK-norm or of float32 pools run, but a QK-norm with fp8 scales that
+    divide) against the float64 reference and the CPU: QK-norm with pools of
+    q's dtype, float32, fp8_e4m3 and fp8_e5m2, float32 pools alone (bf16),
+    heads of 128 and 512."""
+    code = textwrap.dedent("""
+        import sys, torch
+        sys.path.insert(0, %r)
+        import test_cuda as tc
+        norm = dict(q_norm=torch.bfloat16, k_norm=torch.bfloat16)
+        for dt in (torch.bfloat16, torch.float16):
+            cases = [dict(norm), dict(norm, kv_cache_dtype="float32"),
+                     dict(norm, kv_cache_dtype="fp8_e4m3", k_scale=0.5, v_scale=2.0),
+                     dict(norm, kv_cache_dtype="fp8_e5m2", k_scale=0.25, v_scale=4.0)]
+            if dt == torch.bfloat16:
+                cases.append(dict(kv_cache_dtype="float32"))
+            for opts in cases:
+                if dt == torch.float16:
+                    opts = dict(opts, q_norm=dt, k_norm=dt)
+                for (T, Hq, Hk, D) in ((300, 32, 8, 128), (257, 8, 4, 512)):
+                    name = tc.ran_kernel(T, Hq, Hk, D, dt, seed=T, **opts)
+                    assert tc.one_wave_build(name), f"{opts} T={T} D={D}: ran {name}"
+                    tc.run_options(T, Hq, Hk, D, dt, seed=T + 1, what=f"one wave {opts} D={D}",
+                                   **opts)
+        print("OK")
+    """) % os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, ROPEKV_CUDA_ONE_WAVE="1"))
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_options_float32_pools(dtype):
     for T in (1, 30, 3000):
