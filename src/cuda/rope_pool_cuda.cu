@@ -448,6 +448,7 @@ void launch_typed(const Params& prm, int vec, bool contig, int unroll, const Lau
 // T = 1..64 3.7-3.9 us at 1 step, 4.4-4.6 at 2; T = 512 6.2 us at 2, 7.4 at
 // 4). ROPEKV_CUDA_UNROLL=1|2|4|8 forces a value for the 16-byte kernels (for
 // tuning; read once).
+constexpr int64_t kTwoStepWork = 6144;  // team steps up to which plain calls take U = 2
 //
 // Calls with options take the options kernel compiled for one step up to
 // 2048 team steps: its code is a third of the kOptSteps kernel's, and a
@@ -526,15 +527,27 @@ bool small_weights_ok(const Weight& w, int64_t vec = detail::kSmallVec) {
 // against 35.2; Llama's heads of 16 lanes at 512: 7.16 against 6.66;
 // docs/performance.md, *Heads of 512: the QK-norm's head sum by shuffles*).
 // A QK-norm on those heads in narrow lanes takes the same 1024, within
-// narrow_norm64's own limits. For tuning (read once):
-// ROPEKV_CUDA_SMALL_TOKENS=N sets every limit (0: never).
-int64_t small_tokens(bool plain, bool wide, int64_t wide_lanes, bool norm_fp8, bool long_narrow) {
+// narrow_norm64's own limits. The same heads with a float32 cos_sin_cache
+// as their one option (table512) take 640 where, past 256, the table kernel
+// (table_kernel) would take them in four steps (more than kTwoStepWork team
+// steps: T * (Hq + 2 Hk) > 6144): each warp four heads in turn, too few
+// warps to hide the latency. Against the table kernel (H100, cold L2, bf16): 8 + 4 heads
+// T = 416 8.72 -> 7.77 us, 512 9.90 -> 8.85, 640 10.88 -> 10.49, but 768
+// 11.50 against 12.03; 32 + 8 heads T = 320 15.08 -> 14.05, 448 19.05 ->
+// 18.67, 512-640 within 1 %, 768 30.62 against 31.36; where the table
+// kernel takes two steps (8 + 4 heads at 320-384) it was 9-13 % the faster
+// (docs/performance.md, *Heads of 512 with a cos_sin_cache*; 16-bit tables
+// not measured). For tuning (read once): ROPEKV_CUDA_SMALL_TOKENS=N sets
+// every limit (0: never).
+int64_t small_tokens(bool plain, bool wide, int64_t wide_lanes, bool norm_fp8, bool long_narrow,
+                     bool table512) {
   static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_TOKENS", -1);
   if (forced >= 0) return forced;
   if (wide && (wide_lanes & (wide_lanes - 1)) == 0)
     return norm_fp8 ? INT_MAX : 8192;  // (INT_MAX: the grid's most blocks in x, one per token)
   if (wide) return 2048;
   if (long_narrow) return 1024;
+  if (table512) return 640;
   return plain ? 512 : 256;
 }
 
@@ -685,7 +698,7 @@ int choose_unroll(int64_t tokens, int64_t steps, int64_t vec_bytes, bool options
   const int64_t work = tokens * steps;
   if (options && work <= kOptionsOneStep) return 1;
   if (qk_norm) return work <= 8192 ? 2 : 4;
-  return work <= 6144 ? 2 : 4;
+  return work <= kTwoStepWork ? 2 : 4;
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -759,10 +772,15 @@ int64_t small_kernel(const Problem& p, int64_t esize, int sms) {
   const bool wide = vec != detail::kSmallVec;
   const int64_t norm_lanes = p.rotary_dim / 2 / vec;  // (a head's lanes at that vector width)
   const bool norm64 = narrow_norm64(p, sms, wide_ok);  // (two warps a head: norm_lanes 64)
+  // (The table kernel's steps: one a head, q, k or v, for 64 lanes of kSmallVec.)
+  const bool table512 = lanes == 64 && table_kernel(p, esize) &&
+                        cs.dtype == FloatType::kF32 &&
+                        p.num_tokens * (p.num_qo_heads + 2 * p.num_kv_heads) > kTwoStepWork;
   if (esize != 2 || p.rotary_dim != p.head_dim ||
       p.num_tokens > small_tokens(plain, wide, lanes / 2, norm && is_fp8(p.pool_type),
                                   cs.data == nullptr && p.is_neox && lanes == 64 &&
-                                      (norm64 || (!norm && p.pool_type == PoolType::kF32))) ||
+                                      (norm64 || (!norm && p.pool_type == PoolType::kF32)),
+                                  table512) ||
       forced_unroll() != 0 || lanes < 1 || lanes > 128 || p.num_qo_heads + p.num_kv_heads > 65535 ||
       (norm && ((norm_lanes > 32 && !norm64) || (norm_lanes & (norm_lanes - 1)) != 0 ||
                 !small_weights_ok(p.q_norm) ||

@@ -1520,6 +1520,9 @@ def test_small_kernel_routing():
     tokens, up to 8192, on heads of 128, 256 and 512; with f16 data the
     options kernel past 256 tokens, on heads of 512 narrow lanes up to 1024
     (as bf16 arrays that wide lanes cannot take, 8-byte aligned).
+    A float32 cos_sin_cache on heads of 512 (8 + 4): the table kernel from
+    257 tokens while it takes two steps (T * 16 <= 6144), then the small
+    kernel up to 640 tokens; a bf16 table the table kernel.
     Every other test passes on either kernel."""
     import re
     from torch.profiler import ProfilerActivity, profile
@@ -1609,7 +1612,14 @@ def test_small_kernel_routing():
               None),
              (1024, dict(D=512, H=(8, 4), kv_cache_dtype="float32", shift=4), small,
               ("false", "4", "4")),
-             (1025, dict(D=512, H=(8, 4), kv_cache_dtype="float32", shift=4), options, None)]
+             (1025, dict(D=512, H=(8, 4), kv_cache_dtype="float32", shift=4), options, None),
+             (257, dict(D=512, H=(8, 4), table_dtype=torch.float32), "rope_pool_kernel", None),
+             (384, dict(D=512, H=(8, 4), table_dtype=torch.float32), "rope_pool_kernel", None),
+             (385, dict(D=512, H=(8, 4), table_dtype=torch.float32), small, ("false", "3", "4")),
+             (640, dict(D=512, H=(8, 4), table_dtype=torch.float32), small, ("false", "3", "4")),
+             (641, dict(D=512, H=(8, 4), table_dtype=torch.float32), "rope_pool_kernel", None),
+             (448, dict(D=512, H=(8, 4), table_dtype=torch.bfloat16), "rope_pool_kernel", None),
+             (448, dict(table_dtype=torch.float32), "rope_pool_kernel", None)]
     for T, opts, want, build in cases:
         opts = dict(opts)
         Hq, Hk = opts.pop("H", (32, 8))
@@ -1632,6 +1642,19 @@ def test_small_kernel_routing():
             m = re.search(r"rope_pool_options_kernel<[^,]+, \d+, \w+, (\d+), \(?[\w:]*\)?(\d), "
                           r"(\w+)>", names[0])
             assert m and m.groups() == build, f"T={T} {opts}: ran {names[0]}, want {build}"
+
+
+def test_small_kernel_table_on_heads_of_512():
+    """Heads of 512 (8 + 4) with a float32 cos_sin_cache around the small
+    kernel's window where the table kernel would take four steps (385 to 640
+    tokens; test_small_kernel_routing names the kernels), against the float64
+    reference and the CPU, in place too, and with 32 + 8 heads (from 129
+    tokens)."""
+    for T in (384, 385, 640, 641):
+        run_options(T, 8, 4, 512, torch.bfloat16, seed=T, table_dtype=torch.float32,
+                    inplace=T == 640, what=f"table heads of 512 T={T}")
+    run_options(320, 32, 8, 512, torch.float16, seed=7, table_dtype=torch.float32,
+                what="table 32 + 8 heads of 512 T=320")
 
 
 @pytest.mark.parametrize("table", ["none", "float32"])
