@@ -343,7 +343,8 @@ void launch_small_as(const detail::SmallParams<kNorm, kPools>& prm, bool interle
       using P = detail::SmallParams<kNorm, kPools>;
       auto kernel = rope_pool_small_kernel<T, false, false, kNorm, kPools, kWide, P>;
       if constexpr (detail::kHasOneWave<kWide, kNorm, kPools>) {
-        const auto one_wave = rope_pool_small_kernel<T, false, false, kNorm, kPools, kWide, P, true>;
+        const auto one_wave =
+            rope_pool_small_kernel<T, false, false, kNorm, kPools, kWide, P, true>;
         if (one_wave_small(reinterpret_cast<const void*>(kernel),
                            reinterpret_cast<const void*>(one_wave), l))
           kernel = one_wave;
@@ -531,14 +532,15 @@ bool small_weights_ok(const Weight& w, int64_t vec = detail::kSmallVec) {
 // as their one option (table512) take 640 where, past 256, the table kernel
 // (table_kernel) would take them in four steps (more than kTwoStepWork team
 // steps: T * (Hq + 2 Hk) > 6144): each warp four heads in turn, too few
-// warps to hide the latency. Against the table kernel (H100, cold L2, bf16): 8 + 4 heads
-// T = 416 8.72 -> 7.77 us, 512 9.90 -> 8.85, 640 10.88 -> 10.49, but 768
-// 11.50 against 12.03; 32 + 8 heads T = 320 15.08 -> 14.05, 448 19.05 ->
-// 18.67, 512-640 within 1 %, 768 30.62 against 31.36; where the table
-// kernel takes two steps (8 + 4 heads at 320-384) it was 9-13 % the faster
-// (docs/performance.md, *Heads of 512 with a cos_sin_cache*; 16-bit tables
-// not measured). For tuning (read once): ROPEKV_CUDA_SMALL_TOKENS=N sets
-// every limit (0: never).
+// warps to hide the latency. Against the table kernel (H100, cold L2, bf16):
+// 8 + 4 heads T = 416 8.70 -> 7.74 us, 512 9.84 -> 8.79, 640 10.86 ->
+// 10.40, but 768 11.50 against 12.03; 32 + 8 heads T = 320 15.02 -> 13.98,
+// 448 18.89 -> 18.59, 512-640 within 0.5 %, 768 30.62 against 31.36; where
+// the table kernel takes two steps (8 + 4 heads at 320-384) it was 9-13 %
+// the faster, and at 385 (four steps, before its time jumps by 416) 6.88
+// against 7.35 (docs/performance.md, *Heads of 512 with a cos_sin_cache*,
+// *The table512 route*; 16-bit tables not measured). For tuning (read
+// once): ROPEKV_CUDA_SMALL_TOKENS=N sets every limit (0: never).
 int64_t small_tokens(bool plain, bool wide, int64_t wide_lanes, bool norm_fp8, bool long_narrow,
                      bool table512) {
   static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_TOKENS", -1);
