@@ -310,6 +310,7 @@ bool one_wave_small(const void* build, const void* one_wave, const Launch& l) {
   if (!l.full_blocks) return false;
   const int threads = l.threads * static_cast<int>(l.threads_y);
   const long long blocks = l.blocks * static_cast<long long>(l.blocks_y);
+  if (blocks <= l.sms) return false;  // (within a wave of any build: no occupancy query)
   const long long wave = static_cast<long long>(resident_blocks(build, threads, l.smem)) * l.sms;
   return 16 * blocks > 17 * wave &&
          blocks <= static_cast<long long>(resident_blocks(one_wave, threads, l.smem)) * l.sms;
@@ -450,7 +451,7 @@ void launch_typed(const Params& prm, int vec, bool contig, int unroll, const Lau
 // 4). ROPEKV_CUDA_UNROLL=1|2|4|8 forces a value for the 16-byte kernels (for
 // tuning; read once).
 constexpr int64_t kTwoStepWork = 6144;  // team steps up to which plain calls take U = 2
-//
+
 // Calls with options take the options kernel compiled for one step up to
 // 2048 team steps: its code is a third of the kOptSteps kernel's, and a
 // decode call fetches its instructions cold (Nsight Compute's stall sampling
@@ -529,7 +530,8 @@ bool small_weights_ok(const Weight& w, int64_t vec = detail::kSmallVec) {
 // docs/performance.md, *Heads of 512: the QK-norm's head sum by shuffles*).
 // A QK-norm on those heads in narrow lanes takes the same 1024, within
 // narrow_norm64's own limits. The same heads with a float32 cos_sin_cache
-// as their one option (table512) take 640 where, past 256, the table kernel
+// as their one option (table512), at most 40 of them (q and kv: 12 and 40
+// were measured), take 640 where, past 256, the table kernel
 // (table_kernel) would take them in four steps (more than kTwoStepWork team
 // steps: T * (Hq + 2 Hk) > 6144): each warp four heads in turn, too few
 // warps to hide the latency. Against the table kernel (H100, cold L2, bf16):
@@ -539,8 +541,8 @@ bool small_weights_ok(const Weight& w, int64_t vec = detail::kSmallVec) {
 // the table kernel takes two steps (8 + 4 heads at 320-384) it was 9-13 %
 // the faster, and at 385 (four steps, before its time jumps by 416) 6.88
 // against 7.35 (docs/performance.md, *Heads of 512 with a cos_sin_cache*,
-// *The table512 route*; 16-bit tables not measured). For tuning (read
-// once): ROPEKV_CUDA_SMALL_TOKENS=N sets every limit (0: never).
+// *The table512 route*; bf16 data timed, 16-bit tables not). For tuning
+// (read once): ROPEKV_CUDA_SMALL_TOKENS=N sets every limit (0: never).
 int64_t small_tokens(bool plain, bool wide, int64_t wide_lanes, bool norm_fp8, bool long_narrow,
                      bool table512) {
   static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_TOKENS", -1);
@@ -776,7 +778,7 @@ int64_t small_kernel(const Problem& p, int64_t esize, int sms) {
   const bool norm64 = narrow_norm64(p, sms, wide_ok);  // (two warps a head: norm_lanes 64)
   // (The table kernel's steps: one a head, q, k or v, for 64 lanes of kSmallVec.)
   const bool table512 = lanes == 64 && table_kernel(p, esize) &&
-                        cs.dtype == FloatType::kF32 &&
+                        cs.dtype == FloatType::kF32 && p.num_qo_heads + p.num_kv_heads <= 40 &&
                         p.num_tokens * (p.num_qo_heads + 2 * p.num_kv_heads) > kTwoStepWork;
   if (esize != 2 || p.rotary_dim != p.head_dim ||
       p.num_tokens > small_tokens(plain, wide, lanes / 2, norm && is_fp8(p.pool_type),

@@ -1729,7 +1729,7 @@ constexpr int kOneWaveMinBlocks = 6;
 // lanes of a QK-norm (pools of q's dtype, float32, fp8 of exact reciprocal
 // scales) or of float32 pools, the builds of 48 registers. Not the QK-norm
 // with dividing fp8 scales (63-64 registers, 32 bytes spilled at 40: not
-// measured), nor the plain and fp8 builds (40-42 registers).
+// measured), nor the plain and fp8 builds (40 registers).
 template <int kN, bool kNorm, int kPools>
 constexpr bool kHasOneWave =
     kN != kSmallVec && (kNorm ? kPools != kPoolsFp8 : kPools == kPoolsF32);

@@ -1522,7 +1522,8 @@ def test_small_kernel_routing():
     (as bf16 arrays that wide lanes cannot take, 8-byte aligned).
     A float32 cos_sin_cache on heads of 512 (8 + 4): the table kernel from
     257 tokens while it takes two steps (T * 16 <= 6144), then the small
-    kernel up to 640 tokens; a bf16 table the table kernel.
+    kernel up to 640 tokens (32 + 8 heads too); a bf16 table, or more than 40
+    heads (40 + 8), the table kernel.
     Every other test passes on either kernel."""
     import re
     from torch.profiler import ProfilerActivity, profile
@@ -1619,6 +1620,8 @@ def test_small_kernel_routing():
              (640, dict(D=512, H=(8, 4), table_dtype=torch.float32), small, ("false", "3", "4")),
              (641, dict(D=512, H=(8, 4), table_dtype=torch.float32), "rope_pool_kernel", None),
              (448, dict(D=512, H=(8, 4), table_dtype=torch.bfloat16), "rope_pool_kernel", None),
+             (320, dict(D=512, table_dtype=torch.float32), small, ("false", "3", "4")),
+             (320, dict(D=512, H=(40, 8), table_dtype=torch.float32), "rope_pool_kernel", None),
              (448, dict(table_dtype=torch.float32), "rope_pool_kernel", None)]
     for T, opts, want, build in cases:
         opts = dict(opts)
