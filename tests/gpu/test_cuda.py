@@ -1526,7 +1526,6 @@ def test_small_kernel_routing():
     heads (40 + 8), the table kernel.
     Every other test passes on either kernel."""
     import re
-    from torch.profiler import ProfilerActivity, profile
     norm = dict(q_norm=torch.float32, k_norm=torch.bfloat16)
     norm16 = dict(q_norm=torch.bfloat16, k_norm=torch.bfloat16)
     small, options = "rope_pool_small_kernel", "rope_pool_options_kernel"
@@ -1627,24 +1626,17 @@ def test_small_kernel_routing():
         opts = dict(opts)
         Hq, Hk = opts.pop("H", (32, 8))
         dt = opts.pop("dtype", torch.bfloat16)
-        t, kw = options_case(T, Hq, Hk, opts.pop("D", 128), dt, **opts)
-        options_call(t, kw)  # (the first call makes the library's tables)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            options_call(t, kw)
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events() if re.search(r"rope_pool_\w*kernel", e.name)]
-        assert len(names) == 1, f"T={T} {opts}: ropekv kernels seen: {names}"
-        assert want in names[0], f"T={T} {opts}: ran {names[0]}, want {want}"
+        name = ran_kernel(T, Hq, Hk, opts.pop("D", 128), dt, **opts)
+        assert want in name, f"T={T} {opts}: ran {name}, want {want}"
         if build is not None and want == small:  # kNorm, kPools (and kN)
             m = re.search(r"rope_pool_small_kernel<[^,]+, \w+, \w+, (\w+), \(?[\w:]*\)?(\d), "
-                          r"\(?[\w:]*\)?(\d)", names[0])
+                          r"\(?[\w:]*\)?(\d)", name)
             assert m and m.groups()[:len(build)] == build, \
-                f"T={T} {opts}: ran {names[0]}, want {build}"
+                f"T={T} {opts}: ran {name}, want {build}"
         elif build is not None:  # U, kPools, kNorm
             m = re.search(r"rope_pool_options_kernel<[^,]+, \d+, \w+, (\d+), \(?[\w:]*\)?(\d), "
-                          r"(\w+)>", names[0])
-            assert m and m.groups() == build, f"T={T} {opts}: ran {names[0]}, want {build}"
+                          r"(\w+)>", name)
+            assert m and m.groups() == build, f"T={T} {opts}: ran {name}, want {build}"
 
 
 def test_small_kernel_table_on_heads_of_512():
