@@ -1766,8 +1766,9 @@ def test_small_kernel_one_wave_rule():
     (the builds of 48 registers hold 10 such blocks an SM, the one-wave ones
     12), checked against the float64 reference and the CPU; Llama-3.1-8B's
     QK-norm (two blocks of 20 heads, 5 warps: 8 against 10 an SM) at
-    68 * SMs / 16 < T <= 5 * SMs. The usual builds below and above those
-    windows (just past a wave of them, too), for the plain call (no one-wave
+    68 * SMs / 16 < T <= 5 * SMs; each window's first and last T and the T
+    before it. The usual builds below and above those windows (just past a
+    wave of them, too), for the plain call (no one-wave
     build) and for Llama-3.1-8B's float32 pools (blocks of 16 + 16 + 8 heads:
     not all full)."""
     if torch.cuda.get_device_capability()[0] != 9:
@@ -1788,6 +1789,10 @@ def test_small_kernel_one_wave_rule():
              (10 * sms // 3 + 1, 8, 4, 512, f32, False),
              (12 * sms // 3 + 1, 8, 4, 512, f32, False), (inside, 8, 4, 512, {}, False),
              (9 * sms // 2, 32, 8, 128, norm, True), (4 * sms, 32, 8, 128, norm, False),
+             # each window's edges: the last T below it, its first and its last
+             (170 * sms // 48, 8, 4, 512, f32, False), (170 * sms // 48 + 1, 8, 4, 512, f32, True),
+             (4 * sms, 8, 4, 512, f32, True), (68 * sms // 16, 32, 8, 128, norm, False),
+             (68 * sms // 16 + 1, 32, 8, 128, norm, True), (5 * sms, 32, 8, 128, norm, True),
              (4 * sms + 1, 32, 8, 128, norm, False),
              (5 * sms + 1, 32, 8, 128, norm, False), (9 * sms // 2, 32, 8, 128, f32, False)]
     for T, Hq, Hk, D, opts, want in cases:
