@@ -298,12 +298,13 @@ int resident_blocks(const void* kernel, int threads, size_t smem) {
 // 256-8192 3-10 % slower). Against ROPEKV_CUDA_ONE_WAVE=0 in the windows
 // (H100, cold L2): heads of 512 (8 + 4) at T = 496 and 528 (tails of 13 and
 // 20 % of a wave) 2-8 % faster with each option, heads of 512 (32 + 8) at
-// 148 and 158 5-7 %, Llama-3.1-8B's QK-norm at 600 and 656 within 0.4 %;
-// but just past a wave, T = 448 for 8 + 4 (a tail of 2 %: 2.5-6 % slower)
-// and 544 for Llama (3 %: 2 % slower), the one-wave build lost, hence the
-// 1/16 (docs/performance.md, *One wave for the wide lanes at 40
-// registers*). For tuning (read once): ROPEKV_CUDA_ONE_WAVE=0 never, 1
-// always.
+// 148 and 158 5-7 %; but just past a wave, T = 448 for 8 + 4 (a tail of 2 %:
+// 2.5-6 % slower) and 544 for Llama-3.1-8B's QK-norm (3 %: 2 % slower), the
+// one-wave build lost, hence the 1/16. Llama's blocks of 5 warps fit 9 an SM
+// at 40 registers, not 10 (each quarter of an SM's registers holds 12 warps),
+// so its window is T = 562-594 at 132 SMs: not yet timed (docs/performance.md,
+// *One wave for the wide lanes at 40 registers*). For tuning (read once):
+// ROPEKV_CUDA_ONE_WAVE=0 never, 1 always.
 bool one_wave_small(const void* build, const void* one_wave, const Launch& l) {
   static const int64_t forced = env_count("ROPEKV_CUDA_ONE_WAVE", -1);
   if (forced >= 0) return forced != 0;

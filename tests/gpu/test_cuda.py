@@ -1765,9 +1765,10 @@ def test_small_kernel_one_wave_rule():
     with float32 pools, a QK-norm or both at 170 * SMs / 48 < T <= 12 * SMs / 3
     (the builds of 48 registers hold 10 such blocks an SM, the one-wave ones
     12), checked against the float64 reference and the CPU; Llama-3.1-8B's
-    QK-norm (two blocks of 20 heads, 5 warps: 8 against 10 an SM) at
-    68 * SMs / 16 < T <= 5 * SMs; each window's first and last T and the T
-    before it. The usual builds below and above those windows (just past a
+    QK-norm (two blocks of 20 heads, 5 warps: 8 against 9 an SM, since an
+    SM's four quarters of 16384 registers each hold 12 warps of 40) at
+    68 * SMs / 16 < T <= 9 * SMs / 2; each window's first and last T and the
+    T before it. The usual builds below and above those windows (just past a
     wave of them, too), for the plain call (no one-wave
     build) and for Llama-3.1-8B's float32 pools (blocks of 16 + 16 + 8 heads:
     not all full)."""
@@ -1792,9 +1793,9 @@ def test_small_kernel_one_wave_rule():
              # each window's edges: the last T below it, its first and its last
              (170 * sms // 48, 8, 4, 512, f32, False), (170 * sms // 48 + 1, 8, 4, 512, f32, True),
              (4 * sms, 8, 4, 512, f32, True), (68 * sms // 16, 32, 8, 128, norm, False),
-             (68 * sms // 16 + 1, 32, 8, 128, norm, True), (5 * sms, 32, 8, 128, norm, True),
-             (4 * sms + 1, 32, 8, 128, norm, False),
-             (5 * sms + 1, 32, 8, 128, norm, False), (9 * sms // 2, 32, 8, 128, f32, False)]
+             (68 * sms // 16 + 1, 32, 8, 128, norm, True),
+             (9 * sms // 2 + 1, 32, 8, 128, norm, False), (4 * sms + 1, 32, 8, 128, norm, False),
+             (5 * sms, 32, 8, 128, norm, False), (9 * sms // 2, 32, 8, 128, f32, False)]
     for T, Hq, Hk, D, opts, want in cases:
         name = ran_kernel(T, Hq, Hk, D, torch.bfloat16, seed=T, **opts)
         assert "rope_pool_small_kernel" in name and one_wave_build(name) == want, \
