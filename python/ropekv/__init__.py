@@ -460,8 +460,9 @@ def _empty_like(x: Any) -> Any:
 def _output_for(x: Any) -> Any:
     """The array ropekv makes for q_rot (or k_rot) of input x: _empty_like(x)
     for a 3-D array of a known framework; for memory of another kind (a
-    buffer, an __array_interface__ or CPU DLPack object), a numpy array; None
-    for an x that is not 3-D (the core reports its rank)."""
+    buffer, an __array_interface__ or CPU DLPack object), a numpy array (an
+    ml_dtypes bf16 one for a bf16 DLPack object); None for an x that is not
+    3-D (the core reports its rank)."""
     if getattr(x, "ndim", None) is None or not hasattr(x, "dtype"):
         view = None
         if not hasattr(x, "__dlpack__"):
@@ -474,7 +475,11 @@ def _output_for(x: Any) -> Any:
                 if x.__dlpack_device__()[0] == 1:  # kDLCPU
                     view = _np.from_dlpack(x)
             except Exception:  # noqa: BLE001 - a dtype numpy lacks, say
-                view = None
+                # bf16, which numpy imports through ml_dtypes only: its shape
+                # from the core's own import.
+                got = _ext.layout(x) if _BF16 is not None else None
+                if got is not None and got[1:] == (_DL_BFLOAT, 16):
+                    return _np.empty(got[0], _BF16) if len(got[0]) == 3 else None
             if view is None:
                 raise ValueError(f"cannot make q_rot/k_rot for a {type(x).__name__}: pass q_out "
                                  f"and k_out (or inplace=True)")

@@ -782,6 +782,18 @@ bool writable(nb::handle x) {
   return nb::try_cast(x, a, /*convert=*/false);
 }
 
+// (shape, DLPack type code, bits) of x as it imports (read-only allowed), or
+// None where it does not: how the package learns the shape and dtype of a
+// DLPack object that numpy cannot import (bf16), to make its outputs.
+nb::object layout(nb::handle x) {
+  nb::ndarray<nb::ro> a;
+  if (!nb::try_cast(x, a, /*convert=*/false)) return nb::none();
+  nb::list shape;
+  for (size_t i = 0; i < a.ndim(); ++i) shape.append(a.shape(i));
+  return nb::make_tuple(nb::tuple(shape), static_cast<int>(a.dtype().code),
+                        static_cast<int>(a.dtype().bits));
+}
+
 }  // namespace
 
 NB_MODULE(_ext, m) {
@@ -849,6 +861,8 @@ NB_MODULE(_ext, m) {
         "Asks for transparent huge pages over a new CPU output of 4 MiB or more (a hint).");
   m.def("writable", &writable, nb::arg("x"),
         "Whether x imports as a writable array (DLPack's read-only flag, a buffer's access).");
+  m.def("layout", &layout, nb::arg("x"),
+        "(shape, DLPack type code, bits) of x as it imports, or None where it does not.");
   m.def("has_cuda", &ropekv::has_cuda);
   m.def("cpu_target", &ropekv::cpu_target);
   m.attr("__version__") = ropekv::version();

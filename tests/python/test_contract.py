@@ -807,6 +807,27 @@ def test_outputs_made_for_inputs_of_any_kind(rng):
             assert bits(w) == bits(g), wrap.__name__
 
 
+def test_outputs_made_for_bf16_dlpack_objects(rng):
+    """q and k as CPU DLPack objects of bf16 (which numpy cannot import
+    without ml_dtypes' help): ropekv makes ml_dtypes bf16 numpy outputs of
+    their shape, with the same bits as for bf16 numpy inputs; a q of the
+    wrong rank still gets the core's rank error, nothing written."""
+    torch = pytest.importorskip("torch")
+    arrays, kw = make_call(rng, dtype=BF16)
+    want = call({n: a.copy() for n, a in arrays.items()}, kw)
+    as_torch = lambda a: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)  # noqa: E731
+    pools = {"k_pool": arrays["k_pool"].copy(), "v_pool": arrays["v_pool"].copy()}
+    got = call(dict(arrays, q=DLPackOnly(as_torch(arrays["q"])),
+                    k=DLPackOnly(as_torch(arrays["k"])), **pools), kw)
+    for w, g in zip(want, got[:2]):
+        assert isinstance(g, np.ndarray) and g.dtype == BF16 and g.shape == w.shape
+    for w, g in zip(want, got[:2] + (pools["k_pool"], pools["v_pool"])):
+        assert bits(w) == bits(g)
+    flat = DLPackOnly(as_torch(arrays["q"].reshape(T, HQ * D)))
+    expect_error(dict(arrays, q=flat), kw,
+                 f"rope_pool_fused expects q/k/v to be 3-D, got q ({T}, {HQ * D})")
+
+
 @pytest.mark.parametrize("value,on", [
     ("", False), ("0", False), ("false", False), ("False", False), ("FALSE", False),
     ("no", False), ("Off", False), (" 0 ", False),
