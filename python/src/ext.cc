@@ -782,12 +782,13 @@ bool writable(nb::handle x) {
   return nb::try_cast(x, a, /*convert=*/false);
 }
 
-// (shape, DLPack type code, bits) of x as it imports (read-only allowed), or
-// None where it does not: how the package learns the shape and dtype of a
-// DLPack object that numpy cannot import (bf16), to make its outputs.
+// (shape, DLPack type code, bits) of x as it imports (read-only allowed) on
+// the CPU, or None where it does not: how the package learns the shape and
+// dtype of a DLPack object that numpy cannot import (bf16), to make its outputs.
 nb::object layout(nb::handle x) {
   nb::ndarray<nb::ro> a;
-  if (!nb::try_cast(x, a, /*convert=*/false)) return nb::none();
+  if (!nb::try_cast(x, a, /*convert=*/false) || a.device_type() != nb::device::cpu::value)
+    return nb::none();
   nb::list shape;
   for (size_t i = 0; i < a.ndim(); ++i) shape.append(a.shape(i));
   return nb::make_tuple(nb::tuple(shape), static_cast<int>(a.dtype().code),
@@ -862,7 +863,7 @@ NB_MODULE(_ext, m) {
   m.def("writable", &writable, nb::arg("x"),
         "Whether x imports as a writable array (DLPack's read-only flag, a buffer's access).");
   m.def("layout", &layout, nb::arg("x"),
-        "(shape, DLPack type code, bits) of x as it imports, or None where it does not.");
+        "(shape, DLPack type code, bits) of x as it imports on the CPU, else None.");
   m.def("has_cuda", &ropekv::has_cuda);
   m.def("cpu_target", &ropekv::cpu_target);
   m.attr("__version__") = ropekv::version();

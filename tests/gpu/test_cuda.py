@@ -1790,7 +1790,8 @@ def test_small_kernel_one_wave_rule():
              (10 * sms // 3 + 1, 8, 4, 512, f32, False),
              (12 * sms // 3 + 1, 8, 4, 512, f32, False), (inside, 8, 4, 512, {}, False),
              (9 * sms // 2, 32, 8, 128, norm, True), (4 * sms, 32, 8, 128, norm, False),
-             # each window's edges: the last T below it, its first and its last
+             # each window's edges: the last T below it, its first and its last (the
+             # first T past each: 12 * sms // 3 + 1 above, 9 * sms // 2 + 1 below)
              (170 * sms // 48, 8, 4, 512, f32, False), (170 * sms // 48 + 1, 8, 4, 512, f32, True),
              (4 * sms, 8, 4, 512, f32, True), (68 * sms // 16, 32, 8, 128, norm, False),
              (68 * sms // 16 + 1, 32, 8, 128, norm, True),
