@@ -1,8 +1,9 @@
 """The CPU benchmark scripts that docs/performance.md cites still run against
 the current binding (a smoke test with tiny settings: no timing is checked),
 the GPU step's Nsight Compute reader sums what it reads, the SASS
-load-order check finds data loads issued behind an index's widening, and the
-A/B step's summary takes each variant's least time."""
+load-order check finds data loads issued behind an index's widening, the
+A/B step's summary takes each variant's least time, and bench/ab_settings.sh
+times one driver under each setting it is given."""
 
 from __future__ import annotations
 
@@ -123,3 +124,37 @@ def test_ab_summary_takes_each_variants_least_time(tmp_path, drivers):
     for row, t in zip(rows, (448, 496)):
         a, b = (min(us[(v, 1, t)], us[(v, 2, t)]) for v in (0, 1))
         assert row[2:] == [f"{a:.2f}", f"{b:.2f}", f"{b / a:.3f}"], out
+
+
+def test_ab_settings_times_each_setting_of_one_driver(tmp_path):
+    # bench/ab_settings.sh through the GPU check's ab step, with a stand-in
+    # driver that prints a cell per T whose time is drawn per setting of
+    # ROPEKV_CUDA_ONE_WAVE ("-": unset): each setting's case carries the
+    # cell's ROPEKV_DRIVER_* variables and the mode, alternated AB_RUNS times.
+    rng = random.Random()
+    us = {s: round(rng.uniform(1.0, 20.0), 2) for s in ("unset", "0", "1")}
+    driver = tmp_path / "driver"
+    driver.write_text(
+        "#!/usr/bin/env bash\n"
+        '[ "$1" = --cold-options ] || exit 3\n'
+        f"case ${{ROPEKV_CUDA_ONE_WAVE:-unset}} in unset) u={us['unset']};; 0) u={us['0']};; "
+        f"1) u={us['1']};; esac\n"
+        'line="U=auto S=auto/auto small=auto/auto cold $ROPEKV_DRIVER_SHAPES QK-norm"\n'
+        'for t in ${ROPEKV_DRIVER_TOKENS//,/ }; do line="$line | T=$t $u us 1000 GB/s"; done\n'
+        'echo "$line"\n')
+    driver.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "AB_DRIVER": str(driver),
+           "AB_RUNS": "2", "PYTHON": sys.executable}
+    out = subprocess.run(
+        ["bash", str(ROOT / "bench" / "ab_settings.sh"), "onewave", "--cold-options",
+         "ROPEKV_DRIVER_SHAPES=Llama-3.1-8B+ROPEKV_DRIVER_TOKENS=562,594", "-",
+         "ROPEKV_CUDA_ONE_WAVE=0", "ROPEKV_CUDA_ONE_WAVE=1"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.splitlines()[0] == "onewave rc=0", out
+    runs = (tmp_path / "out" / "onewave" / "ab_runs.txt").read_text()
+    assert runs.count("== ") == 6 and runs.count(" run 2 ROPEKV_CUDA_ONE_WAVE=1+") == 1, runs
+    rows = [line.split(" | ") for line in out.splitlines()[3:]]
+    assert [row[:2] for row in rows] == [["cold Llama-3.1-8B QK-norm", "562"],
+                                          ["cold Llama-3.1-8B QK-norm", "594"]], out
+    for row in rows:
+        assert row[2:5] == [f"{us[s]:.2f}" for s in ("unset", "0", "1")], out
