@@ -229,6 +229,7 @@ struct Launch {
   unsigned int threads_y = 1;
   bool full_blocks = false;  // the small kernel: every block holds threads_y heads
   int sms = 0;               // the device's SMs (the small kernel)
+  int device = 0;            // the call's device (the small kernel)
 };
 
 // The launch configuration of `l`. With l.pdl (Hopper and later), the kernel
@@ -265,13 +266,11 @@ void launch_as(const Params& prm, const Launch& l, cudaStream_t stream) {
 int64_t env_count(const char* name, int64_t fallback);
 
 // Blocks of `threads` threads and `smem` bytes of shared memory that an SM of
-// the current device holds of `kernel` (the occupancy API, once per such
-// kernel, block and device).
-int resident_blocks(const void* kernel, int threads, size_t smem) {
+// `device` (the current one) holds of `kernel` (the occupancy API, once per
+// such kernel, block and device).
+int resident_blocks(const void* kernel, int threads, size_t smem, int device) {
   static std::mutex mutex;
   static std::vector<std::pair<std::array<long long, 4>, int>> seen;
-  int device = 0;
-  check(cudaGetDevice(&device), "cudaGetDevice");
   const std::array<long long, 4> key{reinterpret_cast<long long>(kernel), threads,
                                      static_cast<long long>(smem), device};
   std::lock_guard<std::mutex> lock(mutex);
@@ -312,9 +311,11 @@ bool one_wave_small(const void* build, const void* one_wave, const Launch& l) {
   const int threads = l.threads * static_cast<int>(l.threads_y);
   const long long blocks = l.blocks * static_cast<long long>(l.blocks_y);
   if (blocks <= l.sms) return false;  // (within a wave of any build: no occupancy query)
-  const long long wave = static_cast<long long>(resident_blocks(build, threads, l.smem)) * l.sms;
+  const long long wave =
+      static_cast<long long>(resident_blocks(build, threads, l.smem, l.device)) * l.sms;
   return 16 * blocks > 17 * wave &&
-         blocks <= static_cast<long long>(resident_blocks(one_wave, threads, l.smem)) * l.sms;
+         blocks <= static_cast<long long>(resident_blocks(one_wave, threads, l.smem, l.device)) *
+                       l.sms;
 }
 
 // The small kernel's build for a QK-norm or not (kNorm) and a pool format
@@ -863,6 +864,7 @@ void launch_small(Params& prm, const Problem& p, const DeviceState& st, int64_t 
   l.threads_y = static_cast<unsigned int>(per_block);
   l.full_blocks = heads % per_block == 0;
   l.sms = st.sms;
+  l.device = p.device.device_id;
   // The cos/sin of the token (not with a table), then with a QK-norm each
   // thread's sum of squares.
   l.smem = ((prm.cos_sin != nullptr ? 0 : p.rotary_dim) + (norm ? per_block * lanes : 0)) *
