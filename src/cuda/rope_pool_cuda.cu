@@ -531,19 +531,24 @@ bool small_weights_ok(const Weight& w, int64_t vec = detail::kSmallVec) {
 // against 35.2; Llama's heads of 16 lanes at 512: 7.16 against 6.66;
 // docs/performance.md, *Heads of 512: the QK-norm's head sum by shuffles*).
 // A QK-norm on those heads in narrow lanes takes the same 1024, within
-// narrow_norm64's own limits. The same heads with a float32 cos_sin_cache
-// as their one option (table512), at most 40 of them (q and kv: 12 and 40
-// were measured), take 640 where, past 256, the table kernel
+// narrow_norm64's own limits. The same heads with a cos_sin_cache (float32
+// or q's dtype) as their one option (table512), at most 40 of them (q and
+// kv: 12 and 40 were measured), take 640 where, past 256, the table kernel
 // (table_kernel) would take them in four steps (more than kTwoStepWork team
 // steps: T * (Hq + 2 Hk) > 6144): each warp four heads in turn, too few
-// warps to hide the latency. Against the table kernel (H100, cold L2, bf16):
-// 8 + 4 heads T = 416 8.70 -> 7.74 us, 512 9.84 -> 8.79, 640 10.86 ->
-// 10.40, but 768 11.50 against 12.03; 32 + 8 heads T = 320 15.02 -> 13.98,
-// 448 18.89 -> 18.59, 512-640 within 0.5 %, 768 30.62 against 31.36; where
-// the table kernel takes two steps (8 + 4 heads at 320-384) it was 9-13 %
-// the faster, and at 385 (four steps, before its time jumps by 416) 6.88
-// against 7.35 (docs/performance.md, *Heads of 512 with a cos_sin_cache*,
-// *The table512 route*; bf16 data timed, 16-bit tables not). For tuning
+// warps to hide the latency. Against the table kernel (H100, cold L2, bf16
+// data), a float32 table: 8 + 4 heads T = 416 8.70 -> 7.74 us, 512 9.84 ->
+// 8.79, 640 10.86 -> 10.40, but 768 11.50 against 12.03; 32 + 8 heads T =
+// 320 15.02 -> 13.98, 448 18.89 -> 18.59, 512-640 within 0.5 %, 768 30.62
+// against 31.36; a bf16 table: 8 + 4 heads T = 416 8.83 -> 7.60, 512 9.84
+// -> 8.66, 640 10.84 -> 10.26; 32 + 8 heads T = 320 14.83 -> 13.79, 448
+// 18.88 -> 18.37, 512-640 within 1.2 %. Where the table kernel takes two
+// steps (8 + 4 heads at 320-384) it was 9-13 % the faster (a bf16 table at
+// 384: 6.50 against 7.22), and at 385-396 6 % (its time follows its most
+// blocks on one SM, ceil(T / SMs), 3 up to 396 at 132 SMs, then 7.57 us at
+// 397 against the small kernel's 7.49; docs/performance.md, *Heads of 512
+// with a cos_sin_cache*, *The table512 route*, *16-bit tables on heads of
+// 512*). For tuning
 // (read once): ROPEKV_CUDA_SMALL_TOKENS=N sets every limit (0: never).
 int64_t small_tokens(bool plain, bool wide, int64_t wide_lanes, bool norm_fp8, bool long_narrow,
                      bool table512) {
@@ -780,7 +785,7 @@ int64_t small_kernel(const Problem& p, int64_t esize, int sms) {
   const bool norm64 = narrow_norm64(p, sms, wide_ok);  // (two warps a head: norm_lanes 64)
   // (The table kernel's steps: one a head, q, k or v, for 64 lanes of kSmallVec.)
   const bool table512 = lanes == 64 && table_kernel(p, esize) &&
-                        cs.dtype == FloatType::kF32 && p.num_qo_heads + p.num_kv_heads <= 40 &&
+                        p.num_qo_heads + p.num_kv_heads <= 40 &&
                         p.num_tokens * (p.num_qo_heads + 2 * p.num_kv_heads) > kTwoStepWork;
   if (esize != 2 || p.rotary_dim != p.head_dim ||
       p.num_tokens > small_tokens(plain, wide, lanes / 2, norm && is_fp8(p.pool_type),

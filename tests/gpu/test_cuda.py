@@ -1520,10 +1520,10 @@ def test_small_kernel_routing():
     tokens, up to 8192, on heads of 128, 256 and 512; with f16 data the
     options kernel past 256 tokens, on heads of 512 narrow lanes up to 1024
     (as bf16 arrays that wide lanes cannot take, 8-byte aligned).
-    A float32 cos_sin_cache on heads of 512 (8 + 4): the table kernel from
-    257 tokens while it takes two steps (T * 16 <= 6144), then the small
-    kernel up to 640 tokens (32 + 8 heads too); a bf16 table, or more than 40
-    heads (40 + 8), the table kernel.
+    A cos_sin_cache (float32 or q's dtype) on heads of 512 (8 + 4): the table
+    kernel from 257 tokens while it takes two steps (T * 16 <= 6144), then the
+    small kernel up to 640 tokens (32 + 8 heads too); more than 40 heads
+    (40 + 8), the table kernel.
     Every other test passes on either kernel."""
     import re
     norm = dict(q_norm=torch.float32, k_norm=torch.bfloat16)
@@ -1618,7 +1618,12 @@ def test_small_kernel_routing():
              (385, dict(D=512, H=(8, 4), table_dtype=torch.float32), small, ("false", "3", "4")),
              (640, dict(D=512, H=(8, 4), table_dtype=torch.float32), small, ("false", "3", "4")),
              (641, dict(D=512, H=(8, 4), table_dtype=torch.float32), "rope_pool_kernel", None),
-             (448, dict(D=512, H=(8, 4), table_dtype=torch.bfloat16), "rope_pool_kernel", None),
+             (384, dict(D=512, H=(8, 4), table_dtype=torch.bfloat16), "rope_pool_kernel", None),
+             (385, dict(D=512, H=(8, 4), table_dtype=torch.bfloat16), small, ("false", "3", "4")),
+             (640, dict(D=512, H=(8, 4), dtype=torch.float16, table_dtype=torch.float16), small,
+              ("false", "3", "4")),
+             (641, dict(D=512, H=(8, 4), table_dtype=torch.bfloat16), "rope_pool_kernel", None),
+             (320, dict(D=512, table_dtype=torch.bfloat16), small, ("false", "3", "4")),
              (320, dict(D=512, table_dtype=torch.float32), small, ("false", "3", "4")),
              (320, dict(D=512, H=(40, 8), table_dtype=torch.float32), "rope_pool_kernel", None),
              (448, dict(table_dtype=torch.float32), "rope_pool_kernel", None)]
@@ -1640,16 +1645,21 @@ def test_small_kernel_routing():
 
 
 def test_small_kernel_table_on_heads_of_512():
-    """Heads of 512 (8 + 4) with a float32 cos_sin_cache around the small
-    kernel's window where the table kernel would take four steps (385 to 640
-    tokens; test_small_kernel_routing names the kernels), against the float64
-    reference and the CPU, in place too, and with 32 + 8 heads (from 129
-    tokens)."""
+    """Heads of 512 (8 + 4) with a cos_sin_cache, float32 or q's dtype, around
+    the small kernel's window where the table kernel would take four steps
+    (385 to 640 tokens; test_small_kernel_routing names the kernels), against
+    the float64 reference and the CPU, in place too, and with 32 + 8 heads
+    (from 129 tokens)."""
     for T in (384, 385, 640, 641):
         run_options(T, 8, 4, 512, torch.bfloat16, seed=T, table_dtype=torch.float32,
                     inplace=T == 640, what=f"table heads of 512 T={T}")
+        dt = torch.bfloat16 if T % 2 else torch.float16
+        run_options(T, 8, 4, 512, dt, seed=T + 1, table_dtype=dt, inplace=T == 385,
+                    what=f"{dt} table heads of 512 T={T}")
     run_options(320, 32, 8, 512, torch.float16, seed=7, table_dtype=torch.float32,
                 what="table 32 + 8 heads of 512 T=320")
+    run_options(320, 32, 8, 512, torch.bfloat16, seed=8, table_dtype=torch.bfloat16,
+                what="bf16 table 32 + 8 heads of 512 T=320")
 
 
 @pytest.mark.parametrize("table", ["none", "float32"])
