@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# For the next device call, one call, one carried driver of this tree
+# One device call, one carried driver of this tree (run on an H100 on
+# 2026-12-07 at 22:10 UTC: docs/performance.md, *16-bit tables on heads of
+# 512, the table kernel's jump, and Llama's one-wave window*)
 # (scripts/driver-build.sh . /tmp/X 90, copied to build/ab/cur/driver; carry
 # .gpudeps and build/ab/cur):
 #  1. Llama-3.1-8B's QK-norm, alone and with fp8 pools, in and around its
 #     one-wave window (T = 562-594 at 132 SMs: blocks of 5 warps, 8 an SM of
 #     the 48-register build, 9 of the 40-register one), the library's rule
 #     against ROPEKV_CUDA_ONE_WAVE=0;
-#  2. heads of 512 with a bf16 cos_sin_cache (table512 takes float32 tables
-#     only): the library's route against the small kernel up to 640 tokens
+#  2. heads of 512 with a bf16 cos_sin_cache (table512 took float32 tables
+#     only then): the library's route against the small kernel up to 640 tokens
 #     (ROPEKV_CUDA_SMALL_TOKENS=640), and a float32 table as the control;
 #  3. the table kernel (8 + 4 heads of 512, float32 table) around whole
 #     multiples of the SMs' count of tokens, against the library's route;
