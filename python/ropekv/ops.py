@@ -29,6 +29,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import _torch_fast, _torch_written
 from . import rope_pool_fused as _rope_pool_fused
 
 __all__ = ["rope_pool_fused"]
@@ -97,7 +98,12 @@ def _kernel(q, k, v, positions, slots, k_pool, v_pool, cos_sin_cache=None, q_nor
     return q_rot, k_rot
 
 
-def _fake(q, k, *args, **options):
+def _fake(q, k, v, positions, slots, k_pool, v_pool, *args, **options):
+    # The pools' autograd rules first: under torch.compile the kernel writes
+    # functionalized copies of the pools, whose flags it cannot see, so a pool
+    # that requires grad (grad mode on) or an inference tensor is refused here,
+    # while the graph is traced, with the eager call's ValueError.
+    _torch_written(_torch_fast(), k_pool, v_pool, None, None, False)
     # Fresh contiguous outputs of q's and k's shape, dtype and device.
     return q.new_empty(q.shape), k.new_empty(k.shape)
 

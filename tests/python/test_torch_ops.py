@@ -153,3 +153,36 @@ def test_not_differentiable_pools_version_bumped_and_inference_mode():
         assert q_rot.is_inference()
     ref, mag = rope(q.numpy(), pos.numpy(), CFG["rope_base"])
     assert_close(q_rot.numpy(), ref, mag, "q_rot in inference mode")
+
+
+@pytest.mark.parametrize("which", ["leaf k_pool", "non-leaf v_pool"])
+def test_compiled_call_refuses_a_pool_that_requires_grad(which):
+    """Under torch.compile the kernel writes functionalized copies of the
+    pools, so the eager call's refusal of a pool that requires grad (grad
+    mode on) comes from the fake implementation, while the graph is traced:
+    Dynamo raises it wrapped in its own error, with ropekv's message, and
+    nothing is written. Under torch.no_grad() the same compiled call writes
+    the pool, as eager does."""
+    torch._dynamo.reset()
+    q, k, v, pos, slots, kp, vp = make()
+    if which == "leaf k_pool":
+        kp.requires_grad_()
+        name, pool = "k_pool", kp
+    else:
+        vp = torch.randn(vp.shape, requires_grad=True) * 1.0
+        name, pool = "v_pool", vp
+    before = pool.detach().clone()
+
+    def step(q, k, v, pos, slots, kp, vp):
+        return torch.ops.ropekv.rope_pool_fused(q, k, v, pos, slots, kp, vp, **CFG)
+
+    with pytest.raises(ValueError, match=rf"^{name} requires grad, and ropekv writes it in "):
+        step(q, k, v, pos, slots, kp, vp)
+    with pytest.raises(Exception, match=rf"{name} requires grad, and ropekv writes it in "):
+        torch.compile(step, fullgraph=True)(q, k, v, pos, slots, kp, vp)
+    assert torch.equal(pool.detach(), before)
+    with torch.no_grad():
+        want = step(q, k, v, pos, slots, kp.detach().clone(), vp.detach().clone())
+        got = torch.compile(step, fullgraph=True)(q, k, v, pos, slots, kp, vp)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(pool.detach()[slots], want[1] if name == "k_pool" else v)  # (k_rot, v)
