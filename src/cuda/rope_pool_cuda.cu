@@ -301,9 +301,11 @@ int resident_blocks(const void* kernel, int threads, size_t smem, int device) {
 // 2.5-6 % slower) and 544 for Llama-3.1-8B's QK-norm (3 %: 2 % slower), the
 // one-wave build lost, hence the 1/16. Llama's blocks of 5 warps fit 9 an SM
 // at 40 registers, not 10 (each quarter of an SM's registers holds 12 warps),
-// so its window is T = 562-594 at 132 SMs: not yet timed (docs/performance.md,
-// *One wave for the wide lanes at 40 registers*). For tuning (read once):
-// ROPEKV_CUDA_ONE_WAVE=0 never, 1 always.
+// so its window is T = 562-594 at 132 SMs, where the one-wave build was
+// 0.5-2 % faster (a QK-norm) and 4-5 % (with fp8 pools) (docs/performance.md,
+// *One wave for the wide lanes at 40 registers*, *16-bit tables on heads of
+// 512, the table kernel's jump, and Llama's one-wave window*). For tuning
+// (read once): ROPEKV_CUDA_ONE_WAVE=0 never, 1 always.
 bool one_wave_small(const void* build, const void* one_wave, const Launch& l) {
   static const int64_t forced = env_count("ROPEKV_CUDA_ONE_WAVE", -1);
   if (forced >= 0) return forced != 0;
@@ -548,8 +550,8 @@ bool small_weights_ok(const Weight& w, int64_t vec = detail::kSmallVec) {
 // blocks on one SM, ceil(T / SMs), 3 up to 396 at 132 SMs, then 7.57 us at
 // 397 against the small kernel's 7.49; docs/performance.md, *Heads of 512
 // with a cos_sin_cache*, *The table512 route*, *16-bit tables on heads of
-// 512*). For tuning
-// (read once): ROPEKV_CUDA_SMALL_TOKENS=N sets every limit (0: never).
+// 512*). For tuning (read once): ROPEKV_CUDA_SMALL_TOKENS=N sets every limit
+// (0: never).
 int64_t small_tokens(bool plain, bool wide, int64_t wide_lanes, bool norm_fp8, bool long_narrow,
                      bool table512) {
   static const int64_t forced = env_count("ROPEKV_CUDA_SMALL_TOKENS", -1);

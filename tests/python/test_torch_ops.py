@@ -178,7 +178,8 @@ def test_compiled_call_refuses_a_pool_that_requires_grad(which):
 
     with pytest.raises(ValueError, match=rf"^{name} requires grad, and ropekv writes it in "):
         step(q, k, v, pos, slots, kp, vp)
-    with pytest.raises(Exception, match=rf"{name} requires grad, and ropekv writes it in "):
+    # (Dynamo's TorchRuntimeError is a RuntimeError.)
+    with pytest.raises(RuntimeError, match=rf"{name} requires grad, and ropekv writes it in "):
         torch.compile(step, fullgraph=True)(q, k, v, pos, slots, kp, vp)
     assert torch.equal(pool.detach(), before)
     with torch.no_grad():
@@ -186,3 +187,20 @@ def test_compiled_call_refuses_a_pool_that_requires_grad(which):
         got = torch.compile(step, fullgraph=True)(q, k, v, pos, slots, kp, vp)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(pool.detach()[slots], want[1] if name == "k_pool" else v)  # (k_rot, v)
+
+
+def test_compiled_call_refuses_an_inference_pool_outside_inference_mode():
+    """A pool made under torch.inference_mode(), passed to a compiled call
+    outside it: the eager call's ValueError, nothing written."""
+    torch._dynamo.reset()
+    q, k, v, pos, slots, _, vp = make()
+    with torch.inference_mode():
+        kp = torch.randn(vp.shape)
+    before = kp.clone()
+
+    def step(q, k, v, pos, slots, kp, vp):
+        return torch.ops.ropekv.rope_pool_fused(q, k, v, pos, slots, kp, vp, **CFG)
+
+    with pytest.raises(ValueError, match=r"^k_pool is an inference tensor \(made under "):
+        torch.compile(step, fullgraph=True)(q, k, v, pos, slots, kp, vp)
+    assert torch.equal(kp, before)
