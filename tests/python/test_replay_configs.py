@@ -279,3 +279,52 @@ def test_llama4_yarn_attention_factor_note(tmp_path):
     assert summary["qk_norm"]["weights"] == "ones"
     assert any(n.startswith("Llama-4's weightless norm after RoPE divides out the attention factor 1.13")
                for n in summary["model"]["notes"]), summary["model"]["notes"]
+
+
+# A value for each rope_scaling key either reader reads, valid for every type
+# that reads it (a Llama config of max_position_embeddings 131072).
+SCALING_VALUES = dict(factor=2.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=8192, beta_fast=32.0, beta_slow=1.0,
+                      attention_factor=1.0, mscale=1.0, mscale_all_dim=1.0, truncate=True,
+                      rope_theta=500000.0, partial_rotary_factor=1.0)
+
+
+def scaling_reads(rope_scaling: dict, tmp_path) -> tuple:
+    """(the keys the Python layer warns it ignores, the replay's notes of
+    ignored keys) for one rope_scaling dict of a Llama config."""
+    import warnings
+
+    import ropekv
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ropekv._rope_parameters(rope_scaling)
+    python = [str(w.message) for w in caught if "ignores" in str(w.message)]
+    config = dict(HYBRID_BASE, model_type="llama", num_hidden_layers=2, max_position_embeddings=131072,
+                  rope_theta=500000.0, rope_scaling=rope_scaling)
+    notes = replay_summary(config, tmp_path, "--layers", "1")["model"]["notes"]
+    return python, [n for n in notes if "ignored" in n]
+
+
+@pytest.mark.parametrize("kind", ["linear", "llama3", "yarn", "proportional"])
+def test_scaling_keys_read_alike(kind, tmp_path):
+    """The Python layer (_SCALING_KEYS, _BASE_KEYS) and the replay's reader
+    (model_config.cc) each list the rope_scaling keys a type reads, in two
+    languages: every key the Python layer reads, the replay reads too (no note
+    of it ignored), and a key neither reads draws a warning from one and a
+    note from the other. A key of SCALING_VALUES added to or dropped from one
+    list alone fails here (a new key belongs in SCALING_VALUES too)."""
+    import ropekv
+
+    required, optional = ropekv._SCALING_KEYS[kind]
+    keys = (*[k for k in ropekv._BASE_KEYS if k != "type"], *required, *optional)
+    full = {k: SCALING_VALUES[k] for k in keys if k != "rope_type"}
+    full["rope_type"] = kind
+    if kind == "proportional":  # (its partial_rotary_factor: the fraction of pairs that rotate)
+        full["partial_rotary_factor"] = 0.5
+    assert scaling_reads(full, tmp_path) == ([], [])
+    unread = [k for k in SCALING_VALUES if k not in keys] + ["beta_fst"]
+    python, replay = scaling_reads(dict(full, **{k: SCALING_VALUES.get(k, 1.0) for k in unread}), tmp_path)
+    assert len(python) == 1 and len(replay) == 1, (python, replay)
+    for k in unread:
+        assert repr(k) in python[0] and f'"{k}"' in replay[0], (k, python, replay)
