@@ -979,32 +979,34 @@ def rope_pool_fused(
         and the two pools that were passed in, updated in place.
 
     Raises:
-        ValueError: for any input that breaks the contract, with the message
-            of SPEC section 3 (wrong rank or shape, mismatched dtypes, a
-            dtype other than f16/bf16/f32, non-integer positions/slots, odd
-            head_dim or rotary_dim, bad rope_base, mixed devices, read-only
-            pools or outputs, a pool or output that shares memory with
-            another array of the call (but q_out=q, k_out=k exactly, the
-            in-place call), a slot ``>= P``), and for bad options (an unknown
-            rope_scaling type or missing field, a cos_sin_cache or norm
-            weight of the wrong shape or dtype, a pool that does not match
-            kv_cache_dtype, scales that are not finite and > 0, a yarn
-            attention factor, a scale or norm_eps beyond float32), for a
-            scalar argument of the wrong type (head_dim not an int, is_neox
-            or inplace not a bool, a kv_cache_dtype that is not one of its
-            names, a stream that is not a stream or an int), for an
-            array that is None (its rank rule) or that cannot be imported,
-            for a PyTorch tensor the call writes that requires grad while
-            grad mode is on (autograd could not record the write) or is an
-            inference tensor outside inference mode (as PyTorch's in-place
-            ops refuse it), and for a negative num_threads (the last check).
+        ValueError: before the first write (a call that raises leaves every
+            array as it was), for
+
+            - the contract, with the messages of SPEC section 3: ranks and
+              shapes, dtypes (f16/bf16/f32, matching), integer positions and
+              slots, an even head_dim and rotary_dim, rope_base, one device,
+              writable pools and outputs that share no memory with another
+              array of the call (q_out=q, k_out=k exactly is the in-place
+              call), a slot ``>= P``;
+            - options: an unknown rope_scaling type or a missing field, a
+              cos_sin_cache or norm weight of the wrong shape or dtype, pools
+              that do not match kv_cache_dtype, scales that are not finite and
+              > 0, a yarn attention factor, scale or norm_eps beyond float32;
+            - arguments of the wrong type: head_dim not an int, is_neox or
+              inplace not a bool, a kv_cache_dtype that is not one of its
+              names, a stream that is neither a stream nor an int, an array
+              that is None (its rank rule) or cannot be imported;
+            - PyTorch tensors the call writes that require grad while grad
+              mode is on (autograd could not record the write), or inference
+              tensors outside inference mode (as PyTorch's in-place ops
+              refuse them);
+            - a negative num_threads (checked last).
+
             A message names an output as it was passed: q_out / k_out, or
-            q / k with inplace=True (q_rot / k_rot for one ropekv makes).
-            Everything is checked before the first write: a call whose
-            checks raise leaves every array as it was. On a GPU, an
-            out-of-range slot (or a position outside cos_sin_cache) is
-            skipped, and raised only in checked mode (:func:`set_checked`),
-            after the kernel ran.
+            q / k with inplace=True (q_rot / k_rot for those ropekv makes).
+            On a GPU an out-of-range slot (or a position outside
+            cos_sin_cache) is skipped, and raised only in checked mode
+            (:func:`set_checked`), after the kernel ran.
         RuntimeError: a CUDA API call failed.
         MemoryError: q_rot / k_rot or the CPU backend's scratch could not be
             allocated (PyTorch's out-of-memory error for a CUDA q_rot).
