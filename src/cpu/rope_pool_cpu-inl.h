@@ -55,7 +55,14 @@ HWY_INLINE bool RowsAligned(const View3& a, int64_t elem_bytes, int64_t align) {
 // non-temporally at any T (unless ROPEKV_CPU_STREAM_POOLS=0). A smaller
 // pool may be in cache (a test, a toy model); its rows are stored there.
 HWY_INLINE bool LargePool(const Problem& p, int64_t pool_elem_bytes) {
-  return p.pool_size * p.k_pool.stride[0] * pool_elem_bytes >= host::kStreamMinBytes &&
+  // (P whole rows may pass 2^63 bytes where the pool's span, P - 1 rows and
+  // one element, which validation bounds, does not: that counts as large.
+  // A negative row stride never does.)
+  int64_t bytes = 0;
+  const int64_t stride = p.k_pool.stride[0];
+  return stride > 0 &&
+         (__builtin_mul_overflow(p.pool_size, stride, &bytes) ||
+          __builtin_mul_overflow(bytes, pool_elem_bytes, &bytes) || bytes >= host::kStreamMinBytes) &&
          host::stream_pools_enabled();
 }
 

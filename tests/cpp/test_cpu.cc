@@ -443,6 +443,25 @@ TEST(Cpu, PoolOffsetsBeyond32Bits) {
                 rng);
 }
 
+// P whole rows of a row stride past 2^62 bytes overflow 64 bits where the
+// pool's span, (P - 1) rows and one head, does not: validation takes the
+// layout, and the choice of stored or streamed pool rows must not multiply
+// it out (signed overflow: UBSan stopped the call). No token names a row, so
+// no row is touched and a small storage backs the view.
+TEST(Cpu, PoolRowStrideWhoseWholeRowsPass64Bits) {
+  std::mt19937_64 rng(test_seed());
+  for (DType dt : kFloatTypes) {
+    Case c = make_case(small_spec(dt, 4, 2), rng);
+    const int64_t row_stride = (int64_t{1} << 62) / dtype_size(dt);
+    for (Tensor* pool : {&c.k_pool, &c.v_pool})
+      *pool = Tensor::view(pool->storage(), dt, {2, c.spec.Hk, c.spec.D},
+                           {row_stride, c.spec.D, 1}, 0);
+    for (int64_t t = 0; t < c.spec.T; ++t) c.slots.set_index(t, -1 - t);
+    const Expected e = expect(c);
+    check_on_all_targets(c, e);
+  }
+}
+
 // ------------------------------------------------------------ threads
 
 // The team a call starts: num_threads (or OpenMP's default), but at most

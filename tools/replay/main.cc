@@ -375,6 +375,8 @@ int main(int argc, char** argv) {
         throw InputError(std::string(name) + " applies to fp8 pools only (--kv-cache-dtype fp8_e4m3 or "
                          "fp8_e5m2), got " + fmt_g(v) + " with --kv-cache-dtype " + kv_s);
     }
+    if (app.count("--json") > 0 && json_out.empty())  // (an unset variable in a script, as a rule)
+      throw InputError("--json is empty: pass the file to write the summary to");
     if (!json_out.empty()) {  // a path it cannot write is a bad argument, before the run
       const bool existed = std::filesystem::exists(json_out);
       if (!std::ofstream(json_out, std::ios::app)) throw InputError("--json: cannot write " + json_out);

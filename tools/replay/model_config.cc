@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -507,15 +508,20 @@ ModelConfig load_model_config(const std::string& path) {
 static ModelConfig load_model_config_json(const std::string& path) {
   ModelConfig c;
   c.path = path;
-  std::ifstream in(path);
+  std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError(path + ": cannot open the model config (--config FILE)");
+  const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  // (The parser stops at a NUL byte as at the end of input, and would take
+  // whatever follows it as absent.)
+  if (const size_t nul = text.find('\0'); nul != std::string::npos)
+    fail(c, "not valid JSON: a NUL byte at offset " + std::to_string(nul));
   json j;
   try {
     // Nesting is bounded: printing a value (the scaling's summary, an error
     // message) recurses once per level, and 100000 levels overflowed the
     // stack. Hugging Face configs nest a few levels.
     constexpr int kMaxDepth = 64;
-    j = json::parse(in, [&](int depth, json::parse_event_t, json&) {
+    j = json::parse(text, [&](int depth, json::parse_event_t, json&) {
       if (depth > kMaxDepth)
         fail(c, "JSON nested more than " + std::to_string(kMaxDepth) + " levels deep");
       return true;
