@@ -49,6 +49,23 @@ int64_t buffer_size(const char* what, std::initializer_list<int64_t> factors) {
   return n;
 }
 
+/// An InputError where the run's largest buffers (`bytes` in all: the pools
+/// and the step's q/k/v) pass this machine's physical memory: allocated
+/// lazily under Linux's overcommit, they would be granted and the process
+/// killed by the OOM killer once touched, with no message.
+void check_fits_in_memory(int64_t bytes) {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page <= 0) return;  // (unknown: the allocation decides)
+  const double have = static_cast<double>(pages) * static_cast<double>(page);
+  if (static_cast<double>(bytes) <= have) return;
+  char msg[256];
+  std::snprintf(msg, sizeof msg, "the KV pools and the step's buffers would need %.1f GiB, more "
+                "than this machine's %.1f GiB of memory: ", static_cast<double>(bytes) / (1 << 30),
+                have / (1 << 30));
+  throw InputError(std::string(msg) + "use fewer --layers, a smaller --pool-size or "
+                   "--max-batch-tokens, or a smaller config");
+}
+
 /// 64-byte aligned, uninitialised bytes; grows, never shrinks.
 class Buffer {
  public:
@@ -1162,6 +1179,18 @@ ReplayResult Engine::run() {
 
   // The pools, filled with all-ones bits: rows no call names must keep them.
   const int64_t pool_bytes = buffer_size("KV pools", {2, L_, P_, krow(), PE_});
+  // Buffers for the largest step (decodes + budget, padding to a multiple of 8).
+  const int64_t Tmax = o_.max_batch_tokens + o_.max_running + 8;
+  const auto step = [&](int64_t row) { return buffer_size("step's q/k/v buffers", {Tmax, row, E_}); };
+  std::vector<int64_t> parts = {pool_bytes, step(qrow()), step(krow())};  // (+ q_rot, k_rot)
+  if (o_.fused_qkv)
+    parts.push_back(step(in_row()));
+  else
+    parts.insert(parts.end(), {step(qrow()), step(krow()), step(krow())});
+  int64_t total = 0;
+  for (const int64_t b : parts)
+    if (__builtin_add_overflow(total, b, &total)) total = INT64_MAX;  // (past any memory)
+  check_fits_in_memory(total);
   pool_.reserve(static_cast<size_t>(pool_bytes));
   std::memset(pool_.data(), 0xFF, static_cast<size_t>(pool_bytes));
   khash_.assign(static_cast<size_t>(buffer_size("pool row hashes", {L_, P_, Hk(), 8}) / 8), 0);
@@ -1176,20 +1205,15 @@ ReplayResult Engine::run() {
   make_cos_sin(max_pos);
   make_norm_weights();
 
-  // Buffers for the largest step (decodes + budget, padding to a multiple of 8).
-  const int64_t Tmax = o_.max_batch_tokens + o_.max_running + 8;
-  const auto step = [&](int64_t row) {
-    return static_cast<size_t>(buffer_size("step's q/k/v buffers", {Tmax, row, E_}));
-  };
   if (o_.fused_qkv) {
-    in_.reserve(step(in_row()));
+    in_.reserve(static_cast<size_t>(step(in_row())));
   } else {
-    q_.reserve(step(qrow()));
-    k_.reserve(step(krow()));
-    v_.reserve(step(krow()));
+    q_.reserve(static_cast<size_t>(step(qrow())));
+    k_.reserve(static_cast<size_t>(step(krow())));
+    v_.reserve(static_cast<size_t>(step(krow())));
   }
-  qrot_.reserve(step(qrow()));
-  krot_.reserve(step(krow()));
+  qrot_.reserve(static_cast<size_t>(step(qrow())));
+  krot_.reserve(static_cast<size_t>(step(krow())));
   // Touch them now: first-touch page faults are not the op's cost.
   for (Buffer* b : {&in_, &q_, &k_, &v_, &qrot_, &krot_})
     if (b->size()) std::memset(b->data(), 0, b->size());
