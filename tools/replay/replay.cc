@@ -1182,7 +1182,7 @@ ReplayResult Engine::run() {
   // Buffers for the largest step (decodes + budget, padding to a multiple of 8).
   const int64_t Tmax = o_.max_batch_tokens + o_.max_running + 8;
   const auto step = [&](int64_t row) { return buffer_size("step's q/k/v buffers", {Tmax, row, E_}); };
-  std::vector<int64_t> parts = {pool_bytes, step(qrow()), step(krow())};  // (+ q_rot, k_rot)
+  std::vector<int64_t> parts = {pool_bytes, step(qrow()), step(krow())};  // (pools, q_rot, k_rot)
   if (o_.fused_qkv)
     parts.push_back(step(in_row()));
   else
