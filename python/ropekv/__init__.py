@@ -202,6 +202,24 @@ def _dlpack_dtype(dt: Any) -> bool:
                                                                      dt.itemsize in (8, 16))
 
 
+def _check_jax_exportable(x: Any, name: str) -> None:
+    """Raises ValueError for a JAX value with no one buffer to read: a tracer
+    (a call inside jax.jit or another transformation), a deleted array, or
+    one sharded over several devices (DLPack exports one device's buffer)."""
+    import jax
+
+    if isinstance(x, jax.core.Tracer):
+        raise ValueError(f"{name} is a JAX tracer (the call is inside jax.jit or another "
+                         f"transformation): ropekv runs eagerly on concrete arrays; call it "
+                         f"outside the traced function")
+    if getattr(x, "is_deleted", lambda: False)():
+        raise ValueError(f"{name} is a deleted JAX array (its buffer was freed or donated)")
+    devices = getattr(x, "devices", None)
+    if devices is not None and len(devices()) > 1:
+        raise ValueError(f"{name} is a JAX array sharded over {len(devices())} devices: pass "
+                         f"one device's array (jax.device_put({name}, device))")
+
+
 def _as_array(x: Any, name: str, written: bool = False) -> Tuple[Any, int, bool]:
     """Returns (what the binding takes, its dtype view (0, _VIEW_BF16 or a
     _VIEW_FP8 value), is_read_only); whether memory of an unknown kind is
@@ -273,6 +291,7 @@ def _as_array(x: Any, name: str, written: bool = False) -> Tuple[Any, int, bool]
             return x.view(torch.uint8), fp8, False
         return x, 0, False  # (PyTorch tensors are writable)
     if fw in ("jax", "jaxlib"):
+        _check_jax_exportable(x, name)
         return x, 0, True  # JAX arrays are immutable: inputs only
     if fw == "mlx":
         import mlx.core as mx
@@ -523,8 +542,10 @@ def _not_a_scalar(value: Any) -> bool:
     if isinstance(value, (bool, _np.bool_)):
         return True
     dtype = getattr(value, "dtype", None)
+    # (numpy's and JAX's bool dtype prints "bool", PyTorch's "torch.bool",
+    # MLX's "mlx.core.bool")
     return dtype is not None and (getattr(value, "ndim", 0) != 0
-                                  or str(dtype) in ("bool", "torch.bool"))
+                                  or str(dtype).rpartition(".")[2] == "bool")
 
 
 def _float_arg(value: Any, name: str) -> float:
@@ -974,9 +995,10 @@ def rope_pool_fused(
     differentiable (q_rot and k_rot never require grad).
 
     Returns:
-        ``(q_rot, k_rot, k_pool, v_pool)``: new arrays of the caller's array
-        type (or q_out/k_out, or q/k with inplace) for the rotated q and k,
-        and the two pools that were passed in, updated in place.
+        ``(q_rot, k_rot, k_pool, v_pool)``: new arrays of q's and of k's
+        array type (or q_out/k_out, or q/k with inplace, as passed) for the
+        rotated q and k, and the two pools that were passed in, updated in
+        place.
 
     Raises:
         ValueError: before the first write (a call that raises leaves every
@@ -1052,6 +1074,8 @@ def rope_pool_fused(
                 if theta is not None or factor is not None:
                     fast_rotary_dim = _rotary_dim_for(theta, factor, rope_base, rotary_dim,
                                                       head_dim)
+            except Warning:  # (an unread key's warning under an "error" filter)
+                raise
             except Exception:  # noqa: BLE001 - the general path reports it
                 scaling = _DECLINE
         if scaling is not _DECLINE:
@@ -1198,17 +1222,21 @@ def rope_pool_fused(
         e = _in_callers_names(e, q_name, k_name)
         if "layer-stacked cache" in str(e) and "mlx" in (_framework(k_pool), _framework(v_pool)):
             # (the usual fix would lose the write: MLX has no views)
-            e = ValueError(f"{e}, an MLX array of its own (an MLX slice such as cache[layer] is a "
+            e = ValueError(f"{e}, an MLX array of its own (an MLX array indexed as cache[layer] is a "
                            f"copy of those rows, which the call would write while the stacked "
                            f"cache keeps its old ones: keep one [P, Hk, D] MLX array per layer)")
         if not missing:
             raise e from None
         raise ValueError(f"{e} ({' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
                          f"None: pass an array)") from None
-    if _framework(q) in ("jax", "jaxlib"):
-        import jax.numpy as jnp
+    # q_rot and k_rot made here for JAX inputs are numpy arrays (JAX's are
+    # immutable): each is handed back as a JAX array, as its input was; an
+    # output the caller passed is returned as passed.
+    for i, (given, src) in enumerate(((q_out, q), (k_out, k))):
+        if given is None and _framework(src) in ("jax", "jaxlib"):
+            import jax.numpy as jnp
 
-        outs = [jnp.asarray(o) if isinstance(o, _np.ndarray) else o for o in outs]
+            outs[i] = jnp.asarray(outs[i])
     if written:
         _bump_versions(written)
     return outs[0], outs[1], k_pool, v_pool

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ropekv
-from reference import BF16, assert_close, bits, rope
+from reference import BF16, assert_close, bits, poison, rope
 
 RNG = np.random.default_rng()
 TORCH_DTYPES = {"float32": (torch.float32, np.float32), "float16": (torch.float16, np.float16),
@@ -160,7 +160,8 @@ def test_mlx_arrays():
 
 def test_mlx_layer_stacked_pool():
     """A 4-D (layer-stacked) MLX pool: the error's usual fix, k_pool[layer],
-    would write a copy (an MLX slice is not a view, as the README says), so
+    would write a copy (an MLX array indexed by an integer is not a view, as
+    the README says), so
     for MLX the message asks for one MLX array per layer; nothing is written."""
     mx = pytest.importorskip("mlx.core")
     T, H, D, P = 2, 2, 16, 5
@@ -171,12 +172,12 @@ def test_mlx_layer_stacked_pool():
     before = np.array(cache)
     with pytest.raises(ValueError, match=r"^rope_pool_fused expects pool tensors to be 3-D, got "
                        r"k_pool \(3, 5, 2, 16\); a 4-D pool is usually a layer-stacked cache: "
-                       r"pass k_pool\[layer\], an MLX array of its own \(an MLX slice such as "
+                       r"pass k_pool\[layer\], an MLX array of its own \(an MLX array indexed as "
                        r"cache\[layer\] is a copy"):
         ropekv.rope_pool_fused(q, q, q, pos, slots, cache, cache[0], head_dim=D, num_qo_heads=H,
                                num_kv_heads=H, rope_base=1e4)
     assert bits(np.array(cache)) == bits(before)
-    # (what the message and the README say of MLX: a slice written in place
+    # (what the message and the README say of MLX: cache[1] written in place
     # leaves the stacked array as it was)
     layer = cache[1]
     ropekv.rope_pool_fused(q, q, q, pos, slots, layer, mx.zeros((P, H, D)), head_dim=D,
@@ -235,6 +236,81 @@ def test_jax_arrays():
                                    k_pool, v_pool, head_dim=D, num_qo_heads=Hq,
                                    num_kv_heads=Hk, rope_base=1e4, **kw)
         assert (bits(k_pool), bits(v_pool)) == before
+
+
+def test_jax_outputs_follow_their_inputs_and_given_ones_come_back():
+    """q_rot comes back in q's framework and k_rot in k's (JAX, numpy, MLX
+    mixed in one call); a q_out/k_out the caller passed is returned as
+    passed (not a JAX copy of it), written."""
+    jax = pytest.importorskip("jax")
+    cpu = jax.devices("cpu")[0]
+    T, H, D, P = 3, 2, 16, 5
+    rng = np.random.default_rng()
+    qn = rng.standard_normal((T, H, D)).astype(np.float32)
+    kn = rng.standard_normal((T, H, D)).astype(np.float32)
+    pos, slots = np.arange(T, dtype=np.int32), np.arange(T, dtype=np.int32)
+    kw = dict(head_dim=D, num_qo_heads=H, num_kv_heads=H, rope_base=1e4)
+
+    def call(q, k, **more):
+        pools = np.zeros((P, H, D), np.float32), np.zeros((P, H, D), np.float32)
+        return ropekv.rope_pool_fused(q, k, kn, pos, slots, *pools, **kw, **more)
+
+    jq, jk = jax.device_put(qn, cpu), jax.device_put(kn, cpu)
+    q_rot, k_rot, _, _ = call(qn, jk)
+    assert type(q_rot) is np.ndarray and isinstance(k_rot, jax.Array)
+    q_rot, k_rot, _, _ = call(jq, kn)
+    assert isinstance(q_rot, jax.Array) and type(k_rot) is np.ndarray
+    ref_q, mag_q = rope(qn, pos, 1e4)
+    ref_k, mag_k = rope(kn, pos, 1e4)
+    q_out, k_out = poison((T, H, D), np.float32), poison((T, H, D), np.float32)
+    q_rot, k_rot, _, _ = call(jq, jk, q_out=q_out, k_out=k_out)
+    assert q_rot is q_out and k_rot is k_out
+    assert_close(q_out, ref_q, mag_q, "q_out")
+    assert_close(k_out, ref_k, mag_k, "k_out")
+    mx = pytest.importorskip("mlx.core")
+    q_rot, k_rot, _, _ = call(qn, mx.array(kn))
+    assert type(q_rot) is np.ndarray and isinstance(k_rot, mx.array)
+    assert_close(np.array(k_rot), ref_k, mag_k, "k_rot")
+
+
+def test_jax_values_without_one_buffer_are_named():
+    """A JAX tracer (a call inside jax.jit) and a deleted array: a ValueError
+    naming the argument and the reason, nothing written."""
+    jax = pytest.importorskip("jax")
+    T, H, D, P = 2, 1, 8, 4
+    rng = np.random.default_rng()
+    qn = rng.standard_normal((T, H, D)).astype(np.float32)
+    pos, slots = np.arange(T, dtype=np.int32), np.arange(T, dtype=np.int32)
+    kp, vp = rng.standard_normal((P, H, D)).astype(np.float32), np.zeros((P, H, D), np.float32)
+    before = bits(kp), bits(vp)
+
+    def call(q):
+        return ropekv.rope_pool_fused(q, qn, qn, pos, slots, kp, vp, head_dim=D, num_qo_heads=H,
+                                      num_kv_heads=H, rope_base=1e4)[0]
+
+    with pytest.raises(ValueError, match=r"^q is a JAX tracer \(the call is inside jax.jit"):
+        jax.jit(call)(jax.device_put(qn, jax.devices("cpu")[0]))
+    gone = jax.device_put(qn, jax.devices("cpu")[0])
+    gone.delete()
+    with pytest.raises(ValueError, match=r"^q is a deleted JAX array"):
+        call(gone)
+    assert (bits(kp), bits(vp)) == before
+
+
+def test_mlx_bool_is_not_a_number():
+    """A 0-d MLX bool is refused where a number goes, as Python's, numpy's,
+    JAX's and PyTorch's bools are (its dtype prints mlx.core.bool)."""
+    mx = pytest.importorskip("mlx.core")
+    T, H, D, P = 2, 1, 8, 4
+    rng = np.random.default_rng()
+    qn = rng.standard_normal((T, H, D)).astype(np.float32)
+    kp, vp = np.zeros((P, H, D), np.float32), np.zeros((P, H, D), np.float32)
+    for name in ("rope_base", "norm_eps"):
+        kw = {"rope_base": 1e4, name: mx.array(True)}
+        with pytest.raises(ValueError, match=rf"^{name} must be a number, got array\(True"):
+            ropekv.rope_pool_fused(qn, qn, qn, np.arange(T), np.arange(T), kp, vp, head_dim=D,
+                                   num_qo_heads=H, num_kv_heads=H, **kw)
+    assert not kp.any() and not vp.any()
 
 
 def test_threads_call_at_once_on_separate_pools():

@@ -494,6 +494,32 @@ def test_unread_rope_scaling_keys_warn(scaling, unread, monkeypatch):
     assert rec[0].filename == __file__
 
 
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_unread_key_under_an_error_filter_raises_before_any_write(framework, monkeypatch):
+    """With warnings made errors (python -W error, pytest -W error), an unread
+    key raises its UserWarning on the fast path (numpy, PyTorch CPU) as on the
+    general one, and the call writes nothing: the fast path's parse once took
+    the raised warning for a dict it could not read and left the call to the
+    general path, which parses without warning (it ran with the default)."""
+    import warnings
+    monkeypatch.setattr(ropekv, "_SCALING_SEEN", {})
+    T, H, D = 3, 2, 16
+    arrays = [randn((T, H, D), np.float32) for _ in range(3)] + [randn((8, H, D), np.float32)
+                                                                 for _ in range(2)]
+    before = [bits(a) for a in arrays]
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+        arrays = [torch.from_numpy(a) for a in arrays]  # (the same memory)
+    q, k, v, kp, vp = arrays
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="ropekv ignores 'fator'"):
+            ropekv.rope_pool_fused(q, k, v, np.arange(T), np.arange(T), kp, vp, head_dim=D,
+                                   num_qo_heads=H, num_kv_heads=H, rope_base=1e4,
+                                   rope_scaling={**LINEAR, "fator": 2.0})
+    assert [bits(np.asarray(a)) for a in arrays] == before
+
+
 def test_unread_key_warns_once_when_the_call_fails(monkeypatch):
     """A dict with an unread key that lacks a required one: one warning, even
     with every warning shown (the fast path parses it, fails and leaves the
