@@ -214,10 +214,10 @@ def _check_jax_exportable(x: Any, name: str) -> None:
                          f"outside the traced function")
     if getattr(x, "is_deleted", lambda: False)():
         raise ValueError(f"{name} is a deleted JAX array (its buffer was freed or donated)")
-    devices = getattr(x, "devices", None)
-    if devices is not None and len(devices()) > 1:
-        raise ValueError(f"{name} is a JAX array sharded over {len(devices())} devices: pass "
-                         f"one device's array (jax.device_put({name}, device))")
+    n = len(x.devices()) if hasattr(x, "devices") else 1
+    if n > 1:
+        raise ValueError(f"{name} is a JAX array sharded over {n} devices: pass one device's "
+                         f"array (jax.device_put({name}, device))")
 
 
 def _as_array(x: Any, name: str, written: bool = False) -> Tuple[Any, int, bool]:

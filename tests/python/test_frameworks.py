@@ -297,6 +297,37 @@ def test_jax_values_without_one_buffer_are_named():
     assert (bits(kp), bits(vp)) == before
 
 
+def test_jax_sharded_array_is_named():
+    """A JAX array sharded over two (CPU) devices: a ValueError naming it,
+    nothing written. In a process of its own: JAX's device count is fixed
+    when it starts."""
+    pytest.importorskip("jax")
+    import os
+    import subprocess
+    import sys
+    script = """
+import jax, numpy as np, ropekv
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+mesh = Mesh(np.array(jax.devices("cpu")), ("x",))
+x = np.random.default_rng().standard_normal((2, 1, 8)).astype(np.float32)
+q = jax.device_put(x, NamedSharding(mesh, PartitionSpec("x")))
+kp, vp = np.zeros((4, 1, 8), np.float32), np.zeros((4, 1, 8), np.float32)
+try:
+    ropekv.rope_pool_fused(q, x, x, np.arange(2), np.arange(2), kp, vp, head_dim=8,
+                           num_qo_heads=1, num_kv_heads=1, rope_base=1e4)
+except ValueError as e:
+    print(e)
+print("written" if kp.any() or vp.any() else "untouched")
+"""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=env, timeout=120, check=True)
+    assert run.stdout.splitlines() == [
+        "q is a JAX array sharded over 2 devices: pass one device's array "
+        "(jax.device_put(q, device))", "untouched"], run.stdout + run.stderr
+
+
 def test_mlx_bool_is_not_a_number():
     """A 0-d MLX bool is refused where a number goes, as Python's, numpy's,
     JAX's and PyTorch's bools are (its dtype prints mlx.core.bool)."""
